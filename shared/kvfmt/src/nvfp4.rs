@@ -1,0 +1,144 @@
+//! NVFP4 blocks: 16 E2M1 values sharing one E4M3 block scale, under an FP32 global scale.
+//!
+//! For a block x of 16 values and the global scale g (a dequantization multiplier, 1.0 when
+//! uncalibrated):
+//!
+//! ```text
+//! amax = max |x_i|
+//! s    = E4M3_RNE_SAT(amax / (6 * g))      the stored scale byte; amax = 0 gives s = 0
+//! q_i  = E2M1_RNE_SAT(x_i / (s * g))       s decoded back to f32; q = 0 where s = 0
+//! x^_i = (e2m1(q_i) * s) * g
+//! ```
+//!
+//! The f32 operations happen in exactly this order so that every implementation (this crate, the
+//! CUDA quantize-on-write kernel) produces the same bytes. Two codes per byte: element 2j in the
+//! low nibble, 2j+1 in the high nibble. A head vector of D values is D/2 packed bytes and D/16
+//! scale bytes.
+
+use crate::{check_finite, check_global_scale, e2m1, e4m3, Error, Result};
+
+/// Values per block.
+pub const BLOCK: usize = 16;
+/// Packed bytes per block.
+pub const PACKED_BLOCK_BYTES: usize = BLOCK / 2;
+
+/// Quantizes one block into 8 packed bytes and returns its scale byte.
+#[inline]
+pub fn quantize_block(x: &[f32; BLOCK], g: f32, packed: &mut [u8; PACKED_BLOCK_BYTES]) -> u8 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = e4m3::encode(amax / (e2m1::MAX * g));
+    let s = e4m3::decode(scale);
+    if s == 0.0 {
+        *packed = [0; PACKED_BLOCK_BYTES];
+        return scale;
+    }
+    let denom = s * g;
+    for (byte, pair) in packed.iter_mut().zip(x.chunks_exact(2)) {
+        let lo = e2m1::encode(pair[0] / denom);
+        let hi = e2m1::encode(pair[1] / denom);
+        *byte = lo | (hi << 4);
+    }
+    scale
+}
+
+/// Dequantizes one block.
+#[inline]
+pub fn dequantize_block(
+    packed: &[u8; PACKED_BLOCK_BYTES],
+    scale: u8,
+    g: f32,
+    out: &mut [f32; BLOCK],
+) {
+    let s = e4m3::decode(scale);
+    for (pair, byte) in out.chunks_exact_mut(2).zip(packed) {
+        pair[0] = (e2m1::decode(byte & 0x0F) * s) * g;
+        pair[1] = (e2m1::decode(byte >> 4) * s) * g;
+    }
+}
+
+/// Quantizes `x` (a multiple of 16 values) into `packed` (len/2 bytes) and `scales` (len/16
+/// bytes) without checking values.
+///
+/// # Panics
+/// If the lengths disagree or `x.len()` is not a multiple of 16.
+pub fn quantize_unchecked(x: &[f32], g: f32, packed: &mut [u8], scales: &mut [u8]) {
+    assert_eq!(x.len() % BLOCK, 0, "NVFP4 input must be whole blocks");
+    assert_eq!(packed.len() * 2, x.len(), "packed length");
+    assert_eq!(scales.len() * BLOCK, x.len(), "scales length");
+    let blocks = x.chunks_exact(BLOCK);
+    let packed_blocks = packed.chunks_exact_mut(PACKED_BLOCK_BYTES);
+    for ((block, out), scale) in blocks.zip(packed_blocks).zip(scales.iter_mut()) {
+        let block: &[f32; BLOCK] = block.try_into().expect("chunk of BLOCK");
+        let out: &mut [u8; PACKED_BLOCK_BYTES] = out.try_into().expect("chunk of 8");
+        *scale = quantize_block(block, g, out);
+    }
+}
+
+/// Dequantizes `packed` and `scales` into `out` (`out.len()` values).
+///
+/// # Panics
+/// If the lengths disagree or `out.len()` is not a multiple of 16.
+pub fn dequantize_unchecked(packed: &[u8], scales: &[u8], g: f32, out: &mut [f32]) {
+    assert_eq!(out.len() % BLOCK, 0, "NVFP4 output must be whole blocks");
+    assert_eq!(packed.len() * 2, out.len(), "packed length");
+    assert_eq!(scales.len() * BLOCK, out.len(), "scales length");
+    let packed_blocks = packed.chunks_exact(PACKED_BLOCK_BYTES);
+    for ((out, block), scale) in out.chunks_exact_mut(BLOCK).zip(packed_blocks).zip(scales) {
+        let out: &mut [f32; BLOCK] = out.try_into().expect("chunk of BLOCK");
+        let block: &[u8; PACKED_BLOCK_BYTES] = block.try_into().expect("chunk of 8");
+        dequantize_block(block, *scale, g, out);
+    }
+}
+
+fn check_lengths(values: usize, packed: usize, scales: usize) -> Result<()> {
+    if values % BLOCK != 0 {
+        return Err(Error::BadLength {
+            what: "NVFP4 values (a multiple of 16)",
+            expected: values.next_multiple_of(BLOCK),
+            actual: values,
+        });
+    }
+    if packed * 2 != values {
+        return Err(Error::BadLength {
+            what: "NVFP4 packed bytes",
+            expected: values / 2,
+            actual: packed,
+        });
+    }
+    if scales * BLOCK != values {
+        return Err(Error::BadLength {
+            what: "NVFP4 scale bytes",
+            expected: values / BLOCK,
+            actual: scales,
+        });
+    }
+    Ok(())
+}
+
+/// Checked [`quantize_unchecked`]: rejects a bad global scale, bad lengths and non-finite values
+/// (naming the first one's index) before writing anything.
+pub fn quantize(x: &[f32], g: f32, packed: &mut [u8], scales: &mut [u8]) -> Result<()> {
+    check_global_scale(g)?;
+    check_lengths(x.len(), packed.len(), scales.len())?;
+    check_finite(x)?;
+    quantize_unchecked(x, g, packed, scales);
+    Ok(())
+}
+
+/// Checked [`dequantize_unchecked`]. Rejects a scale byte that is NaN (0x7F or 0xFF, which no
+/// encoder writes) as [`Error::NonFinite`] with the scale's index.
+pub fn dequantize(packed: &[u8], scales: &[u8], g: f32, out: &mut [f32]) -> Result<()> {
+    check_global_scale(g)?;
+    check_lengths(out.len(), packed.len(), scales.len())?;
+    if let Some(index) = scales.iter().position(|&s| s & 0x7F == e4m3::NAN_CODE) {
+        return Err(Error::NonFinite {
+            index,
+            value: f32::NAN,
+        });
+    }
+    dequantize_unchecked(packed, scales, g, out);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
