@@ -1,0 +1,216 @@
+use nibble_kvfmt::{KvDtype, PageLayout};
+
+use super::*;
+use crate::{hash_blocks, GlobalScales, PageTable, PoolPlan};
+
+const PAGE: usize = 4;
+
+fn pool(pages: usize) -> PagePool {
+    let layout = PageLayout::new(1, 1, 16, PAGE, KvDtype::Nvfp4).unwrap();
+    PagePool::new(
+        PoolPlan::for_pages(layout, pages).unwrap(),
+        GlobalScales::ones(1),
+    )
+    .unwrap()
+}
+
+/// Runs a "request": takes the cached prefix, appends the rest, caches its full pages, finishes.
+fn serve(cache: &mut RadixCache, pool: &mut PagePool, tokens: &[u32]) -> usize {
+    let hashes = hash_blocks(tokens, PAGE);
+    let hit = cache.match_prefix(&hashes);
+    cache.lock(&hashes[..hit.len()]).unwrap();
+    let mut table = PageTable::from_shared(pool, &hit).unwrap();
+    table.append(pool, tokens.len() - table.len()).unwrap();
+    cache
+        .insert(pool, &hashes, &table.pages()[..hashes.len()])
+        .unwrap();
+    cache.unlock(&hashes[..hit.len()]).unwrap();
+    table.release(pool).unwrap();
+    hit.len()
+}
+
+#[test]
+fn match_insert_and_reuse() {
+    let mut pool = pool(16);
+    let mut cache = RadixCache::default();
+    let a: Vec<u32> = (0..10).collect(); // 2 full pages + 2 tokens
+    assert_eq!(serve(&mut cache, &mut pool, &a), 0);
+    assert_eq!(cache.len(), 2);
+    assert_eq!(pool.free_pages(), 14, "the cache keeps the two full pages");
+    assert_eq!(serve(&mut cache, &mut pool, &a), 2);
+    // A prompt sharing one page branches off it.
+    let mut b = a.clone();
+    b[5] = 99;
+    assert_eq!(serve(&mut cache, &mut pool, &b), 1);
+    assert_eq!(cache.len(), 3);
+    let stats = cache.stats();
+    assert_eq!(
+        (stats.queries, stats.query_blocks, stats.hit_blocks),
+        (3, 6, 3)
+    );
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn insert_keeps_existing_pages_and_references_new_ones() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::default();
+    let tokens: Vec<u32> = (0..8).collect();
+    let hashes = hash_blocks(&tokens, PAGE);
+    let first = pool.alloc(2).unwrap();
+    assert_eq!(cache.insert(&mut pool, &hashes, &first).unwrap(), 2);
+    let second = pool.alloc(2).unwrap();
+    assert_eq!(cache.insert(&mut pool, &hashes, &second).unwrap(), 0);
+    assert_eq!(cache.match_prefix(&hashes), first);
+    assert_eq!(pool.refcount(first[0]).unwrap(), 2);
+    assert_eq!(
+        pool.refcount(second[0]).unwrap(),
+        1,
+        "not taken by the cache"
+    );
+    let err = cache.insert(&mut pool, &hashes, &first[..1]).unwrap_err();
+    assert_eq!(
+        err,
+        Error::HashPageMismatch {
+            hashes: 2,
+            pages: 1
+        }
+    );
+}
+
+#[test]
+fn evicts_least_recently_used_leaves_first() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::default();
+    let a: Vec<u32> = (0..8).collect();
+    let b: Vec<u32> = (100..108).collect();
+    serve(&mut cache, &mut pool, &a);
+    serve(&mut cache, &mut pool, &b);
+    serve(&mut cache, &mut pool, &a); // a is now the more recent
+    assert_eq!(pool.free_pages(), 4);
+    assert_eq!(cache.evict(&mut pool, 1).unwrap(), 1);
+    let hb = hash_blocks(&b, PAGE);
+    assert!(
+        cache.contains(hb[0]) && !cache.contains(hb[1]),
+        "b's leaf went first"
+    );
+    // Parents become leaves, and candidates, once their children are gone.
+    assert_eq!(cache.evict(&mut pool, 2).unwrap(), 2);
+    assert!(!cache.contains(hb[0]));
+    let ha = hash_blocks(&a, PAGE);
+    assert!(cache.contains(ha[0]) && !cache.contains(ha[1]));
+    assert_eq!(pool.free_pages(), 7);
+    assert_eq!(cache.evict(&mut pool, 5).unwrap(), 1, "only what is cached");
+}
+
+#[test]
+fn eviction_skips_locked_blocks_and_their_ancestors() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::default();
+    let a: Vec<u32> = (0..12).collect();
+    serve(&mut cache, &mut pool, &a);
+    let hashes = hash_blocks(&a, PAGE);
+    let pages = cache.match_prefix(&hashes);
+    assert_eq!(pages.len(), 3);
+    cache.lock(&hashes[..3]).unwrap();
+    assert_eq!(cache.evict(&mut pool, 8).unwrap(), 0, "all locked");
+    cache.unlock(&hashes[2..3]).unwrap();
+    assert_eq!(
+        cache.evict(&mut pool, 8).unwrap(),
+        1,
+        "only the unlocked leaf"
+    );
+    assert!(cache.contains(hashes[1]));
+    assert_eq!(
+        cache.unlock(&hashes[2..3]),
+        Err(Error::NotLocked(hashes[2]))
+    );
+    cache.unlock(&hashes[..2]).unwrap();
+    assert_eq!(cache.evict(&mut pool, 8).unwrap(), 2);
+    assert!(cache.is_empty());
+    assert_eq!(pool.free_pages(), pool.total_pages());
+}
+
+#[test]
+fn eviction_never_frees_a_page_a_sequence_holds() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::default();
+    let tokens: Vec<u32> = (0..8).collect();
+    let hashes = hash_blocks(&tokens, PAGE);
+    let mut table = PageTable::new();
+    table.append(&mut pool, 8).unwrap();
+    cache.insert(&mut pool, &hashes, table.pages()).unwrap();
+    // Unlocked, but the sequence still holds the pages: nothing to gain, nothing evicted.
+    assert_eq!(cache.evict(&mut pool, 2).unwrap(), 0);
+    table.release(&mut pool).unwrap();
+    assert_eq!(cache.evict(&mut pool, 2).unwrap(), 2);
+    assert_eq!(pool.free_pages(), 8);
+}
+
+#[test]
+fn events_and_snapshot_describe_the_cache() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::new(16);
+    let a: Vec<u32> = (0..8).collect();
+    let mut b = a.clone();
+    b[6] = 7777;
+    serve(&mut cache, &mut pool, &a);
+    serve(&mut cache, &mut pool, &b);
+    let (ha, hb) = (hash_blocks(&a, PAGE), hash_blocks(&b, PAGE));
+    cache.evict(&mut pool, 1).unwrap();
+    let events = cache.drain_events();
+    let ids: Vec<u64> = events.iter().map(|e| e.id).collect();
+    assert_eq!(ids, vec![1, 2, 3]);
+    assert_eq!(
+        events[0].data,
+        KvEventData::Stored {
+            parent: None,
+            blocks: ha.clone()
+        }
+    );
+    assert_eq!(
+        events[1].data,
+        KvEventData::Stored {
+            parent: Some(ha[0]),
+            blocks: vec![hb[1]]
+        }
+    );
+    assert!(matches!(&events[2].data, KvEventData::Removed { blocks } if blocks.len() == 1));
+    assert!(cache.drain_events().is_empty());
+    let snapshot = cache.snapshot();
+    assert_eq!(snapshot.last_event_id, 3);
+    assert_eq!(snapshot.blocks.len(), 2);
+    assert_eq!(snapshot.blocks[0], (ha[0], None), "parents first");
+}
+
+#[test]
+fn bounded_event_log_drops_the_oldest() {
+    let mut pool = pool(16);
+    let mut cache = RadixCache::new(2);
+    for start in 0..4u32 {
+        let tokens: Vec<u32> = (start * 100..start * 100 + 4).collect();
+        serve(&mut cache, &mut pool, &tokens);
+    }
+    let ids: Vec<u64> = cache.drain_events().iter().map(|e| e.id).collect();
+    assert_eq!(
+        ids,
+        vec![3, 4],
+        "a consumer sees the gap after 0 and resyncs"
+    );
+    assert_eq!(cache.snapshot().last_event_id, 4);
+}
+
+#[test]
+fn clear_refuses_while_locked_then_releases_everything() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::default();
+    let tokens: Vec<u32> = (0..8).collect();
+    serve(&mut cache, &mut pool, &tokens);
+    let hashes = hash_blocks(&tokens, PAGE);
+    cache.lock(&hashes[..1]).unwrap();
+    assert_eq!(cache.clear(&mut pool), Err(Error::Locked(hashes[0])));
+    assert_eq!(cache.len(), 2);
+    cache.unlock(&hashes[..1]).unwrap();
+    cache.clear(&mut pool).unwrap();
+    assert_eq!(pool.free_pages(), 8);
+}
