@@ -1,0 +1,132 @@
+//! `nibble kv layout`: the byte accounting of one model geometry, as one JSON object.
+//!
+//! Every number comes from [`PageLayout`] (and so from the one accounting function in
+//! `nibble-kvfmt` that the pool planner and the allocator share); the ratios compare the same
+//! geometry in fp8 and bf16.
+
+use std::io::Write;
+
+use nibble_kvfmt::{KvDtype, PageLayout};
+use serde::Serialize;
+
+use crate::{Error, Result};
+
+/// What `nibble kv layout` prints.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayoutReport {
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Values per head vector (D).
+    pub head_dim: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Cache dtype.
+    pub dtype: KvDtype,
+    /// Bytes of one head vector: data, then scales (nvfp4).
+    pub vector_bytes: usize,
+    /// K and V of one token in one layer.
+    pub bytes_per_token_per_layer: usize,
+    /// K and V of one token in every layer.
+    pub bytes_per_token: usize,
+    /// One (layer, K|V) region of a page.
+    pub part_bytes: usize,
+    /// One page: `page_size` tokens of every layer's K and V.
+    pub page_bytes: usize,
+    /// `bytes_per_token` over the same geometry's fp8 `bytes_per_token`.
+    pub ratio_vs_fp8: f64,
+    /// `bytes_per_token` over the same geometry's bf16 `bytes_per_token`.
+    pub ratio_vs_bf16: f64,
+}
+
+impl LayoutReport {
+    /// Validates the geometry (see [`PageLayout::new`]) and accounts for it.
+    pub fn new(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        page_size: usize,
+        dtype: KvDtype,
+    ) -> Result<Self> {
+        let layout = PageLayout::new(layers, kv_heads, head_dim, page_size, dtype)?;
+        let bytes = layout.bytes();
+        let ratio = |other: KvDtype| {
+            bytes.per_token as f64 / layout.with_dtype(other).bytes().per_token as f64
+        };
+        Ok(Self {
+            layers,
+            kv_heads,
+            head_dim,
+            page_size,
+            dtype,
+            vector_bytes: dtype.vector_bytes(head_dim),
+            bytes_per_token_per_layer: bytes.per_token_per_layer,
+            bytes_per_token: bytes.per_token,
+            part_bytes: layout.part_bytes(),
+            page_bytes: bytes.per_page,
+            ratio_vs_fp8: ratio(KvDtype::Fp8),
+            ratio_vs_bf16: ratio(KvDtype::Bf16),
+        })
+    }
+
+    /// Writes the report as one line of JSON.
+    pub fn write_json(&self, out: &mut impl Write) -> Result<()> {
+        let json = serde_json::to_string(self).map_err(|e| Error::Stdout(e.into()))?;
+        writeln!(out, "{json}").map_err(Error::Stdout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smollm2() {
+        let r = LayoutReport::new(30, 3, 64, 16, KvDtype::Nvfp4).expect("valid geometry");
+        assert_eq!(r.vector_bytes, 36);
+        assert_eq!(r.bytes_per_token_per_layer, 2 * 3 * 36);
+        assert_eq!(r.bytes_per_token, 30 * 2 * 3 * 36);
+        assert_eq!(r.part_bytes, 3 * 16 * 36);
+        assert_eq!(r.page_bytes, 16 * 30 * 2 * 3 * 36);
+        assert_eq!(r.page_bytes, 103_680);
+        assert_eq!(r.ratio_vs_fp8, 0.5625);
+        assert_eq!(r.ratio_vs_bf16, 0.28125);
+    }
+
+    #[test]
+    fn llama3_8b_per_dtype() {
+        let per_token = |dtype| {
+            LayoutReport::new(32, 8, 128, 16, dtype)
+                .expect("valid geometry")
+                .bytes_per_token
+        };
+        assert_eq!(per_token(KvDtype::Bf16), 131_072);
+        assert_eq!(per_token(KvDtype::Fp8), 65_536);
+        assert_eq!(per_token(KvDtype::Nvfp4), 36_864);
+        let fp8 = LayoutReport::new(32, 8, 128, 16, KvDtype::Fp8).expect("valid geometry");
+        assert_eq!((fp8.ratio_vs_fp8, fp8.ratio_vs_bf16), (1.0, 0.5));
+    }
+
+    #[test]
+    fn json_is_one_object_on_one_line() {
+        let r = LayoutReport::new(30, 3, 64, 16, KvDtype::Fp8).expect("valid geometry");
+        let mut out = Vec::new();
+        r.write_json(&mut out).expect("writes");
+        let text = String::from_utf8(out).expect("utf-8");
+        assert_eq!(text.lines().count(), 1);
+        let v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        assert_eq!(v["dtype"], "fp8");
+        assert_eq!(v["page_bytes"], 16 * 30 * 2 * 3 * 64);
+        assert_eq!(v["ratio_vs_bf16"], 0.5);
+    }
+
+    #[test]
+    fn bad_geometry_is_named() {
+        let err = LayoutReport::new(30, 0, 64, 16, KvDtype::Nvfp4).expect_err("no heads");
+        assert_eq!(
+            err.to_string(),
+            "kv heads must be between 1 and 4096, got 0"
+        );
+    }
+}

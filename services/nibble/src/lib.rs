@@ -1,0 +1,44 @@
+//! The `nibble` command line, as a library: [`cli`] is the clap definition, [`run`] executes a
+//! parsed command, and every failure is an [`Error`] whose `Display` is one line naming what was
+//! wrong. `main.rs` prints that line as `error: ...` and exits with [`EXIT_USAGE`].
+//!
+//! * [`kv`]: `nibble kv encode|decode`, files in and out of the interchange layout;
+//! * [`layout`]: `nibble kv layout`, the byte accounting of one model geometry as JSON;
+//! * [`files`]: reading inputs and replacing outputs atomically (no partial file is ever left).
+
+pub mod cli;
+mod error;
+pub mod files;
+pub mod kv;
+pub mod layout;
+
+use std::io::Write;
+
+pub use error::{Error, Result};
+
+use cli::{Cli, Command, KvCommand};
+
+/// Exit status for bad input of any kind: usage errors (as clap uses) and failed commands.
+pub const EXIT_USAGE: u8 = 2;
+
+/// Runs a parsed command; anything meant for stdout goes to `stdout`.
+pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
+    match &cli.command {
+        Command::Kv(KvCommand::Encode(args)) => {
+            kv::encode_file(&args.codec()?, &args.input, &args.output)
+        }
+        Command::Kv(KvCommand::Decode(args)) => {
+            kv::decode_file(&args.codec()?, &args.input, &args.output)
+        }
+        Command::Kv(KvCommand::Layout(args)) => {
+            let report = layout::LayoutReport::new(
+                args.layers,
+                args.kv_heads,
+                args.head_dim,
+                args.page_size,
+                args.dtype,
+            )?;
+            report.write_json(stdout)
+        }
+    }
+}
