@@ -1,8 +1,8 @@
 //! nibble's paged KV cache, independent of where the bytes live.
 //!
-//! * [`pool`]: the page pool — a [`PoolPlan`] sized from the one byte-accounting function, an
-//!   allocator with a free list and reference counts, host storage, and quantize-on-write of K/V
-//!   into slots.
+//! * [`pool`]: the page pool — a [`PoolPlan`] sized from the one byte-accounting function and an
+//!   allocator with a free list and reference counts.
+//! * [`store`]: page bytes in host memory and quantize-on-write of K/V into slots.
 //! * [`page_table`]: one sequence's pages and the slots its next tokens go to.
 //! * [`hash`]: chained block hashes of full pages of token ids — the key every worker and the
 //!   router agree on.
@@ -19,10 +19,12 @@ pub mod hash;
 pub mod page_table;
 pub mod pool;
 pub mod radix;
+pub mod store;
 
 pub use error::{Error, Result};
 pub use events::{KvEvent, KvEventData, KvSnapshot};
 pub use hash::{hash_blocks, BlockHash};
 pub use page_table::PageTable;
-pub use pool::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
+pub use pool::{PageId, PagePool, PoolPlan, SlotId};
 pub use radix::{CacheStats, RadixCache};
+pub use store::{GlobalScales, HostPages};

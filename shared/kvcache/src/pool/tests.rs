@@ -1,18 +1,21 @@
 use std::collections::HashMap;
 
-use nibble_kvfmt::interchange;
+use nibble_kvfmt::{interchange, KvDtype, KvPart};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::*;
-use crate::PageTable;
+use crate::{GlobalScales, HostPages, PageTable};
 
 fn layout(dtype: KvDtype) -> PageLayout {
     PageLayout::new(2, 2, 32, 4, dtype).unwrap()
 }
 
-fn pool(dtype: KvDtype, pages: usize) -> PagePool {
+fn pool(dtype: KvDtype, pages: usize) -> (PagePool, HostPages) {
     let plan = PoolPlan::for_pages(layout(dtype), pages).unwrap();
-    PagePool::new(plan, GlobalScales::ones(2)).unwrap()
+    (
+        PagePool::new(plan),
+        HostPages::new(plan, GlobalScales::ones(2)).unwrap(),
+    )
 }
 
 #[test]
@@ -20,8 +23,9 @@ fn allocated_storage_equals_planned_bytes() {
     for dtype in KvDtype::ALL {
         let layout = PageLayout::new(30, 3, 64, 16, dtype).unwrap();
         let plan = PoolPlan::for_budget(layout, 64 << 20).unwrap();
-        let pool = PagePool::new(plan, GlobalScales::ones(30)).unwrap();
-        assert_eq!(pool.storage_bytes(), plan.bytes, "{dtype}");
+        let pages = HostPages::new(plan, GlobalScales::ones(30)).unwrap();
+        assert_eq!(pages.storage_bytes(), plan.bytes, "{dtype}");
+        assert_eq!(PagePool::new(plan).total_pages(), plan.pages);
         assert_eq!(plan.bytes, plan.pages * layout.page_bytes());
         assert!(plan.bytes <= 64 << 20 && (64 << 20) - plan.bytes < layout.page_bytes());
     }
@@ -51,7 +55,7 @@ fn budget_smaller_than_a_page_is_an_error() {
 
 #[test]
 fn alloc_is_all_or_nothing() {
-    let mut pool = pool(KvDtype::Fp8, 4);
+    let (mut pool, _) = pool(KvDtype::Fp8, 4);
     let a = pool.alloc(3).unwrap();
     assert_eq!(a.len(), 3);
     let err = pool.alloc(2).unwrap_err();
@@ -66,7 +70,7 @@ fn alloc_is_all_or_nothing() {
 
 #[test]
 fn double_free_and_use_after_free_are_errors() {
-    let mut pool = pool(KvDtype::Fp8, 2);
+    let (mut pool, _) = pool(KvDtype::Fp8, 2);
     let p = pool.alloc(1).unwrap()[0];
     pool.retain(p).unwrap();
     assert!(!pool.release(p).unwrap());
@@ -78,82 +82,6 @@ fn double_free_and_use_after_free_are_errors() {
         Err(Error::PageOutOfRange { .. })
     ));
     pool.check_invariants().unwrap();
-}
-
-#[test]
-fn write_rejects_duplicates_and_free_pages_and_writes_nothing() {
-    let mut pool = pool(KvDtype::Nvfp4, 3);
-    let pages = pool.alloc(1).unwrap();
-    let values = vec![1.0f32; 2 * 64];
-    let s0 = SlotId::new(pages[0], 0, 4);
-    let s1 = SlotId::new(pages[0], 1, 4);
-    let err = pool
-        .write_kv(0, &values, &values, &[Some(s0), Some(s0)])
-        .unwrap_err();
-    assert_eq!(err, Error::DuplicateSlot(s0));
-    let free_slot = SlotId::new(PageId(2), 0, 4);
-    let err = pool
-        .write_kv(0, &values, &values, &[Some(s1), Some(free_slot)])
-        .unwrap_err();
-    assert_eq!(err, Error::NotAllocated(PageId(2)));
-    assert!(pool.page(pages[0]).unwrap().iter().all(|b| *b == 0));
-    let err = pool.write_kv(5, &values, &values, &[Some(s0), Some(s1)]);
-    assert!(matches!(err, Err(Error::LayerOutOfRange { .. })));
-    let err = pool.write_kv(0, &values[..64], &values, &[Some(s0), Some(s1)]);
-    assert!(matches!(err, Err(Error::BadLength { .. })));
-}
-
-#[test]
-fn padding_slots_are_skipped() {
-    let mut pool = pool(KvDtype::Bf16, 2);
-    let page = pool.alloc(1).unwrap()[0];
-    let k: Vec<f32> = (0..3 * 64).map(|i| i as f32).collect();
-    let v: Vec<f32> = k.iter().map(|x| -x).collect();
-    let slot = SlotId::new(page, 2, 4);
-    pool.write_kv(1, &k, &v, &[None, Some(slot), None]).unwrap();
-    let mut out = vec![0.0f32; 32];
-    pool.read_head(1, KvPart::K, slot, 1, &mut out).unwrap();
-    let expected: Vec<f32> = (96..128).map(|i| i as f32).collect();
-    assert_eq!(out, expected, "token 1, head 1");
-    pool.read_head(1, KvPart::V, slot, 0, &mut out).unwrap();
-    assert_eq!(out[0], -64.0);
-    // Other slots of the page stay zero.
-    pool.read_head(1, KvPart::K, SlotId::new(page, 0, 4), 0, &mut out)
-        .unwrap();
-    assert!(out.iter().all(|x| *x == 0.0));
-}
-
-#[test]
-fn nvfp4_page_bytes_match_the_interchange_encoding() {
-    let mut pool = pool(KvDtype::Nvfp4, 1);
-    let page = pool.alloc(1).unwrap()[0];
-    let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
-    let v: Vec<f32> = k.iter().map(|x| x * 0.5 + 0.1).collect();
-    let slot = SlotId::new(page, 3, 4);
-    pool.write_kv(0, &k, &v, &[Some(slot)]).unwrap();
-    let layout = *pool.layout();
-    let bytes = pool.page(page).unwrap();
-    for (part, x) in [(KvPart::K, &k), (KvPart::V, &v)] {
-        for head in 0..2 {
-            let expected =
-                interchange::encode(KvDtype::Nvfp4, 32, 1.0, &x[head * 32..(head + 1) * 32])
-                    .unwrap();
-            let d = layout.data_offset(0, part, head, 3);
-            let s = layout.scale_offset(0, part, head, 3);
-            assert_eq!(&bytes[d..d + 16], &expected[..16]);
-            assert_eq!(&bytes[s..s + 2], &expected[16..]);
-        }
-    }
-}
-
-#[test]
-fn scales_are_validated() {
-    let plan = PoolPlan::for_pages(layout(KvDtype::Fp8), 1).unwrap();
-    let mut scales = GlobalScales::ones(2);
-    scales.v[1] = f32::NAN;
-    let err = PagePool::new(plan, scales).unwrap_err();
-    assert!(err.to_string().contains("V scale of layer 1"), "{err}");
-    assert!(PagePool::new(plan, GlobalScales::ones(3)).is_err());
 }
 
 /// Deterministic K values of token `t` of sequence `seq`.
@@ -169,7 +97,7 @@ fn token_values(seq: u64, t: usize, n: usize) -> Vec<f32> {
 fn randomized_sequences_keep_invariants() {
     for dtype in KvDtype::ALL {
         let mut rng = StdRng::seed_from_u64(42);
-        let mut pool = pool(dtype, 24);
+        let (mut pool, mut store) = pool(dtype, 24);
         let layout = *pool.layout();
         let per_token = layout.kv_heads() * layout.head_dim();
         // Live sequences: (table, id of the sequence that wrote each token).
@@ -196,8 +124,10 @@ fn randomized_sequences_keep_invariants() {
                                 k.extend(token_values(id, t, per_token));
                             }
                             let slots: Vec<_> = slots.into_iter().map(Some).collect();
-                            pool.write_kv(rng.gen_range(0..2), &k, &k, &slots).unwrap();
-                            pool.write_kv(0, &k, &k, &slots).unwrap();
+                            store
+                                .write_kv(&pool, rng.gen_range(0..2), &k, &k, &slots)
+                                .unwrap();
+                            store.write_kv(&pool, 0, &k, &k, &slots).unwrap();
                             writers.extend(std::iter::repeat_n(id, n));
                         }
                         Err(Error::Exhausted { .. }) => assert_eq!(table.len(), start),
@@ -232,7 +162,7 @@ fn randomized_sequences_keep_invariants() {
         for (table, writers) in live.values() {
             for (t, writer) in writers.iter().enumerate() {
                 let slot = table.slot(t, layout.page_size()).unwrap();
-                pool.read_head(0, KvPart::K, slot, 0, &mut out).unwrap();
+                store.read_head(0, KvPart::K, slot, 0, &mut out).unwrap();
                 let x = &token_values(*writer, t, per_token)[..layout.head_dim()];
                 let expected = interchange::decode(
                     dtype,

@@ -1,17 +1,13 @@
 use nibble_kvfmt::{KvDtype, PageLayout};
 
 use super::*;
-use crate::{hash_blocks, GlobalScales, PageTable, PoolPlan};
+use crate::{hash_blocks, PageTable, PoolPlan};
 
 const PAGE: usize = 4;
 
 fn pool(pages: usize) -> PagePool {
     let layout = PageLayout::new(1, 1, 16, PAGE, KvDtype::Nvfp4).unwrap();
-    PagePool::new(
-        PoolPlan::for_pages(layout, pages).unwrap(),
-        GlobalScales::ones(1),
-    )
-    .unwrap()
+    PagePool::new(PoolPlan::for_pages(layout, pages).unwrap())
 }
 
 /// Runs a "request": takes the cached prefix, appends the rest, caches its full pages, finishes.

@@ -1,0 +1,236 @@
+//! Page bytes in host memory: the CPU backend's page store, and quantize-on-write.
+//!
+//! [`HostPages`] holds `pages × page_bytes` bytes carved with the same accounting as the
+//! [`PoolPlan`] that sized them. [`HostPages::write_kv`] quantizes one layer's K and V into slots
+//! of pages the [`PagePool`] has allocated, validating everything before it writes a byte; reads
+//! dequantize one head vector at a time. Global scales are fixed for the life of the store:
+//! changing them would silently reinterpret every live byte.
+
+use std::fmt;
+
+use nibble_kvfmt::{bf16, check_global_scale, fp8, nvfp4, KvDtype, KvPart, PageLayout};
+use serde::{Deserialize, Serialize};
+
+use crate::pool::{PageId, PagePool, PoolPlan, SlotId};
+use crate::{Error, Result};
+
+/// Per-(layer, K|V) dequantization multipliers, fixed for the life of a pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GlobalScales {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl GlobalScales {
+    /// 1.0 everywhere: uncalibrated.
+    pub fn ones(layers: usize) -> Self {
+        Self {
+            k: vec![1.0; layers],
+            v: vec![1.0; layers],
+        }
+    }
+
+    /// The scale of (layer, part).
+    pub fn get(&self, layer: usize, part: KvPart) -> f32 {
+        match part {
+            KvPart::K => self.k[layer],
+            KvPart::V => self.v[layer],
+        }
+    }
+
+    pub(crate) fn validate(&self, layers: usize) -> Result<()> {
+        if self.k.len() != layers || self.v.len() != layers {
+            return Err(Error::BadScales(format!(
+                "expected {layers} K and {layers} V scales, got {} and {}",
+                self.k.len(),
+                self.v.len()
+            )));
+        }
+        for (name, scales) in [("K", &self.k), ("V", &self.v)] {
+            for (layer, g) in scales.iter().enumerate() {
+                check_global_scale(*g)
+                    .map_err(|e| Error::BadScales(format!("{name} scale of layer {layer}: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The bytes of every page, in host memory.
+pub struct HostPages {
+    layout: PageLayout,
+    scales: GlobalScales,
+    storage: Vec<u8>,
+}
+
+impl fmt::Debug for HostPages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostPages")
+            .field("layout", &self.layout)
+            .field("bytes", &self.storage.len())
+            .finish()
+    }
+}
+
+impl HostPages {
+    /// Zeroed storage for the plan's pages.
+    pub fn new(plan: PoolPlan, scales: GlobalScales) -> Result<Self> {
+        scales.validate(plan.layout.layers())?;
+        Ok(Self {
+            layout: plan.layout,
+            scales,
+            storage: vec![0u8; plan.pages * plan.layout.page_bytes()],
+        })
+    }
+
+    pub fn layout(&self) -> &PageLayout {
+        &self.layout
+    }
+
+    pub fn scales(&self) -> &GlobalScales {
+        &self.scales
+    }
+
+    /// Bytes of page storage actually allocated.
+    pub fn storage_bytes(&self) -> usize {
+        self.storage.len()
+    }
+
+    fn check_page(&self, page: PageId) -> Result<()> {
+        let total = self.storage.len() / self.layout.page_bytes();
+        if (page.0 as usize) < total {
+            Ok(())
+        } else {
+            Err(Error::PageOutOfRange { page, total })
+        }
+    }
+
+    /// The bytes of one page.
+    pub fn page(&self, page: PageId) -> Result<&[u8]> {
+        self.check_page(page)?;
+        let size = self.layout.page_bytes();
+        let start = page.0 as usize * size;
+        Ok(&self.storage[start..start + size])
+    }
+
+    /// The bytes of one page `pool` has allocated, for receiving a transfer.
+    pub fn page_mut(&mut self, pool: &PagePool, page: PageId) -> Result<&mut [u8]> {
+        if pool.refcount(page)? == 0 {
+            return Err(Error::NotAllocated(page));
+        }
+        let size = self.layout.page_bytes();
+        let start = page.0 as usize * size;
+        Ok(&mut self.storage[start..start + size])
+    }
+
+    /// Quantizes one layer's K and V for `slots.len()` tokens into their slots.
+    ///
+    /// `k` and `v` are token-major, `[token][kv_head][head_dim]`. A `None` slot is padding and is
+    /// skipped. Every slot must lie in an allocated page and appear at most once; nothing is
+    /// written unless every check passes. Values are assumed finite (the engine's fast path).
+    pub fn write_kv(
+        &mut self,
+        pool: &PagePool,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        slots: &[Option<SlotId>],
+    ) -> Result<()> {
+        let layout = self.layout;
+        if layer >= layout.layers() {
+            return Err(Error::LayerOutOfRange {
+                layer,
+                layers: layout.layers(),
+            });
+        }
+        let token_values = layout.kv_heads() * layout.head_dim();
+        for (what, buf) in [("K values", k), ("V values", v)] {
+            if buf.len() != slots.len() * token_values {
+                return Err(Error::BadLength {
+                    what,
+                    expected: slots.len() * token_values,
+                    actual: buf.len(),
+                });
+            }
+        }
+        pool.check_slots(slots)?;
+        for (part, values) in [(KvPart::K, k), (KvPart::V, v)] {
+            let g = self.scales.get(layer, part);
+            for (token, slot) in slots.iter().enumerate() {
+                let Some(slot) = slot else { continue };
+                let x = &values[token * token_values..(token + 1) * token_values];
+                self.write_token(layer, part, *slot, g, x);
+            }
+        }
+        Ok(())
+    }
+
+    /// Quantizes one token's heads of (layer, part) into `slot`.
+    fn write_token(&mut self, layer: usize, part: KvPart, slot: SlotId, g: f32, x: &[f32]) {
+        let layout = self.layout;
+        let (page_size, dim) = (layout.page_size(), layout.head_dim());
+        let page = slot.page(page_size);
+        let offset = slot.offset(page_size);
+        let base = page.0 as usize * layout.page_bytes();
+        let (data_bytes, scale_bytes) = (layout.data_bytes(), layout.scale_bytes());
+        for (head, hx) in x.chunks_exact(dim).enumerate() {
+            let d = base + layout.data_offset(layer, part, head, offset);
+            let data = d..d + data_bytes;
+            match layout.dtype() {
+                KvDtype::Nvfp4 => {
+                    let s = base + layout.scale_offset(layer, part, head, offset);
+                    let (lo, hi) = self.storage.split_at_mut(s);
+                    nvfp4::quantize_unchecked(hx, g, &mut lo[data], &mut hi[..scale_bytes]);
+                }
+                KvDtype::Fp8 => fp8::quantize_unchecked(hx, g, &mut self.storage[data]),
+                KvDtype::Bf16 => {
+                    for (pair, value) in self.storage[data].chunks_exact_mut(2).zip(hx) {
+                        pair.copy_from_slice(&bf16::encode(*value).to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Dequantizes the `head` vector of (layer, part) at `slot` into `out` (`head_dim` values).
+    pub fn read_head(
+        &self,
+        layer: usize,
+        part: KvPart,
+        slot: SlotId,
+        head: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let layout = self.layout;
+        let (page_size, dim) = (layout.page_size(), layout.head_dim());
+        if out.len() != dim {
+            return Err(Error::BadLength {
+                what: "head vector",
+                expected: dim,
+                actual: out.len(),
+            });
+        }
+        let page = slot.page(page_size);
+        let bytes = self.page(page)?;
+        let offset = slot.offset(page_size);
+        let g = self.scales.get(layer, part);
+        let d = layout.data_offset(layer, part, head, offset);
+        let data = &bytes[d..d + layout.data_bytes()];
+        match layout.dtype() {
+            KvDtype::Nvfp4 => {
+                let s = layout.scale_offset(layer, part, head, offset);
+                nvfp4::dequantize_unchecked(data, &bytes[s..s + layout.scale_bytes()], g, out);
+            }
+            KvDtype::Fp8 => fp8::dequantize_unchecked(data, g, out),
+            KvDtype::Bf16 => {
+                for (value, pair) in out.iter_mut().zip(data.chunks_exact(2)) {
+                    *value = bf16::decode(u16::from_le_bytes([pair[0], pair[1]]));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,94 @@
+use nibble_kvfmt::{interchange, KvDtype, KvPart, PageLayout};
+
+use super::*;
+
+fn layout(dtype: KvDtype) -> PageLayout {
+    PageLayout::new(2, 2, 32, 4, dtype).unwrap()
+}
+
+fn pool(dtype: KvDtype, pages: usize) -> (PagePool, HostPages) {
+    let plan = PoolPlan::for_pages(layout(dtype), pages).unwrap();
+    (
+        PagePool::new(plan),
+        HostPages::new(plan, GlobalScales::ones(2)).unwrap(),
+    )
+}
+
+#[test]
+fn write_rejects_duplicates_and_free_pages_and_writes_nothing() {
+    let (mut pool, mut store) = pool(KvDtype::Nvfp4, 3);
+    let pages = pool.alloc(1).unwrap();
+    let values = vec![1.0f32; 2 * 64];
+    let s0 = SlotId::new(pages[0], 0, 4);
+    let s1 = SlotId::new(pages[0], 1, 4);
+    let err = store
+        .write_kv(&pool, 0, &values, &values, &[Some(s0), Some(s0)])
+        .unwrap_err();
+    assert_eq!(err, Error::DuplicateSlot(s0));
+    let free_slot = SlotId::new(PageId(2), 0, 4);
+    let err = store
+        .write_kv(&pool, 0, &values, &values, &[Some(s1), Some(free_slot)])
+        .unwrap_err();
+    assert_eq!(err, Error::NotAllocated(PageId(2)));
+    assert!(store.page(pages[0]).unwrap().iter().all(|b| *b == 0));
+    let err = store.write_kv(&pool, 5, &values, &values, &[Some(s0), Some(s1)]);
+    assert!(matches!(err, Err(Error::LayerOutOfRange { .. })));
+    let err = store.write_kv(&pool, 0, &values[..64], &values, &[Some(s0), Some(s1)]);
+    assert!(matches!(err, Err(Error::BadLength { .. })));
+}
+
+#[test]
+fn padding_slots_are_skipped() {
+    let (mut pool, mut store) = pool(KvDtype::Bf16, 2);
+    let page = pool.alloc(1).unwrap()[0];
+    let k: Vec<f32> = (0..3 * 64).map(|i| i as f32).collect();
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    let slot = SlotId::new(page, 2, 4);
+    store
+        .write_kv(&pool, 1, &k, &v, &[None, Some(slot), None])
+        .unwrap();
+    let mut out = vec![0.0f32; 32];
+    store.read_head(1, KvPart::K, slot, 1, &mut out).unwrap();
+    let expected: Vec<f32> = (96..128).map(|i| i as f32).collect();
+    assert_eq!(out, expected, "token 1, head 1");
+    store.read_head(1, KvPart::V, slot, 0, &mut out).unwrap();
+    assert_eq!(out[0], -64.0);
+    // Other slots of the page stay zero.
+    store
+        .read_head(1, KvPart::K, SlotId::new(page, 0, 4), 0, &mut out)
+        .unwrap();
+    assert!(out.iter().all(|x| *x == 0.0));
+}
+
+#[test]
+fn nvfp4_page_bytes_match_the_interchange_encoding() {
+    let (mut pool, mut store) = pool(KvDtype::Nvfp4, 1);
+    let page = pool.alloc(1).unwrap()[0];
+    let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    let v: Vec<f32> = k.iter().map(|x| x * 0.5 + 0.1).collect();
+    let slot = SlotId::new(page, 3, 4);
+    store.write_kv(&pool, 0, &k, &v, &[Some(slot)]).unwrap();
+    let layout = *store.layout();
+    let bytes = store.page(page).unwrap();
+    for (part, x) in [(KvPart::K, &k), (KvPart::V, &v)] {
+        for head in 0..2 {
+            let expected =
+                interchange::encode(KvDtype::Nvfp4, 32, 1.0, &x[head * 32..(head + 1) * 32])
+                    .unwrap();
+            let d = layout.data_offset(0, part, head, 3);
+            let s = layout.scale_offset(0, part, head, 3);
+            assert_eq!(&bytes[d..d + 16], &expected[..16]);
+            assert_eq!(&bytes[s..s + 2], &expected[16..]);
+        }
+    }
+}
+
+#[test]
+fn scales_are_validated() {
+    let plan = PoolPlan::for_pages(layout(KvDtype::Fp8), 1).unwrap();
+    let mut scales = GlobalScales::ones(2);
+    scales.v[1] = f32::NAN;
+    let err = HostPages::new(plan, scales).unwrap_err();
+    assert!(err.to_string().contains("V scale of layer 1"), "{err}");
+    assert!(HostPages::new(plan, GlobalScales::ones(3)).is_err());
+}
