@@ -1,7 +1,33 @@
-//! nibble's inference engine.
+//! nibble's inference engine: model loading, tokenizer, the [`Backend`] compute seam with a CPU
+//! reference backend, and the Llama-family forward pass.
 //!
-//! * [`gguf`]: GGUF v3 reader and dequantizers.
-pub mod error;
-pub mod gguf;
+//! * [`gguf`]: GGUF v2/v3 reader and GGML dequantizers.
+//! * [`config`]: [`ModelConfig`] from model metadata; [`Architecture`], [`RopeStyle`].
+//! * [`weights`]: f32 weights uploaded to a backend once and shared.
+//! * [`tokenizer`], [`chat`]: BPE tokenizer rebuilt from GGUF metadata; chat templates.
+//! * [`backend`]: the [`Backend`] trait and [`CpuBackend`].
+//! * [`kv`]: the [`KvStore`] seam through which every layer's attention runs, and the
+//!   contiguous f32 [`ContiguousKv`] store.
+//! * [`model`]: [`Model::forward`] over a batch of sequences.
+//! * [`eval`]: NLL / perplexity helpers.
 
+pub mod backend;
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod eval;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod tokenizer;
+pub mod weights;
+
+pub use backend::cpu::{CpuBackend, CpuTensor};
+pub use backend::{AttentionArgs, AttnGeometry, Backend, RopeArgs};
+pub use chat::ChatMessage;
+pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use error::{Error, Result};
+pub use kv::{ContiguousKv, KvStore, NewTokens};
+pub use model::{Logits, Model, SeqInput, Workspace};
+pub use tokenizer::Tokenizer;
+pub use weights::{LayerWeights, Weights};

@@ -1,0 +1,259 @@
+//! The CPU reference backend: f32 everywhere, GEMMs through the `gemm` crate, elementwise
+//! kernels in [`simd`], all parallel work on one rayon pool of a fixed number of threads.
+
+mod attention;
+pub mod simd;
+
+use super::{AttentionArgs, Backend, RopeArgs};
+use crate::config::RopeStyle;
+use crate::error::{Error, Result};
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// A host tensor: `rows × cols` f32, row-major.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CpuTensor {
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CpuTensor {
+    /// Wraps `data` (`rows * cols` values).
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self> {
+        if data.len() != rows * cols {
+            return Err(Error::InvalidInput(format!(
+                "{} values do not make a {rows}x{cols} tensor",
+                data.len()
+            )));
+        }
+        Ok(Self { data, rows, cols })
+    }
+
+    /// The values, row-major.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    /// The values, row-major, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    /// One row.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// CPU backend with its own thread pool.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+impl CpuBackend {
+    /// A backend running on `threads` threads (at least one).
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("nibble-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::InvalidInput(format!("cannot start {threads} CPU threads: {e}")))?;
+        Ok(Self { pool, threads })
+    }
+
+    /// Threads in the pool.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Rows per parallel task so that each thread gets a few tasks.
+    fn rows_per_task(&self, rows: usize) -> usize {
+        rows.div_ceil(self.threads * 4).max(1)
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+
+    fn name(&self) -> String {
+        format!("cpu({} threads)", self.threads)
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CpuTensor> {
+        CpuTensor::new(rows, cols, data.to_vec())
+    }
+
+    fn upload_vec(&self, rows: usize, cols: usize, data: Vec<f32>) -> Result<CpuTensor> {
+        CpuTensor::new(rows, cols, data)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CpuTensor {
+        CpuTensor {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
+    }
+
+    fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
+        t.data.resize(rows * cols, 0.0);
+        t.rows = rows;
+        t.cols = cols;
+    }
+
+    fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn download_rows(&self, t: &CpuTensor, rows: Range<usize>, out: &mut Vec<f32>) {
+        out.extend_from_slice(&t.data[rows.start * t.cols..rows.end * t.cols]);
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CpuTensor,
+        src_row: usize,
+        dst: &mut CpuTensor,
+        dst_row: usize,
+        n: usize,
+    ) {
+        assert_eq!(src.cols, dst.cols, "copy_rows: column counts differ");
+        let c = src.cols;
+        dst.data[dst_row * c..(dst_row + n) * c]
+            .copy_from_slice(&src.data[src_row * c..(src_row + n) * c]);
+    }
+
+    fn embed(&self, table: &CpuTensor, tokens: &[u32], out: &mut CpuTensor) {
+        assert_eq!(
+            (out.rows, out.cols),
+            (tokens.len(), table.cols),
+            "embed: output shape"
+        );
+        for (row, &t) in out.data.chunks_exact_mut(table.cols).zip(tokens) {
+            row.copy_from_slice(table.row(t as usize));
+        }
+    }
+
+    fn matmul_t(&self, x: &CpuTensor, w: &CpuTensor, out: &mut CpuTensor) {
+        let (n, k, m) = (x.rows, x.cols, w.rows);
+        assert_eq!(w.cols, k, "matmul_t: inner dims differ");
+        assert_eq!((out.rows, out.cols), (n, m), "matmul_t: output shape");
+        if n == 0 {
+            return;
+        }
+        let par = if self.threads > 1 {
+            gemm::Parallelism::Rayon(self.threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        self.pool.install(|| {
+            // SAFETY: the pointers cover n×k, m×k and n×m f32 values (shapes asserted above);
+            // `out` does not alias the inputs (it is borrowed mutably).
+            unsafe {
+                gemm::gemm(
+                    n,
+                    m,
+                    k,
+                    out.data.as_mut_ptr(),
+                    1,
+                    m as isize,
+                    false,
+                    x.data.as_ptr(),
+                    1,
+                    k as isize,
+                    w.data.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                )
+            }
+        });
+    }
+
+    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
+        assert_eq!(bias.data.len(), x.cols, "add_bias: bias width");
+        for row in x.data.chunks_exact_mut(x.cols) {
+            simd::add(row, &bias.data);
+        }
+    }
+
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
+        simd::add(&mut x.data, &y.data);
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32, out: &mut CpuTensor) {
+        let w = weight.data.len();
+        assert!(
+            w > 0 && x.cols % w == 0,
+            "rms_norm: weight width {w} vs {} cols",
+            x.cols
+        );
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, x.cols),
+            "rms_norm: output shape"
+        );
+        let chunk = self.rows_per_task(x.rows) * x.cols;
+        self.pool.install(|| {
+            x.data
+                .par_chunks(chunk)
+                .zip(out.data.par_chunks_mut(chunk))
+                .for_each(|(xs, os)| simd::rms_norm(xs, &weight.data, eps, os));
+        });
+    }
+
+    fn rope(&self, x: &mut CpuTensor, positions: &[u32], rope: &RopeArgs<'_, CpuTensor>) {
+        let d = rope.head_dim;
+        let half = d / 2;
+        assert_eq!(positions.len(), x.rows, "rope: one position per row");
+        assert!(x.cols % d == 0, "rope: row is not whole heads");
+        assert_eq!(rope.cos.cols, half, "rope: table width");
+        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
+            let (cos, sin) = (rope.cos.row(pos as usize), rope.sin.row(pos as usize));
+            for head in row.chunks_exact_mut(d) {
+                match rope.style {
+                    RopeStyle::Interleaved => simd::rope_interleaved(head, cos, sin),
+                    RopeStyle::HalfSplit => simd::rope_half_split(head, cos, sin),
+                }
+            }
+        }
+    }
+
+    fn silu_mul(&self, gate: &mut CpuTensor, up: &CpuTensor) {
+        assert_eq!(
+            (gate.rows, gate.cols),
+            (up.rows, up.cols),
+            "silu_mul: shapes differ"
+        );
+        let chunk = self.rows_per_task(gate.rows) * gate.cols;
+        self.pool.install(|| {
+            gate.data
+                .par_chunks_mut(chunk)
+                .zip(up.data.par_chunks(chunk))
+                .for_each(|(g, u)| simd::silu_mul(g, u));
+        });
+    }
+
+    fn attention(&self, args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
+        self.pool.install(|| attention::causal_gqa(args, out));
+    }
+}

@@ -1,0 +1,128 @@
+//! The compute seam: [`Backend`] owns tensors and the handful of kernels a Llama-family forward
+//! pass needs. The model code is written against this trait only, so the CPU reference
+//! ([`cpu::CpuBackend`]) and a CUDA backend are interchangeable.
+//!
+//! Tensors are 2-D, row-major, f32 (`rows × cols`); token-major activations have one row per
+//! token. Kernels write into caller-owned outputs so a forward pass can reuse its buffers, and
+//! the shapes they expect are stated on each method (the CPU backend checks them with asserts:
+//! a mismatch is a bug in the caller, not a runtime condition).
+
+pub mod cpu;
+
+use crate::config::RopeStyle;
+use crate::error::Result;
+use std::ops::Range;
+
+/// Shape of a GQA attention: query heads share KV heads in groups of
+/// `num_heads / num_kv_heads`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnGeometry {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Dims per head.
+    pub head_dim: usize,
+    /// Score scale, normally `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Causal attention of one sequence's new queries over its context.
+///
+/// Query row `q_rows.start + i` is the token at position `kv_len - n + i` (n = `q_rows.len()`)
+/// and attends to context rows `0..=kv_len - n + i` of `k` and `v`. The context, new tokens
+/// included, is rows `0..kv_len` of `k`/`v`.
+pub struct AttentionArgs<'a, T> {
+    /// Queries after RoPE, `[rows, num_heads * head_dim]`.
+    pub q: &'a T,
+    /// This sequence's rows of `q` (and of the output).
+    pub q_rows: Range<usize>,
+    /// Keys after RoPE, `[>= kv_len, num_kv_heads * head_dim]`.
+    pub k: &'a T,
+    /// Values, same shape as `k`.
+    pub v: &'a T,
+    /// Context length including the new tokens.
+    pub kv_len: usize,
+    /// Head layout and scale.
+    pub geometry: AttnGeometry,
+}
+
+/// RoPE tables and pairing for [`Backend::rope`].
+pub struct RopeArgs<'a, T> {
+    /// `cos(pos * theta^(-2i/d))`, `[max_positions, head_dim / 2]`.
+    pub cos: &'a T,
+    /// The matching sines.
+    pub sin: &'a T,
+    /// Which dims are rotated together.
+    pub style: RopeStyle,
+    /// Dims per head; each row of the rotated tensor is a whole number of heads.
+    pub head_dim: usize,
+}
+
+/// Tensor storage and compute kernels.
+pub trait Backend: Send + Sync + 'static {
+    /// A 2-D f32 buffer owned by this backend.
+    type Tensor: Send + Sync;
+
+    /// A short name for logs ("cpu", "cuda:0").
+    fn name(&self) -> String;
+
+    /// Copies host data (`rows * cols` values, row-major) into a new tensor.
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Tensor>;
+
+    /// Moves host data into a new tensor; backends that keep tensors in host memory can take
+    /// the vector without copying.
+    fn upload_vec(&self, rows: usize, cols: usize, data: Vec<f32>) -> Result<Self::Tensor> {
+        self.upload(rows, cols, &data)
+    }
+
+    /// A new zero-filled tensor.
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor;
+
+    /// Changes a tensor's shape, reusing its storage when it is large enough. Contents are
+    /// unspecified afterwards.
+    fn resize(&self, t: &mut Self::Tensor, rows: usize, cols: usize);
+
+    /// `(rows, cols)`.
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+
+    /// Copies rows `rows` of `t` to the host, appending to `out`.
+    fn download_rows(&self, t: &Self::Tensor, rows: Range<usize>, out: &mut Vec<f32>);
+
+    /// `dst[dst_row + i] = src[src_row + i]` for `i < n`; same column count.
+    fn copy_rows(
+        &self,
+        src: &Self::Tensor,
+        src_row: usize,
+        dst: &mut Self::Tensor,
+        dst_row: usize,
+        n: usize,
+    );
+
+    /// `out[i] = table[tokens[i]]`; `out` is `[tokens.len(), table.cols]`. Tokens are in range.
+    fn embed(&self, table: &Self::Tensor, tokens: &[u32], out: &mut Self::Tensor);
+
+    /// `out = x · wᵀ`: `x` is `[n, k]`, `w` is `[m, k]` (a weight matrix, one row per output
+    /// feature), `out` is `[n, m]`.
+    fn matmul_t(&self, x: &Self::Tensor, w: &Self::Tensor, out: &mut Self::Tensor);
+
+    /// `x[r] += bias` for every row; `bias` is `[1, x.cols]`.
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor);
+
+    /// `x += y`, same shapes.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+
+    /// RMSNorm over consecutive groups of `weight.cols` values (a row, or one head of a row):
+    /// `out = x / sqrt(mean(x²) + eps) * weight`. `out` has `x`'s shape.
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, out: &mut Self::Tensor);
+
+    /// Rotates every head of row `i` of `x` in place by position `positions[i]`.
+    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], rope: &RopeArgs<'_, Self::Tensor>);
+
+    /// `gate = silu(gate) * up`, elementwise, same shapes.
+    fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor);
+
+    /// Causal GQA attention of one sequence (see [`AttentionArgs`]); writes rows `q_rows` of
+    /// `out` (`[rows, num_heads * head_dim]`) and leaves its other rows alone.
+    fn attention(&self, args: &AttentionArgs<'_, Self::Tensor>, out: &mut Self::Tensor);
+}

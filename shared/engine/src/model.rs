@@ -1,0 +1,338 @@
+//! The Llama-family forward pass, written against [`Backend`] and [`KvStore`] only.
+//!
+//! One call of [`Model::forward`] runs a batch of sequences, each contributing any number of
+//! new tokens (a prompt chunk or one decode token): their rows are concatenated so every
+//! projection is one GEMM over the whole batch, and only attention runs per sequence, through
+//! that sequence's [`KvStore`]. Scratch buffers live in a [`Workspace`] the caller keeps
+//! between steps, so a decode step allocates nothing once warm.
+
+use crate::backend::{AttnGeometry, Backend, RopeArgs};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::kv::{ContiguousKv, KvStore, NewTokens};
+use crate::weights::Weights;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One sequence's part of a batch.
+pub struct SeqInput<'a, B: Backend> {
+    /// New tokens, at positions `kv.len()..kv.len() + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// The sequence's cache.
+    pub kv: &'a mut dyn KvStore<B>,
+}
+
+/// Which rows of the batch get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None (a prompt chunk that is not the last).
+    None,
+    /// The last new token of each sequence: one row per sequence.
+    Last,
+    /// Every new token, in batch order (perplexity, teacher forcing).
+    All,
+}
+
+/// Scratch buffers for [`Model::forward`], reused across calls.
+pub struct Workspace<B: Backend> {
+    x: B::Tensor,
+    normed: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    proj: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    selected: B::Tensor,
+    logits: B::Tensor,
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    spans: Vec<Range<usize>>,
+}
+
+/// RoPE cos/sin tables for every position up to the context length.
+struct RopeTables<B: Backend> {
+    cos: B::Tensor,
+    sin: B::Tensor,
+}
+
+/// A loaded model: config, shared weights and the backend that runs them. Cloning is cheap
+/// and clones share the weights.
+pub struct Model<B: Backend> {
+    config: ModelConfig,
+    backend: Arc<B>,
+    weights: Arc<Weights<B>>,
+    rope: Arc<RopeTables<B>>,
+}
+
+impl<B: Backend> Clone for Model<B> {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            backend: Arc::clone(&self.backend),
+            weights: Arc::clone(&self.weights),
+            rope: Arc::clone(&self.rope),
+        }
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Opens a GGUF file and loads its model.
+    pub fn load_gguf(backend: Arc<B>, path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_gguf(backend, &GgufFile::open(path)?)
+    }
+
+    /// Loads the model of an opened GGUF file.
+    pub fn from_gguf(backend: Arc<B>, file: &GgufFile) -> Result<Self> {
+        let config = ModelConfig::from_gguf(file)?;
+        let weights = Weights::from_gguf(&*backend, file, &config)?;
+        Self::new(backend, config, weights)
+    }
+
+    /// Assembles a model from a config and weights (any loader).
+    pub fn new(backend: Arc<B>, config: ModelConfig, weights: Weights<B>) -> Result<Self> {
+        config.validate()?;
+        if weights.layers.len() != config.num_layers {
+            return Err(Error::InvalidConfig(format!(
+                "{} layers of weights for a {}-layer config",
+                weights.layers.len(),
+                config.num_layers
+            )));
+        }
+        let rope = Arc::new(rope_tables(&*backend, &config)?);
+        Ok(Self {
+            config,
+            backend,
+            weights: Arc::new(weights),
+            rope,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The shared weights.
+    pub fn weights(&self) -> &Arc<Weights<B>> {
+        &self.weights
+    }
+
+    /// Attention geometry of every layer.
+    pub fn geometry(&self) -> AttnGeometry {
+        AttnGeometry {
+            num_heads: self.config.num_heads,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            scale: 1.0 / (self.config.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// A contiguous f32 cache with room for `initial` tokens before it grows.
+    pub fn new_kv(&self, initial: usize) -> ContiguousKv<B> {
+        ContiguousKv::new(&*self.backend, &self.config, initial)
+    }
+
+    /// Empty scratch buffers; they grow to the largest batch seen.
+    pub fn workspace(&self) -> Workspace<B> {
+        let z = || self.backend.zeros(0, 0);
+        Workspace {
+            x: z(),
+            normed: z(),
+            q: z(),
+            k: z(),
+            v: z(),
+            attn: z(),
+            proj: z(),
+            gate: z(),
+            up: z(),
+            selected: z(),
+            logits: z(),
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            spans: Vec::new(),
+        }
+    }
+
+    /// Runs the new tokens of every sequence in `batch` through the model, appends them to the
+    /// sequences' caches, and writes the requested logits (`rows × vocab`, row-major) to
+    /// `logits` (cleared first). On error no cache's length changes.
+    pub fn forward(
+        &self,
+        ws: &mut Workspace<B>,
+        batch: &mut [SeqInput<'_, B>],
+        which: Logits,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
+        logits.clear();
+        self.prepare(ws, batch)?;
+        let be = &*self.backend;
+        let c = &self.config;
+        let rows = ws.tokens.len();
+        let geometry = self.geometry();
+        let rope = RopeArgs {
+            cos: &self.rope.cos,
+            sin: &self.rope.sin,
+            style: c.rope_style,
+            head_dim: c.head_dim,
+        };
+
+        be.resize(&mut ws.x, rows, c.hidden_size);
+        be.embed(&self.weights.embed, &ws.tokens, &mut ws.x);
+        for (layer, w) in self.weights.layers.iter().enumerate() {
+            // Attention block.
+            be.resize(&mut ws.normed, rows, c.hidden_size);
+            be.rms_norm(&ws.x, &w.attn_norm, c.rms_norm_eps, &mut ws.normed);
+            be.resize(&mut ws.q, rows, c.q_dim());
+            be.resize(&mut ws.k, rows, c.kv_dim());
+            be.resize(&mut ws.v, rows, c.kv_dim());
+            be.matmul_t(&ws.normed, &w.wq, &mut ws.q);
+            be.matmul_t(&ws.normed, &w.wk, &mut ws.k);
+            be.matmul_t(&ws.normed, &w.wv, &mut ws.v);
+            if let Some([bq, bk, bv]) = &w.qkv_bias {
+                be.add_bias(&mut ws.q, bq);
+                be.add_bias(&mut ws.k, bk);
+                be.add_bias(&mut ws.v, bv);
+            }
+            if let Some([qn, kn]) = &w.qk_norm {
+                // Per-head norm; `attn`/`proj` are free until attention runs.
+                be.resize(&mut ws.attn, rows, c.q_dim());
+                be.rms_norm(&ws.q, qn, c.rms_norm_eps, &mut ws.attn);
+                std::mem::swap(&mut ws.q, &mut ws.attn);
+                be.resize(&mut ws.proj, rows, c.kv_dim());
+                be.rms_norm(&ws.k, kn, c.rms_norm_eps, &mut ws.proj);
+                std::mem::swap(&mut ws.k, &mut ws.proj);
+            }
+            be.rope(&mut ws.q, &ws.positions, &rope);
+            be.rope(&mut ws.k, &ws.positions, &rope);
+            be.resize(&mut ws.attn, rows, c.q_dim());
+            for (seq, span) in batch.iter_mut().zip(&ws.spans) {
+                let new = NewTokens {
+                    q: &ws.q,
+                    k: &ws.k,
+                    v: &ws.v,
+                    rows: span.clone(),
+                    geometry,
+                };
+                seq.kv.attend(be, layer, &new, &mut ws.attn)?;
+            }
+            be.resize(&mut ws.proj, rows, c.hidden_size);
+            be.matmul_t(&ws.attn, &w.wo, &mut ws.proj);
+            be.add(&mut ws.x, &ws.proj);
+
+            // SwiGLU FFN block.
+            be.rms_norm(&ws.x, &w.ffn_norm, c.rms_norm_eps, &mut ws.normed);
+            be.resize(&mut ws.gate, rows, c.intermediate_size);
+            be.resize(&mut ws.up, rows, c.intermediate_size);
+            be.matmul_t(&ws.normed, &w.w_gate, &mut ws.gate);
+            be.matmul_t(&ws.normed, &w.w_up, &mut ws.up);
+            be.silu_mul(&mut ws.gate, &ws.up);
+            be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj);
+            be.add(&mut ws.x, &ws.proj);
+        }
+        for (seq, span) in batch.iter_mut().zip(&ws.spans) {
+            seq.kv.commit(span.len());
+        }
+        self.logits(ws, which, logits);
+        Ok(())
+    }
+
+    /// Validates the batch, reserves cache room, and fills the token/position/span lists.
+    fn prepare(&self, ws: &mut Workspace<B>, batch: &mut [SeqInput<'_, B>]) -> Result<()> {
+        ws.tokens.clear();
+        ws.positions.clear();
+        ws.spans.clear();
+        for (i, seq) in batch.iter().enumerate() {
+            if seq.tokens.is_empty() {
+                return Err(Error::InvalidInput(format!(
+                    "sequence {i} of the batch has no tokens"
+                )));
+            }
+            if let Some(&t) = seq
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.config.vocab_size)
+            {
+                return Err(Error::InvalidInput(format!(
+                    "token id {t} in sequence {i} is outside the vocabulary of {}",
+                    self.config.vocab_size
+                )));
+            }
+            let start = seq.kv.len();
+            let end = start + seq.tokens.len();
+            if end > self.config.max_context {
+                return Err(Error::InvalidInput(format!(
+                    "sequence {i} would reach {end} tokens, beyond the context length {}",
+                    self.config.max_context
+                )));
+            }
+            let row = ws.tokens.len();
+            ws.spans.push(row..row + seq.tokens.len());
+            ws.tokens.extend_from_slice(seq.tokens);
+            ws.positions.extend((start..end).map(|p| p as u32));
+        }
+        if batch.is_empty() {
+            return Err(Error::InvalidInput("empty batch".into()));
+        }
+        for seq in batch.iter_mut() {
+            seq.kv.reserve(&self.backend, seq.tokens.len())?;
+        }
+        Ok(())
+    }
+
+    /// Final norm and LM head for the rows `which` selects.
+    fn logits(&self, ws: &mut Workspace<B>, which: Logits, out: &mut Vec<f32>) {
+        let be = &*self.backend;
+        let c = &self.config;
+        let source = match which {
+            Logits::None => return,
+            Logits::All => &ws.x,
+            Logits::Last => {
+                be.resize(&mut ws.selected, ws.spans.len(), c.hidden_size);
+                for (i, span) in ws.spans.iter().enumerate() {
+                    be.copy_rows(&ws.x, span.end - 1, &mut ws.selected, i, 1);
+                }
+                &ws.selected
+            }
+        };
+        let (rows, _) = be.shape(source);
+        be.resize(&mut ws.normed, rows, c.hidden_size);
+        be.rms_norm(
+            source,
+            &self.weights.final_norm,
+            c.rms_norm_eps,
+            &mut ws.normed,
+        );
+        be.resize(&mut ws.logits, rows, c.vocab_size);
+        be.matmul_t(&ws.normed, self.weights.lm_head(), &mut ws.logits);
+        be.download_rows(&ws.logits, 0..rows, out);
+    }
+}
+
+/// cos/sin of `pos · theta^(-2i/d)` for every position below the context length, computed in
+/// f64 and rounded once.
+fn rope_tables<B: Backend>(backend: &B, c: &ModelConfig) -> Result<RopeTables<B>> {
+    let half = c.head_dim / 2;
+    let mut cos = Vec::with_capacity(c.max_context * half);
+    let mut sin = Vec::with_capacity(c.max_context * half);
+    for pos in 0..c.max_context {
+        for i in 0..half {
+            let inv_freq = (c.rope_theta as f64).powf(-2.0 * i as f64 / c.head_dim as f64);
+            let angle = pos as f64 * inv_freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    Ok(RopeTables {
+        cos: backend.upload_vec(c.max_context, half, cos)?,
+        sin: backend.upload_vec(c.max_context, half, sin)?,
+    })
+}

@@ -1,0 +1,203 @@
+//! Tokenizers: a `tokenizers::Tokenizer` rebuilt from GGUF metadata, plus the special token ids
+//! and chat template that come with it.
+//!
+//! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is supported. The pre-tokenizer splits
+//! every digit into its own piece, then applies GPT-2's byte-level split (the layout of the
+//! SmolLM/StarCoder family: `tokenizer.ggml.pre` = `smollm`, `starcoder`, ...); control and
+//! user-defined tokens (types 3 and 4) are added as special tokens so they match as a whole in
+//! text such as chat templates.
+
+use crate::chat::{self, ChatMessage};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::processors::byte_level::ByteLevel as ByteLevelProcessor;
+use tokenizers::AddedToken;
+
+/// GGUF token type of control tokens.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+/// GGUF token type of user-defined tokens.
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// A text tokenizer with the model's special tokens and chat template.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    /// Rebuilds the tokenizer stored in a GGUF file's metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let model = file.require_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(Error::Tokenizer(format!(
+                "tokenizer.ggml.model `{model}` is not supported (only byte-level BPE, `gpt2`)"
+            )));
+        }
+        let tokens = file.require_str_array("tokenizer.ggml.tokens")?;
+        let merges = file
+            .require_str_array("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| Error::Tokenizer(format!("merge `{m}` has no space")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| Error::Tokenizer(format!("building BPE: {e}")))?;
+
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner
+            .with_pre_tokenizer(Some(Sequence::new(vec![
+                Digits::new(true).into(),
+                ByteLevel::new(false, true, true).into(),
+            ])))
+            .with_decoder(Some(ByteLevelDecoder::default()))
+            .with_post_processor(Some(ByteLevelProcessor::new(false, false, true)));
+
+        let special: Vec<AddedToken> = match file.get("tokenizer.ggml.token_type") {
+            None => Vec::new(),
+            Some(types) => {
+                let types = types.as_array().ok_or_else(|| {
+                    Error::Tokenizer("tokenizer.ggml.token_type is not an array".into())
+                })?;
+                if types.len() != tokens.len() {
+                    return Err(Error::Tokenizer(format!(
+                        "{} token types for {} tokens",
+                        types.len(),
+                        tokens.len()
+                    )));
+                }
+                tokens
+                    .iter()
+                    .zip(types)
+                    .filter(|(_, ty)| {
+                        matches!(
+                            ty.as_i64(),
+                            Some(TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED)
+                        )
+                    })
+                    .map(|(t, _)| AddedToken::from(t.to_string(), true))
+                    .collect()
+            }
+        };
+        inner
+            .add_special_tokens(special)
+            .map_err(|e| Error::Tokenizer(format!("adding special tokens: {e}")))?;
+
+        let id = |key: &str| -> Result<Option<u32>> {
+            match file.get(key) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .filter(|&i| (i as usize) < tokens.len())
+                    .map(|i| Some(i as u32))
+                    .ok_or_else(|| Error::Tokenizer(format!("{key} = {v} is not a token id"))),
+            }
+        };
+        Ok(Self {
+            inner,
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            add_bos: file
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            chat_template: file
+                .get("tokenizer.chat_template")
+                .and_then(|v| v.as_str())
+                .map(str::to_string),
+        })
+    }
+
+    /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids;
+    /// with `add_special`, a BOS token is prepended when the model asks for one.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(format!("encoding: {e}")))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_special && self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Decodes ids to text, dropping special tokens when `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::Tokenizer(format!("decoding: {e}")))
+    }
+
+    /// Vocabulary size, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Beginning-of-sequence token.
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// End-of-sequence token.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// The token id of a token string, if it is in the vocabulary.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The model's chat template (Jinja source), if it has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Renders a conversation with the model's chat template; with `add_generation_prompt`,
+    /// ends with the header of the assistant's turn.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| Error::ChatTemplate("the model has no chat template".into()))?;
+        let token = |id: Option<u32>| {
+            id.and_then(|i| self.inner.id_to_token(i))
+                .unwrap_or_default()
+        };
+        chat::render(
+            template,
+            messages,
+            add_generation_prompt,
+            &token(self.bos),
+            &token(self.eos),
+        )
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
