@@ -1,0 +1,161 @@
+//! The generated servers and clients talk to each other over a real loopback socket, next to the
+//! health and reflection services every nibble server runs.
+
+use std::net::SocketAddr;
+
+use nibble_proto::v1::kv_transfer_client::KvTransferClient;
+use nibble_proto::v1::kv_transfer_server::{KvTransfer, KvTransferServer};
+use nibble_proto::v1::{PushPagesRequest, PushPagesResponse};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+use tonic_reflection::pb::v1::ServerReflectionRequest;
+
+const PAGE_BYTES: usize = 64;
+const FINGERPRINT: u64 = 0xfeed_f00d;
+
+/// Accepts pages of PAGE_BYTES for reservation 7 and counts them.
+struct Sink;
+
+#[tonic::async_trait]
+impl KvTransfer for Sink {
+    async fn push_pages(
+        &self,
+        request: Request<Streaming<PushPagesRequest>>,
+    ) -> Result<Response<PushPagesResponse>, Status> {
+        let mut stream = request.into_inner();
+        let mut summary = PushPagesResponse::default();
+        let mut first = true;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            if first {
+                if chunk.kv_format_fingerprint != Some(FINGERPRINT) {
+                    return Err(Status::failed_precondition("KV format fingerprints differ"));
+                }
+                first = false;
+            }
+            if chunk.reservation_id != 7 {
+                return Err(Status::not_found("no such reservation"));
+            }
+            if chunk.data.len() != chunk.page_indices.len() * PAGE_BYTES {
+                return Err(Status::invalid_argument("data length"));
+            }
+            summary.pages += chunk.page_indices.len() as u32;
+            summary.bytes += chunk.data.len() as u64;
+        }
+        summary.complete = summary.pages == 3;
+        Ok(Response::new(summary))
+    }
+}
+
+async fn serve() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (reporter, health) = nibble_proto::serving::health();
+    reporter.set_serving::<KvTransferServer<Sink>>().await;
+    let reflection = nibble_proto::serving::reflection().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(KvTransferServer::new(Sink))
+            .add_service(health)
+            .add_service(reflection)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    addr
+}
+
+fn chunk(fingerprint: Option<u64>, pages: &[u32]) -> PushPagesRequest {
+    PushPagesRequest {
+        reservation_id: 7,
+        page_indices: pages.to_vec(),
+        data: vec![0xab; pages.len() * PAGE_BYTES].into(),
+        kv_format_fingerprint: fingerprint,
+        request_id: "r1".into(),
+    }
+}
+
+#[tokio::test]
+async fn push_pages_streams_to_the_server() {
+    let addr = serve().await;
+    let mut client = KvTransferClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let chunks = vec![chunk(Some(FINGERPRINT), &[2, 3]), chunk(None, &[4])];
+    let summary = client
+        .push_pages(tokio_stream::iter(chunks))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        summary,
+        PushPagesResponse {
+            pages: 3,
+            bytes: 3 * PAGE_BYTES as u64,
+            complete: true
+        }
+    );
+
+    let refused = client
+        .push_pages(tokio_stream::iter(vec![chunk(Some(1), &[2])]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+}
+
+#[tokio::test]
+async fn health_and_reflection_are_served() {
+    let addr = serve().await;
+    let url = format!("http://{addr}");
+
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    for service in ["", "nibble.v1.KvTransfer"] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status();
+        assert_eq!(status, ServingStatus::Serving, "{service:?}");
+    }
+
+    let mut reflection = ServerReflectionClient::new(channel);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::iter(vec![request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = responses.next().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("expected a service list, got {response:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    for expected in [
+        "nibble.v1.Inference",
+        "nibble.v1.Worker",
+        "nibble.v1.KvTransfer",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "{expected} in {names:?}"
+        );
+    }
+}
