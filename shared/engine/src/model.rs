@@ -172,6 +172,17 @@ impl<B: Backend> Model<B> {
         which: Logits,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
+        self.backend
+            .scope(|| self.forward_in_scope(ws, batch, which, logits))
+    }
+
+    fn forward_in_scope(
+        &self,
+        ws: &mut Workspace<B>,
+        batch: &mut [SeqInput<'_, B>],
+        which: Logits,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         logits.clear();
         self.prepare(ws, batch)?;
         let be = &*self.backend;
@@ -336,3 +347,6 @@ fn rope_tables<B: Backend>(backend: &B, c: &ModelConfig) -> Result<RopeTables<B>
         sin: backend.upload_vec(c.max_context, half, sin)?,
     })
 }
+
+#[cfg(test)]
+mod tests;

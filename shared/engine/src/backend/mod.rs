@@ -67,6 +67,13 @@ pub trait Backend: Send + Sync + 'static {
     /// A short name for logs ("cpu", "cuda:0").
     fn name(&self) -> String;
 
+    /// Runs `f`, a whole forward step, in the backend's execution context (the CPU backend's
+    /// thread pool; a device backend would bind its context and stream here). Kernels called
+    /// inside it avoid per-call hand-off costs.
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// Copies host data (`rows * cols` values, row-major) into a new tensor.
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Tensor>;
 

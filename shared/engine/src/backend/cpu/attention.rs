@@ -4,13 +4,16 @@
 //! across calls, so a decode step allocates nothing once the buffer has grown to the context.
 
 use super::simd;
-use super::CpuTensor;
+use super::{gemv, CpuTensor};
 use crate::backend::AttentionArgs;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Query rows per task: bounds scratch to `Q_BLOCK × context` floats per thread.
 const Q_BLOCK: usize = 64;
+
+/// Up to this many new rows, dot products and AXPYs beat two small GEMMs (decode steps).
+const FEW_ROWS: usize = 4;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -49,6 +52,10 @@ pub(super) fn causal_gqa(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTenso
     );
     assert_eq!(out.cols, args.q.cols, "attention: out width");
     if n == 0 {
+        return;
+    }
+    if n <= FEW_ROWS {
+        few_rows(args, out);
         return;
     }
     let past = args.kv_len - n;
@@ -119,6 +126,41 @@ pub(super) fn causal_gqa(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTenso
                     false,
                     gemm::Parallelism::None,
                 );
+            }
+        });
+    });
+}
+
+/// Attention for a few query rows: per (head, row), scores by dot products over the visible
+/// keys, softmax, then the weighted sum of value rows accumulated into the output.
+fn few_rows(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
+    let g = args.geometry;
+    let d = g.head_dim;
+    let n = args.q_rows.len();
+    let group = g.num_heads / g.num_kv_heads;
+    let past = args.kv_len - n;
+    let (q_stride, kv_stride, out_stride) = (args.q.cols, args.k.cols, out.cols);
+    let out_ptr = OutPtr(out.as_mut_slice().as_mut_ptr());
+    let (q, k, v) = (args.q.as_slice(), args.k.as_slice(), args.v.as_slice());
+    let row0 = args.q_rows.start;
+
+    (0..g.num_heads * n).into_par_iter().for_each(|task| {
+        let (h, i) = (task / n, task % n);
+        let col = (h / group) * d;
+        let visible = past + i + 1;
+        let qh = &q[(row0 + i) * q_stride + h * d..][..d];
+        // SAFETY: row row0+i, columns h*d..h*d+d of the output belong to this task alone and
+        // lie inside `out` (asserted by the caller).
+        let oh = unsafe {
+            std::slice::from_raw_parts_mut(out_ptr.get().add((row0 + i) * out_stride + h * d), d)
+        };
+        SCRATCH.with_borrow_mut(|scores| {
+            scores.clear();
+            scores.extend((0..visible).map(|j| gemv::dot(qh, &k[j * kv_stride + col..][..d])));
+            simd::softmax_prefix(scores, visible, g.scale);
+            oh.fill(0.0);
+            for (j, &p) in scores.iter().enumerate() {
+                simd::axpy(oh, p, &v[j * kv_stride + col..][..d]);
             }
         });
     });

@@ -2,6 +2,7 @@
 //! kernels in [`simd`], all parallel work on one rayon pool of a fixed number of threads.
 
 mod attention;
+mod gemv;
 pub mod simd;
 
 use super::{AttentionArgs, Backend, RopeArgs};
@@ -92,6 +93,10 @@ impl Backend for CpuBackend {
         format!("cpu({} threads)", self.threads)
     }
 
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CpuTensor> {
         CpuTensor::new(rows, cols, data.to_vec())
     }
@@ -152,6 +157,11 @@ impl Backend for CpuBackend {
         assert_eq!(w.cols, k, "matmul_t: inner dims differ");
         assert_eq!((out.rows, out.cols), (n, m), "matmul_t: output shape");
         if n == 0 {
+            return;
+        }
+        if n <= gemv::MAX_ROWS {
+            self.pool
+                .install(|| gemv::matmul_t_small(&x.data, &w.data, &mut out.data, n, k, m));
             return;
         }
         let par = if self.threads > 1 {

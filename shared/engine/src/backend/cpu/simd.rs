@@ -118,6 +118,15 @@ pub fn rope_half_split(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     });
 }
 
+/// `y += a * x`.
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    dispatch!(axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o += a * v;
+        }
+    });
+}
+
 /// `x += y`.
 pub fn add(x: &mut [f32], y: &[f32]) {
     dispatch!(add(x: &mut [f32], y: &[f32]) {
