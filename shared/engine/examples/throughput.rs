@@ -1,10 +1,11 @@
 //! Measures CPU prefill and decode speed of a GGUF model.
 //!
-//! `cargo run --release -p nibble-engine --example throughput -- MODEL.gguf [threads] [prompt_len] [decode_steps]`
+//! `cargo run --release -p nibble-engine --example throughput -- MODEL.gguf [threads] [prompt_len] [decode_steps] [streams]`
 //!
 //! Prefill: one sequence of `prompt_len` tokens (default 512), logits of the last token only.
 //! Decode: after that prefill, `decode_steps` (default 64) greedy steps of one token, single
 //! stream; then the same with 4 and 8 streams batched (one token per stream per step).
+//! `streams` is a comma-separated list replacing the default `1,4,8`.
 
 use nibble_engine::{eval, CpuBackend, Logits, Model, SeqInput};
 use std::sync::Arc;
@@ -18,6 +19,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let threads: usize = args.get(2).map_or(Ok(2), |s| s.parse())?;
     let prompt_len: usize = args.get(3).map_or(Ok(512), |s| s.parse())?;
     let steps: usize = args.get(4).map_or(Ok(64), |s| s.parse())?;
+    let stream_counts: Vec<usize> = match args.get(5) {
+        Some(list) => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
+        None => vec![1, 4, 8],
+    };
 
     let t0 = Instant::now();
     let model = Model::load_gguf(Arc::new(CpuBackend::new(threads)?), path)?;
@@ -33,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut ws = model.workspace();
     let mut logits = Vec::new();
-    for streams in [1usize, 4, 8] {
+    for streams in stream_counts {
         let mut kvs: Vec<_> = (0..streams)
             .map(|_| model.new_kv(prompt_len + steps))
             .collect();

@@ -129,14 +129,18 @@ fn chunked_prefill_and_decode_match_one_prefill() {
         let toks = tokens(150); // > 64 rows: exercises the blocked attention path
         let full = prefill_all(&model, &toks);
 
-        // Chunks of 37 (the extend shape), then single tokens (the decode shape).
+        // Chunks of 37 (the extend shape), one of 3, then single tokens (the decode shape).
         let mut kv = model.new_kv(8);
         let mut ws = model.workspace();
         let mut got = Vec::new();
         let mut out = Vec::new();
         let mut pos = 0;
         while pos < toks.len() {
-            let n = if pos < 111 { 37 } else { 1 };
+            let n = match pos {
+                0..111 => 37,  // the blocked GEMM path with a cached prefix
+                111..114 => 3, // the few-rows path with a cached prefix
+                _ => 1,        // decode
+            };
             model
                 .forward(
                     &mut ws,

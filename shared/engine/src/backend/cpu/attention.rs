@@ -4,7 +4,7 @@
 //! across calls, so a decode step allocates nothing once the buffer has grown to the context.
 
 use super::simd;
-use super::{gemv, CpuTensor};
+use super::CpuTensor;
 use crate::backend::AttentionArgs;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -144,23 +144,33 @@ fn few_rows(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
     let (q, k, v) = (args.q.as_slice(), args.k.as_slice(), args.v.as_slice());
     let row0 = args.q_rows.start;
 
-    (0..g.num_heads * n).into_par_iter().for_each(|task| {
-        let (h, i) = (task / n, task % n);
-        let col = (h / group) * d;
+    // One task per (KV head, row): the query heads of a GQA group run back to back, so the
+    // group's keys and values come from DRAM once and from cache for the other heads.
+    (0..g.num_kv_heads * n).into_par_iter().for_each(|task| {
+        let (kv_head, i) = (task / n, task % n);
+        let col = kv_head * d;
         let visible = past + i + 1;
-        let qh = &q[(row0 + i) * q_stride + h * d..][..d];
-        // SAFETY: row row0+i, columns h*d..h*d+d of the output belong to this task alone and
-        // lie inside `out` (asserted by the caller).
-        let oh = unsafe {
-            std::slice::from_raw_parts_mut(out_ptr.get().add((row0 + i) * out_stride + h * d), d)
-        };
         SCRATCH.with_borrow_mut(|scores| {
-            scores.clear();
-            scores.extend((0..visible).map(|j| gemv::dot(qh, &k[j * kv_stride + col..][..d])));
-            simd::softmax_prefix(scores, visible, g.scale);
-            oh.fill(0.0);
-            for (j, &p) in scores.iter().enumerate() {
-                simd::axpy(oh, p, &v[j * kv_stride + col..][..d]);
+            scores.resize(visible, 0.0);
+            for h in kv_head * group..(kv_head + 1) * group {
+                let qh = &q[(row0 + i) * q_stride + h * d..][..d];
+                // SAFETY: row row0+i, columns h*d..h*d+d of the output belong to this task
+                // alone (h is in this task's group) and lie inside `out` (asserted above).
+                let oh = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out_ptr.get().add((row0 + i) * out_stride + h * d),
+                        d,
+                    )
+                };
+                let head = simd::OneHead {
+                    q: qh,
+                    keys: &k[col..],
+                    values: &v[col..],
+                    stride: kv_stride,
+                    visible,
+                    scale: g.scale,
+                };
+                simd::attend_one_head(&head, scores, oh);
             }
         });
     });

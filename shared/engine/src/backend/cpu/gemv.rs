@@ -7,8 +7,11 @@ use rayon::prelude::*;
 /// Largest number of input rows this path handles; beyond it a packed GEMM wins.
 pub(super) const MAX_ROWS: usize = 16;
 
-/// Output features per parallel task.
-const FEATURES_PER_TASK: usize = 64;
+/// Parallel tasks per pool thread: enough to balance load on small matrices.
+const TASKS_PER_THREAD: usize = 8;
+
+/// Fewest output features per task (keeps per-task overhead small).
+const MIN_FEATURES_PER_TASK: usize = 8;
 
 /// A raw output pointer shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
@@ -28,10 +31,13 @@ impl OutPtr {
 pub(super) fn matmul_t_small(x: &[f32], w: &[f32], out: &mut [f32], n: usize, k: usize, m: usize) {
     assert!(n <= MAX_ROWS && x.len() == n * k && w.len() == m * k && out.len() == n * m);
     let out_ptr = OutPtr(out.as_mut_ptr());
-    w.par_chunks(FEATURES_PER_TASK * k)
+    let per_task = m
+        .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+        .max(MIN_FEATURES_PER_TASK);
+    w.par_chunks(per_task * k)
         .enumerate()
         .for_each(|(task, wblock)| {
-            let j0 = task * FEATURES_PER_TASK;
+            let j0 = task * per_task;
             for (jj, wrow) in wblock.chunks_exact(k).enumerate() {
                 let mut i = 0;
                 while i < n {
@@ -47,13 +53,6 @@ pub(super) fn matmul_t_small(x: &[f32], w: &[f32], out: &mut [f32], n: usize, k:
                 }
             }
         });
-}
-
-/// `dot(a, b)` over `a.len()` values.
-pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut d = [0.0];
-    dot_rows(a, b, a.len(), &mut d);
-    d[0]
 }
 
 /// `dots[r] = dot(w, xs[r*k..(r+1)*k])` for `r < dots.len() <= 4`.
@@ -76,6 +75,10 @@ fn dot_rows(w: &[f32], xs: &[f32], k: usize, dots: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
+
+    /// How far ahead of the current weight the next cache lines are requested (prefetches
+    /// past the end of the row are harmless hints; they read the next row).
+    const PREFETCH_FLOATS: usize = 256;
 
     /// Horizontal sum of 8 lanes.
     #[target_feature(enable = "avx2,fma")]
@@ -101,6 +104,8 @@ mod avx2 {
         while c < main {
             // SAFETY: c + 16 <= k, so every load is inside `w` and inside row r of `xs`.
             unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(c + PREFETCH_FLOATS) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(c + PREFETCH_FLOATS + 16) as *const i8);
                 let w0 = _mm256_loadu_ps(wp.add(c));
                 let w1 = _mm256_loadu_ps(wp.add(c + 8));
                 for (r, a) in acc.iter_mut().enumerate().take(rows) {

@@ -118,11 +118,57 @@ pub fn rope_half_split(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     });
 }
 
-/// `y += a * x`.
-pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    dispatch!(axpy(y: &mut [f32], a: f32, x: &[f32]) {
-        for (o, &v) in y.iter_mut().zip(x) {
-            *o += a * v;
+/// Attention of one query head vector over `visible` context rows: `keys` and `values` start
+/// at the head's first column and hold one row every `stride` values. `scores` is scratch of at
+/// least `visible` values; the result goes to `out` (`q.len()` values).
+pub struct OneHead<'a> {
+    /// The query, `d` values.
+    pub q: &'a [f32],
+    /// Keys from the head's column on, rows `stride` apart.
+    pub keys: &'a [f32],
+    /// Values, laid out like `keys`.
+    pub values: &'a [f32],
+    /// Distance between rows.
+    pub stride: usize,
+    /// Rows to attend over.
+    pub visible: usize,
+    /// Score scale.
+    pub scale: f32,
+}
+
+/// Runs [`OneHead`] into `out`, using `scores` as scratch.
+pub fn attend_one_head(a: &OneHead<'_>, scores: &mut [f32], out: &mut [f32]) {
+    dispatch!(attend_one_head(a: &OneHead<'_>, scores: &mut [f32], out: &mut [f32]) {
+        let d = a.q.len();
+        let scores = &mut scores[..a.visible];
+        for (j, s) in scores.iter_mut().enumerate() {
+            let key = &a.keys[j * a.stride..j * a.stride + d];
+            let mut acc = [0.0f32; 8];
+            for (qc, kc) in a.q.chunks_exact(8).zip(key.chunks_exact(8)) {
+                for l in 0..8 {
+                    acc[l] += qc[l] * kc[l];
+                }
+            }
+            let tail: f32 = a.q[d / 8 * 8..].iter().zip(&key[d / 8 * 8..]).map(|(x, y)| x * y).sum();
+            *s = acc.iter().sum::<f32>() + tail;
+        }
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum = 0.0f32;
+        for s in scores.iter_mut() {
+            let e = exp((*s - max) * a.scale);
+            *s = e;
+            sum += e;
+        }
+        out.fill(0.0);
+        for (j, &p) in scores.iter().enumerate() {
+            let value = &a.values[j * a.stride..j * a.stride + d];
+            for (o, &v) in out.iter_mut().zip(value) {
+                *o += p * v;
+            }
+        }
+        let inv = 1.0 / sum;
+        for o in out.iter_mut() {
+            *o *= inv;
         }
     });
 }
