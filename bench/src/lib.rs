@@ -1,6 +1,9 @@
 //! Shared inputs for nibble's benchmarks (the benchmarks themselves are in `benches/`).
 //!
-//! Inputs are seeded, so every run measures the same values.
+//! Inputs are seeded, so every run measures the same values. [`router`] builds the router
+//! benchmark's cluster and prompts.
+
+pub mod router;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;

@@ -1,0 +1,520 @@
+use nibble_discovery::{Addresses, Capacity};
+use nibble_kvcache::KvEventData;
+
+use super::*;
+use crate::SyncStatus;
+
+const MODEL: &str = "smollm2-135m";
+const PAGE: u32 = 16;
+const FP: u64 = 0xabcd;
+const INSTANCE: u64 = 1;
+
+fn info(role: Role, id: &str, fingerprint: u64) -> WorkerInfo {
+    WorkerInfo {
+        role,
+        id: WorkerId::new(id).unwrap(),
+        addresses: Addresses {
+            grpc: format!("127.0.0.1:{}", 5000 + id.len()),
+            ..Addresses::default()
+        },
+        model: MODEL.into(),
+        kv_fingerprint: fingerprint,
+        page_size: PAGE,
+        capacity: Capacity {
+            free_pages: 10_000,
+            total_pages: 10_000,
+        },
+    }
+}
+
+fn id(name: &str) -> WorkerId {
+    WorkerId::new(name).unwrap()
+}
+
+fn router_with(policy: PolicyConfig, prefill: &[&str], decode: &[&str]) -> Router {
+    let mut config = RouterConfig::new(MODEL, PAGE);
+    config.kv_fingerprint = Some(FP);
+    config.policy = policy;
+    let mut router = Router::new(config).unwrap();
+    for name in prefill {
+        router.upsert_worker(info(Role::Prefill, name, FP)).unwrap();
+    }
+    for name in decode {
+        router.upsert_worker(info(Role::Decode, name, FP)).unwrap();
+    }
+    router
+}
+
+fn router(prefill: &[&str], decode: &[&str]) -> Router {
+    router_with(PolicyConfig::default(), prefill, decode)
+}
+
+/// A prompt of `tokens` tokens whose ids start at `start` (different starts, different prefixes).
+fn prompt(start: u32, tokens: u32) -> Prompt {
+    let ids: Vec<u32> = (start..start + tokens).collect();
+    Prompt::new(&ids, PAGE).unwrap()
+}
+
+/// Tells the router that `worker` caches the first `pages` pages of `prompt`.
+fn cache(router: &mut Router, role: Role, worker: &str, prompt: &Prompt, pages: usize) {
+    let next = router
+        .index()
+        .last_event_id(router.slot(role, &id(worker)).unwrap());
+    let event = KvEvent {
+        id: next.unwrap() + 1,
+        data: KvEventData::Stored {
+            parent: None,
+            blocks: prompt.hashes()[..pages].to_vec(),
+        },
+    };
+    let report = router
+        .apply_kv_events(role, &id(worker), INSTANCE, &[event])
+        .unwrap();
+    assert_eq!(report.status, SyncStatus::InSync);
+}
+
+fn name(placement: &Placement) -> &str {
+    placement.worker.id.as_str()
+}
+
+#[test]
+fn routes_to_the_decode_worker_holding_the_prefix() {
+    let mut router = router(&[], &["d0", "d1", "d2", "d3"]);
+    let p = prompt(0, 2048);
+    cache(&mut router, Role::Decode, "d2", &p, 100);
+    cache(&mut router, Role::Decode, "d1", &p, 10);
+    for _ in 0..3 {
+        let decision = router.decide(&p, WorkerSet::EMPTY).unwrap();
+        assert_eq!(name(&decision.decode), "d2");
+        assert_eq!(decision.decode.cached_tokens, 1600);
+    }
+    // A prompt sharing only the first 10 pages: d1 and d2 both hold them and tie; d0 and d3
+    // never win.
+    let mut other: Vec<u32> = (0..160).collect();
+    other.extend(50_000..51_888);
+    let other = Prompt::new(&other, PAGE).unwrap();
+    for _ in 0..20 {
+        let decision = router.decide(&other, WorkerSet::EMPTY).unwrap();
+        assert!(["d1", "d2"].contains(&name(&decision.decode)));
+        assert_eq!(decision.decode.cached_tokens, 160);
+    }
+}
+
+#[test]
+fn cold_requests_spread_evenly_when_dispatched() {
+    let mut router = router(&[], &["d0", "d1", "d2", "d3"]);
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for i in 0..100 {
+        // Every prompt is new: no worker caches anything.
+        let routed = router
+            .route(&prompt(i * 10_000, 300), WorkerSet::EMPTY)
+            .unwrap();
+        *counts
+            .entry(name(&routed.decision.decode).to_owned())
+            .or_default() += 1;
+    }
+    let (min, max) = (counts.values().min(), counts.values().max());
+    assert_eq!(counts.len(), 4, "{counts:?}");
+    assert!(
+        max.unwrap() - min.unwrap() <= 1,
+        "in-flight accounting spreads exactly: {counts:?}"
+    );
+    assert_eq!(router.stats().in_flight, 100);
+}
+
+#[test]
+fn equal_scores_spread_without_accounting() {
+    // Dry runs (no dispatch, no load change): only the tie-break spreads them.
+    let mut router = router(&[], &["d0", "d1", "d2", "d3"]);
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for i in 0..100 {
+        let decision = router
+            .decide(&prompt(i * 10_000, 300), WorkerSet::EMPTY)
+            .unwrap();
+        *counts.entry(name(&decision.decode).to_owned()).or_default() += 1;
+    }
+    let (min, max) = (
+        *counts.values().min().unwrap(),
+        *counts.values().max().unwrap(),
+    );
+    assert_eq!(counts.len(), 4, "{counts:?}");
+    assert!(min >= 12 && max <= 40, "{counts:?}");
+}
+
+#[test]
+fn the_same_hot_prefix_spreads_once_its_holder_is_loaded() {
+    let mut router = router(&[], &["d0", "d1"]);
+    let p = prompt(0, 1024);
+    cache(&mut router, Role::Decode, "d0", &p, 64);
+    let mut on_d0 = 0;
+    for _ in 0..20 {
+        let routed = router.route(&p, WorkerSet::EMPTY).unwrap();
+        on_d0 += usize::from(name(&routed.decision.decode) == "d0");
+    }
+    // 1,024 cached tokens are worth 4 requests of load (256 each): d0 takes the first ones,
+    // then the two share.
+    assert!((12..=14).contains(&on_d0), "{on_d0}");
+}
+
+#[test]
+fn load_reports_steer_away_from_busy_workers() {
+    let mut router = router(&[], &["d0", "d1"]);
+    let report = LoadReport {
+        running: 30,
+        waiting: 10,
+        free_pages: 100,
+        total_pages: 10_000,
+        evictable_pages: 0,
+    };
+    router.report_load(Role::Decode, &id("d0"), report).unwrap();
+    let p = prompt(0, 2048);
+    cache(&mut router, Role::Decode, "d0", &p, 128);
+    let decision = router.decide(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(name(&decision.decode), "d1", "{decision:?}");
+    let status = router.worker(Role::Decode, &id("d0")).unwrap();
+    assert_eq!((status.load.running, status.blocks), (30, 128));
+}
+
+#[test]
+fn workers_without_room_are_avoided() {
+    let mut router = router(&[], &["d0", "d1"]);
+    let full = LoadReport {
+        running: 0,
+        waiting: 0,
+        free_pages: 10,
+        total_pages: 10_000,
+        evictable_pages: 0,
+    };
+    router.report_load(Role::Decode, &id("d0"), full).unwrap();
+    // d0 caches half the prompt but has 10 pages for the other 64.
+    let p = prompt(0, 2048);
+    cache(&mut router, Role::Decode, "d0", &p, 64);
+    assert_eq!(
+        name(&router.decide(&p, WorkerSet::EMPTY).unwrap().decode),
+        "d1"
+    );
+    // With no room anywhere, the cheapest still gets it.
+    router.report_load(Role::Decode, &id("d1"), full).unwrap();
+    assert_eq!(
+        name(&router.decide(&p, WorkerSet::EMPTY).unwrap().decode),
+        "d0"
+    );
+}
+
+#[test]
+fn short_uncached_parts_prefill_locally() {
+    let policy = PolicyConfig {
+        local_prefill_threshold_tokens: 256,
+        ..PolicyConfig::default()
+    };
+    let mut router = router_with(policy, &["p0"], &["d0"]);
+    let short = router.decide(&prompt(0, 255), WorkerSet::EMPTY).unwrap();
+    assert_eq!(short.reason, Reason::LocalPrefill);
+    assert!(short.prefill.is_none());
+    assert_eq!(short.prefill_tokens(), 255);
+    assert_eq!(short.transferred_tokens(), 0);
+
+    let long = router.decide(&prompt(0, 256), WorkerSet::EMPTY).unwrap();
+    assert_eq!(long.reason, Reason::Disaggregated);
+    assert_eq!(name(long.prefill.as_ref().unwrap()), "p0");
+    assert_eq!(long.transferred_tokens(), 256);
+
+    // D caches all but 200 tokens of a long prompt: local again.
+    let p = prompt(0, 2000);
+    cache(&mut router, Role::Decode, "d0", &p, 113);
+    let mostly_cached = router.decide(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(mostly_cached.reason, Reason::LocalPrefill);
+    assert_eq!(mostly_cached.decode.cached_tokens, 1808);
+    assert_eq!(mostly_cached.prefill_tokens(), 192);
+}
+
+#[test]
+fn the_prefill_worker_is_chosen_by_its_own_cache() {
+    let mut router = router(&["p0", "p1", "p2"], &["d0"]);
+    let p = prompt(0, 2048);
+    cache(&mut router, Role::Prefill, "p1", &p, 96);
+    let decision = router.decide(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(decision.reason, Reason::Disaggregated);
+    let prefill = decision.prefill.as_ref().unwrap();
+    assert_eq!((name(prefill), prefill.cached_tokens), ("p1", 1536));
+    assert_eq!(decision.prefill_tokens(), 512);
+    assert_eq!(decision.transferred_tokens(), 2048);
+}
+
+#[test]
+fn no_prefill_workers_means_local_prefill() {
+    let mut router = router(&[], &["d0"]);
+    let decision = router.decide(&prompt(0, 4096), WorkerSet::EMPTY).unwrap();
+    assert_eq!(decision.reason, Reason::NoPrefillWorkers);
+    assert!(decision.prefill.is_none());
+    // Excluding the only prefill worker does the same.
+    let mut router = router_with(PolicyConfig::default(), &["p0"], &["d0"]);
+    let p0 = router.slot(Role::Prefill, &id("p0")).unwrap();
+    let decision = router
+        .decide(&prompt(0, 4096), WorkerSet::only(p0))
+        .unwrap();
+    assert_eq!(decision.reason, Reason::NoPrefillWorkers);
+}
+
+#[test]
+fn no_decode_workers_is_an_error() {
+    let mut router = router(&["p0"], &[]);
+    assert!(matches!(
+        router.decide(&prompt(0, 100), WorkerSet::EMPTY),
+        Err(Error::NoDecodeWorkers)
+    ));
+}
+
+#[test]
+fn mismatched_fingerprints_are_refused() {
+    let mut router = router(&["p0"], &["d0"]);
+    let err = router
+        .upsert_worker(info(Role::Prefill, "p1", FP + 1))
+        .unwrap_err();
+    assert!(matches!(err, Error::FingerprintMismatch { got, .. } if got == FP + 1));
+    assert!(err.to_string().contains("fingerprint"), "{err}");
+    assert!(router.worker(Role::Prefill, &id("p1")).is_none());
+
+    // A tracked worker that re-registers with another format is dropped.
+    let err = router
+        .upsert_worker(info(Role::Prefill, "p0", FP + 1))
+        .unwrap_err();
+    assert!(matches!(err, Error::FingerprintMismatch { .. }));
+    assert_eq!(router.stats().prefill_workers, 0);
+}
+
+#[test]
+fn prefill_and_decode_workers_pair_only_with_equal_fingerprints() {
+    // No expected fingerprint: both formats are tracked, but never paired.
+    let mut router = Router::new(RouterConfig::new(MODEL, PAGE)).unwrap();
+    router.upsert_worker(info(Role::Decode, "d-a", 1)).unwrap();
+    router.upsert_worker(info(Role::Prefill, "p-b", 2)).unwrap();
+    for i in 0..20 {
+        let decision = router
+            .decide(&prompt(i * 5000, 4096), WorkerSet::EMPTY)
+            .unwrap();
+        assert_eq!(decision.reason, Reason::NoPrefillWorkers);
+    }
+    router.upsert_worker(info(Role::Prefill, "p-a", 1)).unwrap();
+    router.upsert_worker(info(Role::Decode, "d-b", 2)).unwrap();
+    for i in 0..50 {
+        let decision = router
+            .decide(&prompt(i * 5000, 4096), WorkerSet::EMPTY)
+            .unwrap();
+        let prefill = decision.prefill.unwrap();
+        assert_eq!(
+            prefill.worker.kv_fingerprint,
+            decision.decode.worker.kv_fingerprint
+        );
+    }
+}
+
+#[test]
+fn other_models_page_sizes_and_routers_are_refused() {
+    let mut router = router(&[], &[]);
+    let other_model = WorkerInfo {
+        model: "llama".into(),
+        ..info(Role::Decode, "d0", FP)
+    };
+    assert!(matches!(
+        router.upsert_worker(other_model),
+        Err(Error::ModelMismatch { .. })
+    ));
+    let other_page = WorkerInfo {
+        page_size: 32,
+        ..info(Role::Decode, "d0", FP)
+    };
+    assert!(matches!(
+        router.upsert_worker(other_page),
+        Err(Error::PageSizeMismatch { .. })
+    ));
+    assert!(matches!(
+        router.upsert_worker(info(Role::Router, "r0", FP)),
+        Err(Error::NotAWorker { .. })
+    ));
+    // A discovery stream of all roles may carry routers: ignored.
+    router
+        .apply_worker_event(WorkerEvent::Added(info(Role::Router, "r0", 0)))
+        .unwrap();
+    assert!(router.workers().is_empty());
+    // A prompt hashed with another page size.
+    let ids: Vec<u32> = (0..64).collect();
+    router.upsert_worker(info(Role::Decode, "d0", FP)).unwrap();
+    assert!(matches!(
+        router.decide(&Prompt::new(&ids, 32).unwrap(), WorkerSet::EMPTY),
+        Err(Error::PromptPageSize { .. })
+    ));
+}
+
+#[test]
+fn discovery_events_add_update_and_remove_workers() {
+    let mut router = router(&[], &[]);
+    router
+        .apply_worker_event(WorkerEvent::Added(info(Role::Decode, "d0", FP)))
+        .unwrap();
+    router
+        .apply_worker_event(WorkerEvent::Added(info(Role::Prefill, "d0", FP)))
+        .unwrap();
+    assert_eq!(router.workers().len(), 2, "ids are unique per role");
+
+    let mut updated = info(Role::Decode, "d0", FP);
+    updated.addresses.grpc = "10.0.0.1:1".into();
+    updated.capacity.free_pages = 5;
+    router
+        .apply_worker_event(WorkerEvent::Updated(updated))
+        .unwrap();
+    let status = router.worker(Role::Decode, &id("d0")).unwrap();
+    assert_eq!(status.info.addresses.grpc, "10.0.0.1:1");
+    assert_eq!(status.load.available_pages, 5);
+
+    let p = prompt(0, 64);
+    cache(&mut router, Role::Decode, "d0", &p, 4);
+    assert_eq!(router.stats().index_blocks, 4);
+    router
+        .apply_worker_event(WorkerEvent::Removed {
+            role: Role::Decode,
+            id: id("d0"),
+        })
+        .unwrap();
+    assert_eq!(router.stats().index_blocks, 0);
+    assert_eq!(router.stats().decode_workers, 0);
+    assert!(matches!(
+        router.apply_kv_events(Role::Decode, &id("d0"), INSTANCE, &[]),
+        Err(Error::UnknownWorker { .. })
+    ));
+    assert!(router.remove_worker(Role::Decode, &id("d0")).is_none());
+}
+
+#[test]
+fn finishing_releases_load_and_a_reused_slot_is_never_debited() {
+    let mut router = router(&["p0"], &["d0"]);
+    let p = prompt(0, 2048);
+    let routed = router.route(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(routed.decision.reason, Reason::Disaggregated);
+    let load = |router: &Router, role, name| router.worker(role, &id(name)).unwrap().load;
+    assert_eq!(load(&router, Role::Decode, "d0").own_requests, 1);
+    assert_eq!(
+        load(&router, Role::Decode, "d0").available_pages,
+        10_000 - 128
+    );
+    assert_eq!(load(&router, Role::Prefill, "p0").own_requests, 1);
+
+    assert!(router.prefill_done(routed.ticket));
+    assert!(!router.prefill_done(routed.ticket));
+    assert_eq!(load(&router, Role::Prefill, "p0").own_requests, 0);
+    assert_eq!(load(&router, Role::Decode, "d0").own_requests, 1);
+
+    // d0 leaves and a new d1 takes its slot; finishing the old request must not touch d1.
+    let d1_before = {
+        router.remove_worker(Role::Decode, &id("d0"));
+        router.upsert_worker(info(Role::Decode, "d1", FP)).unwrap();
+        router.route(&p, WorkerSet::EMPTY).unwrap();
+        load(&router, Role::Decode, "d1")
+    };
+    assert!(router.finish(routed.ticket));
+    assert!(!router.finish(routed.ticket));
+    assert_eq!(load(&router, Role::Decode, "d1"), d1_before);
+}
+
+#[test]
+fn a_failed_prefill_moves_to_another_prefill_worker() {
+    let mut router = router(&["p0", "p1"], &["d0"]);
+    let p = prompt(0, 2048);
+    let routed = router.route(&p, WorkerSet::EMPTY).unwrap();
+    let first = routed.decision.prefill.unwrap();
+    let second = router.retry_prefill(routed.ticket, &p).unwrap().unwrap();
+    assert_ne!(name(&first), name(&second));
+    let own = |router: &Router, placement: &Placement| {
+        router
+            .worker(Role::Prefill, &placement.worker.id)
+            .unwrap()
+            .load
+            .own_requests
+    };
+    assert_eq!((own(&router, &first), own(&router, &second)), (0, 1));
+    // Both failed: none left.
+    assert!(router.retry_prefill(routed.ticket, &p).unwrap().is_none());
+    assert_eq!(own(&router, &second), 0);
+    assert!(router.finish(routed.ticket));
+    assert!(matches!(
+        router.retry_prefill(routed.ticket, &p),
+        Err(Error::UnknownTicket(_))
+    ));
+}
+
+#[test]
+fn wire_batches_and_snapshots_feed_the_index() {
+    let mut router = router(&[], &["d0"]);
+    let p = prompt(0, 64);
+    let batch = v1::KvEventBatch {
+        instance_id: 9,
+        events: vec![v1::KvEvent {
+            id: 3,
+            data: Some(v1::kv_event::Data::Stored(v1::BlocksStored {
+                parent: None,
+                blocks: p.hashes().iter().map(|h| h.0).collect(),
+            })),
+        }],
+    };
+    let report = router
+        .apply_kv_batch(Role::Decode, &id("d0"), batch)
+        .unwrap();
+    assert!(report.status.needs_snapshot());
+    assert!(
+        router
+            .worker(Role::Decode, &id("d0"))
+            .unwrap()
+            .needs_snapshot
+    );
+
+    let snapshot = v1::KvSnapshotResponse {
+        instance_id: 9,
+        last_event_id: 3,
+        blocks: p
+            .hashes()
+            .iter()
+            .map(|h| v1::CachedBlock {
+                hash: h.0,
+                parent: None,
+            })
+            .collect(),
+    };
+    let report = router
+        .apply_kv_snapshot_response(Role::Decode, &id("d0"), &snapshot)
+        .unwrap();
+    assert_eq!(report.status, SyncStatus::InSync);
+    assert_eq!(report.skipped, 1);
+    let decision = router.decide(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(decision.decode.cached_tokens, 64);
+
+    let invalid = v1::KvEventBatch {
+        instance_id: 9,
+        events: vec![v1::KvEvent { id: 4, data: None }],
+    };
+    assert!(matches!(
+        router.apply_kv_batch(Role::Decode, &id("d0"), invalid),
+        Err(Error::Convert(_))
+    ));
+}
+
+#[test]
+fn invalid_configs_are_refused() {
+    assert!(Router::new(RouterConfig::new(MODEL, 0)).is_err());
+    let mut config = RouterConfig::new(MODEL, PAGE);
+    config.policy.request_cost_tokens = f64::INFINITY;
+    assert!(Router::new(config).is_err());
+}
+
+#[test]
+fn too_many_workers_is_an_error() {
+    let mut router = router(&[], &[]);
+    for i in 0..MAX_WORKERS {
+        router
+            .upsert_worker(info(Role::Decode, &format!("d{i}"), FP))
+            .unwrap();
+    }
+    assert!(matches!(
+        router.upsert_worker(info(Role::Prefill, "one-more", FP)),
+        Err(Error::TooManyWorkers { .. })
+    ));
+}
