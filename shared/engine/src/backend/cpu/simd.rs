@@ -53,18 +53,52 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     });
 }
 
+/// Maximum of `x` (−∞ when empty), in eight lanes so the loop vectorizes.
+#[inline(always)]
+fn lane_max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    acc.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// Sum of `x` in eight lanes (vectorizes; also a little closer to a pairwise sum).
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// `x = exp((x - max) * scale)` for every value, then returns their sum. The exponentials and
+/// the sum are separate loops so both vectorize.
+#[inline(always)]
+fn exp_shifted(x: &mut [f32], max: f32, scale: f32) -> f32 {
+    for v in x.iter_mut() {
+        *v = exp((*v - max) * scale);
+    }
+    lane_sum(x)
+}
+
 /// In-place softmax of `x[..valid]` (scaled by `scale` first); `x[valid..]` is set to zero.
 pub fn softmax_prefix(x: &mut [f32], valid: usize, scale: f32) {
     dispatch!(softmax_prefix(x: &mut [f32], valid: usize, scale: f32) {
         let (live, dead) = x.split_at_mut(valid);
-        let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut sum = 0.0f32;
-        for v in live.iter_mut() {
-            let e = exp((*v - max) * scale);
-            *v = e;
-            sum += e;
-        }
-        let inv = 1.0 / sum;
+        let max = lane_max(live);
+        let inv = 1.0 / exp_shifted(live, max, scale);
         for v in live.iter_mut() {
             *v *= inv;
         }
@@ -152,13 +186,8 @@ pub fn attend_one_head(a: &OneHead<'_>, scores: &mut [f32], out: &mut [f32]) {
             let tail: f32 = a.q[d / 8 * 8..].iter().zip(&key[d / 8 * 8..]).map(|(x, y)| x * y).sum();
             *s = acc.iter().sum::<f32>() + tail;
         }
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut sum = 0.0f32;
-        for s in scores.iter_mut() {
-            let e = exp((*s - max) * a.scale);
-            *s = e;
-            sum += e;
-        }
+        let max = lane_max(scores);
+        let sum = exp_shifted(scores, max, a.scale);
         out.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
             let value = &a.values[j * a.stride..j * a.stride + d];
