@@ -7,6 +7,9 @@
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
+/// Longest context this engine accepts (RoPE tables are precomputed up to the context length).
+pub const MAX_CONTEXT: usize = 1 << 20;
+
 /// Model families. They share the Llama block (pre-norm, GQA attention with RoPE, SwiGLU FFN);
 /// the differences are flags on [`ModelConfig`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,8 +190,11 @@ impl ModelConfig {
                 self.rope_theta, self.rms_norm_eps
             ));
         }
-        if self.max_context == 0 {
-            return bad("context length must be positive".into());
+        if self.max_context == 0 || self.max_context > MAX_CONTEXT {
+            return bad(format!(
+                "context length {} must be between 1 and {MAX_CONTEXT}",
+                self.max_context
+            ));
         }
         Ok(())
     }

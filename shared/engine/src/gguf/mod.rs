@@ -41,7 +41,7 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// Number of elements.
+    /// Number of elements (checked at parse time to fit a `usize`).
     pub fn len(&self) -> u64 {
         self.dims.iter().product()
     }
@@ -134,6 +134,12 @@ impl GgufFile {
             let dims = (0..n_dims)
                 .map(|_| r.u64(&what))
                 .collect::<Result<Vec<_>>>()?;
+            let elements = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+            if elements.is_none_or(|n| usize::try_from(n).is_err()) {
+                return Err(Error::Malformed(format!(
+                    "tensor `{name}` has dims {dims:?}: too many elements"
+                )));
+            }
             let ggml_type = GgmlType::from_id(r.u32(&what)?);
             let offset = r.u64(&what)?;
             if by_name.insert(name.clone(), tensors.len()).is_some() {

@@ -131,3 +131,12 @@ fn opens_files_from_disk() {
         .unwrap();
     assert!(e.to_string().contains("absent.gguf"), "{e}");
 }
+
+#[test]
+fn absurd_dims_are_rejected() {
+    let image = GgufBuilder::new()
+        .tensor_raw("huge", &[1 << 40, 1 << 40], GgmlType::F32, vec![0; 4])
+        .build();
+    let e = GgufFile::from_bytes(image).err().unwrap();
+    assert!(e.to_string().contains("`huge`"), "{e}");
+}
