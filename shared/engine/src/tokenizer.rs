@@ -1,9 +1,10 @@
 //! Tokenizers: a `tokenizers::Tokenizer` rebuilt from GGUF metadata, plus the special token ids
 //! and chat template that come with it.
 //!
-//! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is supported. The pre-tokenizer splits
-//! every digit into its own piece, then applies GPT-2's byte-level split (the layout of the
-//! SmolLM/StarCoder family: `tokenizer.ggml.pre` = `smollm`, `starcoder`, ...); control and
+//! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is supported. For the SmolLM/StarCoder
+//! family (`tokenizer.ggml.pre` = `smollm`, `starcoder`, `refact`) the pre-tokenizer splits every
+//! digit into its own piece, then applies GPT-2's byte-level split; `gpt2`/absent means GPT-2's
+//! split alone; any other pre-tokenizer is refused by name rather than guessed. Control and
 //! user-defined tokens (types 3 and 4) are added as special tokens so they match as a whole in
 //! text such as chat templates.
 
@@ -61,12 +62,27 @@ impl Tokenizer {
             .build()
             .map_err(|e| Error::Tokenizer(format!("building BPE: {e}")))?;
 
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre = file
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let pre_tokenizer = match pre {
+            // Digits one by one, then GPT-2's split (SmolLM, StarCoder, Refact).
+            "smollm" | "starcoder" | "refact" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()])
+            }
+            "gpt2" | "default" => Sequence::new(vec![byte_level.into()]),
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "pre-tokenizer `{other}` (tokenizer.ggml.pre) is not supported \
+                     (supported: smollm, starcoder, refact, gpt2, default)"
+                )))
+            }
+        };
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner
-            .with_pre_tokenizer(Some(Sequence::new(vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, true, true).into(),
-            ])))
+            .with_pre_tokenizer(Some(pre_tokenizer))
             .with_decoder(Some(ByteLevelDecoder::default()))
             .with_post_processor(Some(ByteLevelProcessor::new(false, false, true)));
 
@@ -199,5 +215,35 @@ impl Tokenizer {
     /// The underlying `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgufBuilder, Value};
+    #[test]
+    fn tokenizer_refuses_unknown_pre_tokenizers() {
+        let tokens = ["a", "b", "ab"].map(|t| Value::String(t.into())).to_vec();
+        let base = || {
+            GgufBuilder::new()
+                .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
+                .meta("tokenizer.ggml.tokens", Value::Array(tokens.clone()))
+                .meta(
+                    "tokenizer.ggml.merges",
+                    Value::Array(vec![Value::String("a b".into())]),
+                )
+        };
+        let file = GgufFile::from_bytes(base().build()).unwrap();
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        assert_eq!(tok.encode("ab", false).unwrap(), [2]);
+        let file = GgufFile::from_bytes(
+            base()
+                .meta("tokenizer.ggml.pre", Value::String("llama-bpe".into()))
+                .build(),
+        )
+        .unwrap();
+        let e = Tokenizer::from_gguf(&file).err().unwrap();
+        assert!(e.to_string().contains("llama-bpe"), "{e}");
     }
 }
