@@ -5,7 +5,8 @@
 //! BF16/FP8/NVFP4 later) and which attention path runs (initial prefill, extend, decode) is the
 //! store's business. The protocol for one forward step of `n` tokens is
 //! [`KvStore::reserve`]`(n)`, then [`KvStore::attend`] once per layer in order, then
-//! [`KvStore::commit`]`(n)`. A step that fails before `commit` leaves `len()` unchanged.
+//! [`KvStore::commit`]`(n)`. A step that fails before `commit` leaves `len()` unchanged; what it
+//! reserved may stay reserved (see [`KvStore::reserve`]).
 
 use crate::backend::{AttentionArgs, AttnGeometry, Backend};
 use crate::config::ModelConfig;
@@ -37,8 +38,10 @@ pub trait KvStore<B: Backend>: Send {
         self.len() == 0
     }
 
-    /// Makes room for `n` more tokens (allocating pages, growing buffers), or fails without
-    /// side effects.
+    /// Makes sure positions `len()..len() + n` have room (allocating pages, growing buffers),
+    /// or fails. It is idempotent for a given `len()`: after a failed step (another sequence's
+    /// reserve or a later layer failed) the next step reserves again, and whatever the failed
+    /// step wrote past `len()` is overwritten.
     fn reserve(&mut self, backend: &B, n: usize) -> Result<()>;
 
     /// Stores layer `layer`'s K/V for the new tokens and writes their causal attention over the
