@@ -14,11 +14,17 @@
 pub mod backend;
 pub mod chat;
 pub mod config;
+pub mod detok;
 pub mod error;
 pub mod eval;
 pub mod gguf;
+pub mod hadamard;
 pub mod kv;
 pub mod model;
+pub mod paged;
+pub mod sampling;
+pub mod scheduler;
+pub mod stop;
 pub mod tokenizer;
 pub mod weights;
 

@@ -1,0 +1,495 @@
+//! The three attention paths over the paged KV cache — the CPU reference every other backend is
+//! compared with.
+//!
+//! 1. [`prefill`]: initial prefill, no cached prefix. Attention runs over BF16 Q and the prompt's
+//!    K/V rounded to the *work dtype* (FP8 for fp8 and nvfp4 caches, BF16 for a bf16 cache); the
+//!    same K/V (from f32) are quantized into pages. Nothing is read from the cache.
+//! 2. [`extend`]: a chunk after a cached prefix. The prefix is gathered from pages and dequantized
+//!    into one work-dtype [`Workspace`] — one layer's worth, reused by every layer — the chunk's
+//!    K/V are appended, attention runs over both, and the chunk is quantized into pages.
+//! 3. [`decode`]: one new token per sequence. Its K/V are written to pages first; attention then
+//!    reads every token from the pages, dequantizing one head vector at a time as it goes, with an
+//!    online softmax per page: no staging copy of the cache and no buffer that grows with context.
+//!
+//! Shapes are token-major: q is `[token][q_head][head_dim]`, k and v `[token][kv_head][head_dim]`,
+//! the output like q. Query head `h` attends with KV head `h / (q_heads / kv_heads)` (GQA).
+
+use nibble_kvcache::{HostPages, PageId, PagePool, SlotId};
+use nibble_kvfmt::{bf16, e4m3, fp8, nvfp4, KvDtype, KvPart, PageLayout};
+
+/// Errors of the attention paths: shape mismatches and cache errors.
+#[derive(Debug, thiserror::Error)]
+pub enum AttentionError {
+    #[error("{what}: expected {expected} values, got {actual}")]
+    Shape {
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    #[error("query heads ({q_heads}) must be a positive multiple of KV heads ({kv_heads})")]
+    Heads { q_heads: usize, kv_heads: usize },
+    #[error(transparent)]
+    Cache(#[from] nibble_kvcache::Error),
+}
+
+type Result<T> = std::result::Result<T, AttentionError>;
+
+/// The element type attention reads K/V in during prefill and extend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkDtype {
+    /// E4M3 with the (layer, K|V) global scale, for fp8 and nvfp4 caches.
+    Fp8,
+    /// BF16, for a bf16 cache.
+    Bf16,
+}
+
+impl WorkDtype {
+    pub fn for_cache(dtype: KvDtype) -> Self {
+        match dtype {
+            KvDtype::Bf16 => WorkDtype::Bf16,
+            KvDtype::Fp8 | KvDtype::Nvfp4 => WorkDtype::Fp8,
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            WorkDtype::Fp8 => 1,
+            WorkDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Reusable buffers for the attention paths: the work-dtype K/V workspace of one layer (shared
+/// by all layers, grown only when a longer context arrives) and small per-head scratch.
+#[derive(Debug)]
+pub struct Workspace {
+    dtype: WorkDtype,
+    /// K then V bytes of `[token][kv_head][head_dim]` in the work dtype.
+    k: Vec<u8>,
+    v: Vec<u8>,
+    /// One KV head of K and V decoded to f32 `[token][head_dim]`, the tile attention reads.
+    k_tile: Vec<f32>,
+    v_tile: Vec<f32>,
+    scores: Vec<f32>,
+    head: Vec<f32>,
+    q: Vec<f32>,
+}
+
+impl Workspace {
+    pub fn new(cache: KvDtype) -> Self {
+        Self {
+            dtype: WorkDtype::for_cache(cache),
+            k: Vec::new(),
+            v: Vec::new(),
+            k_tile: Vec::new(),
+            v_tile: Vec::new(),
+            scores: Vec::new(),
+            head: Vec::new(),
+            q: Vec::new(),
+        }
+    }
+
+    /// Bytes the K/V workspace holds now.
+    pub fn workspace_bytes(&self) -> usize {
+        self.k.capacity() + self.v.capacity()
+    }
+
+    fn reserve(&mut self, tokens: usize, layout: &PageLayout) {
+        let bytes = tokens * layout.kv_heads() * layout.head_dim() * self.dtype.bytes();
+        self.k.resize(bytes, 0);
+        self.v.resize(bytes, 0);
+    }
+
+    /// Encodes `x` (f32, whole tokens) into the workspace at token `at`.
+    fn store(&mut self, part: KvPart, at: usize, layout: &PageLayout, g: f32, x: &[f32]) {
+        let per_token = layout.kv_heads() * layout.head_dim() * self.dtype.bytes();
+        let dtype = self.dtype;
+        let buf = match part {
+            KvPart::K => &mut self.k,
+            KvPart::V => &mut self.v,
+        };
+        let dst = &mut buf[at * per_token..at * per_token + x.len() * dtype.bytes()];
+        match dtype {
+            WorkDtype::Fp8 => fp8::quantize_unchecked(x, g, dst),
+            WorkDtype::Bf16 => {
+                for (pair, value) in dst.chunks_exact_mut(2).zip(x) {
+                    pair.copy_from_slice(&bf16::encode(*value).to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Decodes KV head `head` of tokens `0..tokens` into the f32 tiles.
+    fn load_tiles(&mut self, head: usize, tokens: usize, layout: &PageLayout, g: (f32, f32)) {
+        let (heads, dim) = (layout.kv_heads(), layout.head_dim());
+        let width = self.dtype.bytes();
+        self.k_tile.resize(tokens * dim, 0.0);
+        self.v_tile.resize(tokens * dim, 0.0);
+        for (src, tile, g) in [
+            (&self.k, &mut self.k_tile, g.0),
+            (&self.v, &mut self.v_tile, g.1),
+        ] {
+            for t in 0..tokens {
+                let start = ((t * heads) + head) * dim * width;
+                let bytes = &src[start..start + dim * width];
+                let out = &mut tile[t * dim..(t + 1) * dim];
+                match self.dtype {
+                    WorkDtype::Fp8 => {
+                        for (o, b) in out.iter_mut().zip(bytes) {
+                            *o = e4m3::decode(*b) * g;
+                        }
+                    }
+                    WorkDtype::Bf16 => {
+                        for (o, p) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                            *o = bf16::decode(u16::from_le_bytes([p[0], p[1]]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Dot product written so the compiler vectorizes it.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+#[inline]
+fn axpy(acc: &mut [f32], alpha: f32, x: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a += alpha * v;
+    }
+}
+
+/// The geometry of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Heads {
+    fn of(layout: &PageLayout, q_heads: usize) -> Result<Self> {
+        let kv_heads = layout.kv_heads();
+        if q_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(AttentionError::Heads { q_heads, kv_heads });
+        }
+        Ok(Self {
+            q_heads,
+            kv_heads,
+            head_dim: layout.head_dim(),
+        })
+    }
+
+    fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+}
+
+fn check(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(AttentionError::Shape {
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+/// One layer's new tokens for one sequence: their projections after RoPE.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    pub layer: usize,
+    pub q_heads: usize,
+    /// `[token][q_head][head_dim]`.
+    pub q: &'a [f32],
+    /// `[token][kv_head][head_dim]`.
+    pub k: &'a [f32],
+    /// `[token][kv_head][head_dim]`.
+    pub v: &'a [f32],
+}
+
+impl Step<'_> {
+    /// Checks the shapes for `n` new tokens and returns the geometry.
+    fn heads(&self, layout: &PageLayout, n: usize, out: &[f32]) -> Result<Heads> {
+        let heads = Heads::of(layout, self.q_heads)?;
+        let qn = n * heads.q_heads * heads.head_dim;
+        let kn = n * heads.kv_heads * heads.head_dim;
+        check("q", qn, self.q.len())?;
+        check("k", kn, self.k.len())?;
+        check("v", kn, self.v.len())?;
+        check("output", qn, out.len())?;
+        Ok(heads)
+    }
+}
+
+/// Rounds q to BF16 (the precision the attention paths take Q in) into the workspace.
+fn bf16_q(ws: &mut Workspace, q: &[f32]) {
+    ws.q.clear();
+    ws.q.extend(q.iter().map(|x| bf16::decode(bf16::encode(*x))));
+}
+
+/// Causal attention of `n` queries at positions `start..start + n` over the workspace's first
+/// `start + n` tokens.
+fn attend_workspace(
+    ws: &mut Workspace,
+    layout: &PageLayout,
+    heads: Heads,
+    g: (f32, f32),
+    start: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let (dim, group) = (heads.head_dim, heads.group());
+    let scale = 1.0 / (dim as f32).sqrt();
+    let context = start + n;
+    for kv_head in 0..heads.kv_heads {
+        ws.load_tiles(kv_head, context, layout, g);
+        for h in kv_head * group..(kv_head + 1) * group {
+            for i in 0..n {
+                let visible = start + i + 1;
+                let qi = &ws.q[(i * heads.q_heads + h) * dim..][..dim];
+                ws.scores.clear();
+                ws.scores.extend(
+                    ws.k_tile
+                        .chunks_exact(dim)
+                        .take(visible)
+                        .map(|kj| dot(qi, kj) * scale),
+                );
+                let max = ws.scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+                let mut sum = 0.0;
+                for s in ws.scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out[(i * heads.q_heads + h) * dim..][..dim];
+                o.fill(0.0);
+                for (p, vj) in ws.scores.iter().zip(ws.v_tile.chunks_exact(dim)) {
+                    axpy(o, p / sum, vj);
+                }
+            }
+        }
+    }
+}
+
+fn global_scales(store: &HostPages, layer: usize) -> (f32, f32) {
+    let scales = store.scales();
+    (scales.get(layer, KvPart::K), scales.get(layer, KvPart::V))
+}
+
+/// The slot of token `t` of a sequence whose pages are `pages`.
+fn slot_of(pages: &[PageId], t: usize, page_size: usize) -> Result<SlotId> {
+    let page = pages.get(t / page_size).ok_or(AttentionError::Shape {
+        what: "pages covering the context",
+        expected: t / page_size + 1,
+        actual: pages.len(),
+    })?;
+    Ok(SlotId::new(*page, t % page_size, page_size))
+}
+
+/// One page's bytes seen as one layer's K and V.
+struct PageView<'a> {
+    bytes: &'a [u8],
+    layout: &'a PageLayout,
+    layer: usize,
+}
+
+impl PageView<'_> {
+    /// Dequantizes the `head` vector of `part` at `offset` into `out`.
+    fn head(&self, part: KvPart, head: usize, offset: usize, g: f32, out: &mut [f32]) {
+        let layout = self.layout;
+        let d = layout.data_offset(self.layer, part, head, offset);
+        let data = &self.bytes[d..d + layout.data_bytes()];
+        match layout.dtype() {
+            KvDtype::Nvfp4 => {
+                let s = layout.scale_offset(self.layer, part, head, offset);
+                let scales = &self.bytes[s..s + layout.scale_bytes()];
+                nvfp4::dequantize_unchecked(data, scales, g, out);
+            }
+            KvDtype::Fp8 => fp8::dequantize_unchecked(data, g, out),
+            KvDtype::Bf16 => {
+                for (o, p) in out.iter_mut().zip(data.chunks_exact(2)) {
+                    *o = bf16::decode(u16::from_le_bytes([p[0], p[1]]));
+                }
+            }
+        }
+    }
+}
+
+/// The page pool, the page bytes and the workspace one attention call works with.
+pub struct PagedCache<'a> {
+    pub pool: &'a PagePool,
+    pub store: &'a mut HostPages,
+    pub ws: &'a mut Workspace,
+}
+
+impl PagedCache<'_> {
+    /// Path 1: initial prefill of `slots.len()` tokens at positions `0..n`, with no cached prefix.
+    pub fn prefill(
+        &mut self,
+        step: Step<'_>,
+        slots: &[Option<SlotId>],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (pool, store, ws) = (self.pool, &mut *self.store, &mut *self.ws);
+        let layout = *store.layout();
+        let n = slots.len();
+        let heads = step.heads(&layout, n, out)?;
+        let g = global_scales(store, step.layer);
+        ws.reserve(n, &layout);
+        ws.store(KvPart::K, 0, &layout, g.0, step.k);
+        ws.store(KvPart::V, 0, &layout, g.1, step.v);
+        bf16_q(ws, step.q);
+        attend_workspace(ws, &layout, heads, g, 0, n, out);
+        store.write_kv(pool, step.layer, step.k, step.v, slots)?;
+        Ok(())
+    }
+
+    /// Path 2: a chunk of `slots.len()` tokens at positions `prefix..prefix + n` after `prefix`
+    /// tokens already in the sequence's `pages`.
+    pub fn extend(
+        &mut self,
+        step: Step<'_>,
+        pages: &[PageId],
+        prefix: usize,
+        slots: &[Option<SlotId>],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (pool, store, ws) = (self.pool, &mut *self.store, &mut *self.ws);
+        let layout = *store.layout();
+        let n = slots.len();
+        let heads = step.heads(&layout, n, out)?;
+        let g = global_scales(store, step.layer);
+        let (kv_heads, dim, page_size) = (layout.kv_heads(), layout.head_dim(), layout.page_size());
+        ws.reserve(prefix + n, &layout);
+        // Gather: dequantize the cached prefix token by token into the work dtype.
+        ws.head.resize(kv_heads * dim, 0.0);
+        let mut token = std::mem::take(&mut ws.head);
+        for t in 0..prefix {
+            let slot = slot_of(pages, t, page_size)?;
+            for (part, gp) in [(KvPart::K, g.0), (KvPart::V, g.1)] {
+                for (head, x) in token.chunks_exact_mut(dim).enumerate() {
+                    store.read_head(step.layer, part, slot, head, x)?;
+                }
+                ws.store(part, t, &layout, gp, &token);
+            }
+        }
+        ws.head = token;
+        ws.store(KvPart::K, prefix, &layout, g.0, step.k);
+        ws.store(KvPart::V, prefix, &layout, g.1, step.v);
+        bf16_q(ws, step.q);
+        attend_workspace(ws, &layout, heads, g, prefix, n, out);
+        store.write_kv(pool, step.layer, step.k, step.v, slots)?;
+        Ok(())
+    }
+
+    /// Path 3: one new token at position `context - 1` of a sequence whose `pages` cover `context`
+    /// tokens; `slot` is the new token's slot. The new K/V go to the page first, then attention reads
+    /// all `context` tokens straight from the pages.
+    pub fn decode(
+        &mut self,
+        step: Step<'_>,
+        pages: &[PageId],
+        context: usize,
+        slot: SlotId,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (pool, store, ws) = (self.pool, &mut *self.store, &mut *self.ws);
+        let layout = *store.layout();
+        let heads = step.heads(&layout, 1, out)?;
+        let page_size = layout.page_size();
+        check("context pages", context.div_ceil(page_size), pages.len())?;
+        if slot_of(pages, context - 1, page_size)? != slot {
+            return Err(AttentionError::Shape {
+                what: "new token's slot (the context's last position)",
+                expected: slot_of(pages, context - 1, page_size)?.0 as usize,
+                actual: slot.0 as usize,
+            });
+        }
+        store.write_kv(pool, step.layer, step.k, step.v, &[Some(slot)])?;
+        let g = global_scales(store, step.layer);
+        bf16_q(ws, step.q);
+        let (dim, group) = (heads.head_dim, heads.group());
+        let scale = 1.0 / (dim as f32).sqrt();
+        ws.head.resize(dim, 0.0);
+        ws.scores.resize(group * page_size, 0.0);
+        // Online softmax state per query head of the group: running max, running sum, and the
+        // unnormalized output accumulated in `out`.
+        let mut max = vec![f32::NEG_INFINITY; group];
+        let mut sum = vec![0.0f32; group];
+        for kv_head in 0..heads.kv_heads {
+            let hq = kv_head * group;
+            let q = &ws.q[hq * dim..(hq + group) * dim];
+            let acc = &mut out[hq * dim..(hq + group) * dim];
+            acc.fill(0.0);
+            max.fill(f32::NEG_INFINITY);
+            sum.fill(0.0);
+            for (p, page) in pages.iter().enumerate() {
+                let view = PageView {
+                    bytes: store.page(*page)?,
+                    layout: &layout,
+                    layer: step.layer,
+                };
+                let tokens = (context - p * page_size).min(page_size);
+                // Scores of this page's tokens for every query head of the group: each K vector is
+                // dequantized once for the whole group.
+                for t in 0..tokens {
+                    view.head(KvPart::K, kv_head, t, g.0, &mut ws.head);
+                    for j in 0..group {
+                        ws.scores[j * page_size + t] =
+                            dot(&q[j * dim..(j + 1) * dim], &ws.head) * scale;
+                    }
+                }
+                for j in 0..group {
+                    let scores = &mut ws.scores[j * page_size..j * page_size + tokens];
+                    let page_max = scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+                    let new_max = max[j].max(page_max);
+                    let correction = (max[j] - new_max).exp();
+                    sum[j] *= correction;
+                    for a in acc[j * dim..(j + 1) * dim].iter_mut() {
+                        *a *= correction;
+                    }
+                    for s in scores.iter_mut() {
+                        *s = (*s - new_max).exp();
+                        sum[j] += *s;
+                    }
+                    max[j] = new_max;
+                }
+                for t in 0..tokens {
+                    view.head(KvPart::V, kv_head, t, g.1, &mut ws.head);
+                    for j in 0..group {
+                        let w = ws.scores[j * page_size + t];
+                        axpy(&mut acc[j * dim..(j + 1) * dim], w, &ws.head);
+                    }
+                }
+            }
+            for j in 0..group {
+                for a in acc[j * dim..(j + 1) * dim].iter_mut() {
+                    *a /= sum[j];
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,339 @@
+use nibble_kvcache::{GlobalScales, HostPages, PageTable, PoolPlan};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::*;
+
+const Q_HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const DIM: usize = 32;
+const PAGE: usize = 8;
+const LAYERS: usize = 2;
+
+fn pool(dtype: KvDtype) -> (PagePool, HostPages) {
+    let layout = PageLayout::new(LAYERS, KV_HEADS, DIM, PAGE, dtype).unwrap();
+    let scales = GlobalScales {
+        k: vec![0.5, 2.0],
+        v: vec![1.0, 0.25],
+    };
+    let plan = PoolPlan::for_pages(layout, 16).unwrap();
+    (PagePool::new(plan), HostPages::new(plan, scales).unwrap())
+}
+
+fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-3.0f32..3.0)).collect()
+}
+
+/// Plain causal attention in f32 over explicit K/V: the definition the paths must meet.
+fn reference(q: &[f32], k: &[f32], v: &[f32], start: usize) -> Vec<f32> {
+    let n = q.len() / (Q_HEADS * DIM);
+    let mut out = vec![0.0f32; q.len()];
+    for i in 0..n {
+        for h in 0..Q_HEADS {
+            let kvh = h / (Q_HEADS / KV_HEADS);
+            let qi = &q[(i * Q_HEADS + h) * DIM..][..DIM];
+            let visible = start + i + 1;
+            let scores: Vec<f32> = (0..visible)
+                .map(|j| {
+                    let kj = &k[(j * KV_HEADS + kvh) * DIM..][..DIM];
+                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() / (DIM as f32).sqrt()
+                })
+                .collect();
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+            let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f32 = weights.iter().sum();
+            for (j, w) in weights.iter().enumerate() {
+                let vj = &v[(j * KV_HEADS + kvh) * DIM..][..DIM];
+                for d in 0..DIM {
+                    out[(i * Q_HEADS + h) * DIM + d] += w / total * vj[d];
+                }
+            }
+        }
+    }
+    out
+}
+
+fn cache<'a>(
+    pool: &'a PagePool,
+    store: &'a mut HostPages,
+    ws: &'a mut Workspace,
+) -> PagedCache<'a> {
+    PagedCache { pool, store, ws }
+}
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|v| bf16::decode(bf16::encode(*v))).collect()
+}
+
+fn round_fp8(x: &[f32], g: f32) -> Vec<f32> {
+    x.iter()
+        .map(|v| e4m3::decode(e4m3::encode(v / g)) * g)
+        .collect()
+}
+
+/// What the pages hold for `tokens` tokens of a sequence, dequantized.
+fn cached(
+    store: &HostPages,
+    layer: usize,
+    pages: &[PageId],
+    tokens: usize,
+    part: KvPart,
+) -> Vec<f32> {
+    let mut all = Vec::new();
+    let mut x = vec![0.0f32; DIM];
+    for t in 0..tokens {
+        let slot = SlotId::new(pages[t / PAGE], t % PAGE, PAGE);
+        for h in 0..KV_HEADS {
+            store.read_head(layer, part, slot, h, &mut x).unwrap();
+            all.extend_from_slice(&x);
+        }
+    }
+    all
+}
+
+fn assert_close(a: &[f32], b: &[f32], tolerance: f32, what: &str) {
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= tolerance, "{what}: max abs difference {worst}");
+}
+
+/// How close each dtype's attention output stays to f32 attention on uniform random K/V/Q.
+fn min_cosine(dtype: KvDtype) -> f32 {
+    match dtype {
+        KvDtype::Bf16 => 0.9999,
+        KvDtype::Fp8 => 0.995,
+        KvDtype::Nvfp4 => 0.98,
+    }
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb: f32 = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (na * nb)
+}
+
+#[test]
+fn prefill_attends_over_work_dtype_kv_and_writes_pages() {
+    for dtype in KvDtype::ALL {
+        let mut rng = StdRng::seed_from_u64(1);
+        let (mut pool, mut store) = pool(dtype);
+        let mut ws = Workspace::new(dtype);
+        let n = 19;
+        let (q, k, v) = (
+            random(&mut rng, n * Q_HEADS * DIM),
+            random(&mut rng, n * KV_HEADS * DIM),
+            random(&mut rng, n * KV_HEADS * DIM),
+        );
+        let mut table = PageTable::new();
+        let slots: Vec<_> = table
+            .append(&mut pool, n)
+            .unwrap()
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut out = vec![0.0f32; q.len()];
+        let step = Step {
+            layer: 1,
+            q_heads: Q_HEADS,
+            q: &q,
+            k: &k,
+            v: &v,
+        };
+        cache(&pool, &mut store, &mut ws)
+            .prefill(step, &slots, &mut out)
+            .unwrap();
+        let (kw, vw) = match dtype {
+            KvDtype::Bf16 => (round_bf16(&k), round_bf16(&v)),
+            _ => (round_fp8(&k, 2.0), round_fp8(&v, 0.25)),
+        };
+        let expected = reference(&round_bf16(&q), &kw, &vw, 0);
+        assert_close(&out, &expected, 1e-5, dtype.name());
+        // The pages hold the f32 K quantized directly (not the work-dtype copy).
+        let stored = cached(&store, 1, table.pages(), n, KvPart::K);
+        let direct: Vec<f32> = k
+            .chunks_exact(DIM)
+            .flat_map(|x| {
+                let bytes = nibble_kvfmt::interchange::encode(dtype, DIM, 2.0, x).unwrap();
+                nibble_kvfmt::interchange::decode(dtype, DIM, 2.0, &bytes).unwrap()
+            })
+            .collect();
+        assert_eq!(stored, direct, "{dtype}");
+        table.release(&mut pool).unwrap();
+        assert_eq!(pool.free_pages(), pool.total_pages());
+    }
+}
+
+#[test]
+fn extend_gathers_the_prefix_into_the_workspace() {
+    for dtype in KvDtype::ALL {
+        let mut rng = StdRng::seed_from_u64(2);
+        let (mut pool, mut store) = pool(dtype);
+        let mut ws = Workspace::new(dtype);
+        let (p, n) = (21, 11);
+        let total = p + n;
+        // Queries of moderate size, so the softmax is not a near one-hot that amplifies rounding.
+        let q: Vec<f32> = random(&mut rng, total * Q_HEADS * DIM)
+            .iter()
+            .map(|x| x / 3.0)
+            .collect();
+        let k = random(&mut rng, total * KV_HEADS * DIM);
+        let v = random(&mut rng, total * KV_HEADS * DIM);
+        let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
+        let mut table = PageTable::new();
+        let first: Vec<_> = table
+            .append(&mut pool, p)
+            .unwrap()
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut out = vec![0.0f32; p * qs];
+        let step = Step {
+            layer: 0,
+            q_heads: Q_HEADS,
+            q: &q[..p * qs],
+            k: &k[..p * ks],
+            v: &v[..p * ks],
+        };
+        cache(&pool, &mut store, &mut ws)
+            .prefill(step, &first, &mut out)
+            .unwrap();
+        let chunk: Vec<_> = table
+            .append(&mut pool, n)
+            .unwrap()
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut out = vec![0.0f32; n * qs];
+        let step = Step {
+            layer: 0,
+            q_heads: Q_HEADS,
+            q: &q[p * qs..],
+            k: &k[p * ks..],
+            v: &v[p * ks..],
+        };
+        cache(&pool, &mut store, &mut ws)
+            .extend(step, table.pages(), p, &chunk, &mut out)
+            .unwrap();
+        // Expected: prefix from the pages rounded to the work dtype, chunk rounded directly.
+        let work = |x: &[f32], g: f32| match dtype {
+            KvDtype::Bf16 => round_bf16(x),
+            _ => round_fp8(x, g),
+        };
+        let mut kw = work(&cached(&store, 0, table.pages(), p, KvPart::K), 0.5);
+        kw.extend(work(&k[p * ks..], 0.5));
+        let mut vw = work(&cached(&store, 0, table.pages(), p, KvPart::V), 1.0);
+        vw.extend(work(&v[p * ks..], 1.0));
+        let expected = reference(&round_bf16(&q[p * qs..]), &kw, &vw, p);
+        assert_close(&out, &expected, 1e-5, dtype.name());
+        // And it stays close to exact attention.
+        let exact = reference(&q[p * qs..], &k, &v, p);
+        let c = cosine(&out, &exact);
+        assert!(
+            c > min_cosine(dtype),
+            "{dtype}: cosine to f32 attention {c}"
+        );
+        table.release(&mut pool).unwrap();
+    }
+}
+
+#[test]
+fn decode_reads_pages_directly() {
+    for dtype in KvDtype::ALL {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (mut pool, mut store) = pool(dtype);
+        let mut ws = Workspace::new(dtype);
+        let p = 23;
+        let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
+        let k = random(&mut rng, (p + 3) * ks);
+        let v = random(&mut rng, (p + 3) * ks);
+        let q: Vec<f32> = random(&mut rng, (p + 3) * qs)
+            .iter()
+            .map(|x| x / 3.0)
+            .collect();
+        let mut table = PageTable::new();
+        let first: Vec<_> = table
+            .append(&mut pool, p)
+            .unwrap()
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut out = vec![0.0f32; p * qs];
+        let step = Step {
+            layer: 1,
+            q_heads: Q_HEADS,
+            q: &q[..p * qs],
+            k: &k[..p * ks],
+            v: &v[..p * ks],
+        };
+        cache(&pool, &mut store, &mut ws)
+            .prefill(step, &first, &mut out)
+            .unwrap();
+        for t in p..p + 3 {
+            let slot = table.append(&mut pool, 1).unwrap()[0];
+            let mut out = vec![0.0f32; qs];
+            let step = Step {
+                layer: 1,
+                q_heads: Q_HEADS,
+                q: &q[t * qs..(t + 1) * qs],
+                k: &k[t * ks..(t + 1) * ks],
+                v: &v[t * ks..(t + 1) * ks],
+            };
+            cache(&pool, &mut store, &mut ws)
+                .decode(step, table.pages(), t + 1, slot, &mut out)
+                .unwrap();
+            let kc = cached(&store, 1, table.pages(), t + 1, KvPart::K);
+            let vc = cached(&store, 1, table.pages(), t + 1, KvPart::V);
+            let expected = reference(&round_bf16(&q[t * qs..(t + 1) * qs]), &kc, &vc, t);
+            assert_close(&out, &expected, 1e-5, dtype.name());
+            let exact = reference(
+                &q[t * qs..(t + 1) * qs],
+                &k[..(t + 1) * ks],
+                &v[..(t + 1) * ks],
+                t,
+            );
+            let c = cosine(&out, &exact);
+            assert!(
+                c > min_cosine(dtype),
+                "{dtype}: cosine to f32 attention {c}"
+            );
+        }
+        table.release(&mut pool).unwrap();
+        assert_eq!(pool.free_pages(), pool.total_pages());
+    }
+}
+
+#[test]
+fn shape_errors_name_the_buffer() {
+    let (mut pool, mut store) = pool(KvDtype::Nvfp4);
+    let mut ws = Workspace::new(KvDtype::Nvfp4);
+    let q = vec![0.0f32; Q_HEADS * DIM];
+    let kv = vec![0.0f32; KV_HEADS * DIM];
+    let mut out = vec![0.0f32; Q_HEADS * DIM];
+    let slot = pool.alloc(1).unwrap()[0];
+    let slots = [Some(SlotId::new(slot, 0, PAGE))];
+    let step = Step {
+        layer: 0,
+        q_heads: Q_HEADS,
+        q: &q,
+        k: &kv[1..],
+        v: &kv,
+    };
+    let err = cache(&pool, &mut store, &mut ws)
+        .prefill(step, &slots, &mut out)
+        .unwrap_err();
+    assert_eq!(err.to_string(), "k: expected 64 values, got 63");
+    let step = Step {
+        layer: 0,
+        q_heads: 3,
+        q: &q,
+        k: &kv,
+        v: &kv,
+    };
+    let err = cache(&pool, &mut store, &mut ws)
+        .prefill(step, &slots, &mut out)
+        .unwrap_err();
+    assert!(matches!(err, AttentionError::Heads { .. }));
+}

@@ -1,0 +1,263 @@
+//! Sampling: turning one position's logits into the next token.
+//!
+//! [`SamplingParams`] are validated once ([`SamplingParams::validate`] names the field that is out
+//! of range); a [`Sampler`] then holds one sequence's random state. The order of operations is the
+//! usual one: repetition penalty over every token seen so far (prompt and output), then greedy
+//! when temperature is 0, else temperature, top-k, top-p and min-p filtering, renormalization and a
+//! draw. The log-probability reported for the chosen token is under the model's own distribution
+//! (the raw logits' softmax), so it does not depend on the sampling settings.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// Largest `max_tokens` a request may ask for.
+pub const MAX_TOKENS_LIMIT: u32 = 32_768;
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 is greedy; otherwise logits are divided by it. 0 to 2.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; `None` keeps all.
+    pub top_k: Option<u32>,
+    /// Keep the smallest set of tokens whose probability reaches top_p; in (0, 1].
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p times the most likely one; in [0, 1).
+    pub min_p: f32,
+    /// > 1 discourages tokens already seen, < 1 encourages them; 1 is off. In (0, 10].
+    pub repetition_penalty: f32,
+    /// Seed of the sequence's random state; `None` draws one.
+    pub seed: Option<u64>,
+    /// Tokens to generate at most; 1 to 32768.
+    pub max_tokens: u32,
+    /// Token ids that end generation (the model's end-of-sequence ids are added by the engine).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation; the text stops before them.
+    pub stop: Vec<String>,
+    /// Report the log-probability of each chosen token.
+    pub logprobs: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            max_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            logprobs: false,
+        }
+    }
+}
+
+/// A sampling parameter out of range, naming the field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field} must be {expected}, got {got}")]
+pub struct InvalidParam {
+    pub field: &'static str,
+    pub expected: &'static str,
+    pub got: String,
+}
+
+fn invalid(field: &'static str, expected: &'static str, got: impl ToString) -> InvalidParam {
+    InvalidParam {
+        field,
+        expected,
+        got: got.to_string(),
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_tokens` tokens.
+    pub fn greedy(max_tokens: u32) -> Self {
+        Self {
+            temperature: 0.0,
+            max_tokens,
+            ..Self::default()
+        }
+    }
+
+    /// Checks every field's range.
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        let t = self.temperature;
+        if !(0.0..=2.0).contains(&t) {
+            return Err(invalid("temperature", "between 0 and 2", t));
+        }
+        if self.top_k == Some(0) {
+            return Err(invalid("top_k", "at least 1 (or unset)", 0));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(invalid("top_p", "in (0, 1]", self.top_p));
+        }
+        if !(0.0..1.0).contains(&self.min_p) {
+            return Err(invalid("min_p", "in [0, 1)", self.min_p));
+        }
+        let r = self.repetition_penalty;
+        if !(r > 0.0 && r <= 10.0) {
+            return Err(invalid("repetition_penalty", "in (0, 10]", r));
+        }
+        if !(1..=MAX_TOKENS_LIMIT).contains(&self.max_tokens) {
+            return Err(invalid(
+                "max_tokens",
+                "between 1 and 32768",
+                self.max_tokens,
+            ));
+        }
+        if let Some(s) = self.stop.iter().find(|s| s.is_empty()) {
+            return Err(invalid("stop", "non-empty strings", format!("{s:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// One draw: the token and, when asked for, its log-probability.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<f32>,
+}
+
+/// One sequence's sampler.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// Candidate (token, weight) pairs, reused across steps.
+    candidates: Vec<(u32, f32)>,
+    /// Tokens already penalized in this step, reused across steps.
+    marked: Vec<bool>,
+}
+
+/// log-softmax of `logits[token]`.
+fn logprob(logits: &[f32], token: usize) -> f32 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+    let sum: f32 = logits.iter().map(|x| (x - max).exp()).sum();
+    logits[token] - max - sum.ln()
+}
+
+fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, x) in logits.iter().enumerate() {
+        if *x > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+impl Sampler {
+    /// A sampler for validated `params`.
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = match params.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_entropy(),
+        };
+        Self {
+            params,
+            rng,
+            candidates: Vec::new(),
+            marked: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` (modified in place by the penalty), given every token
+    /// the sequence has seen so far.
+    pub fn sample(&mut self, logits: &mut [f32], seen: &[u32]) -> Sampled {
+        let p = &self.params;
+        // Log-probabilities come from the raw logits, before the penalty changes them.
+        let raw = (p.logprobs && p.repetition_penalty != 1.0).then(|| logits.to_vec());
+        if p.repetition_penalty != 1.0 {
+            self.penalize(logits, seen);
+        }
+        let token = if self.params.temperature == 0.0 {
+            argmax(logits)
+        } else {
+            self.draw(logits)
+        };
+        let logprob = self
+            .params
+            .logprobs
+            .then(|| logprob(raw.as_deref().unwrap_or(logits), token));
+        Sampled {
+            token: token as u32,
+            logprob,
+        }
+    }
+
+    /// Applies the repetition penalty once to each distinct token in `seen`.
+    fn penalize(&mut self, logits: &mut [f32], seen: &[u32]) {
+        let penalty = self.params.repetition_penalty;
+        let vocab = logits.len();
+        self.marked.resize(vocab, false);
+        for t in seen.iter().map(|t| *t as usize).filter(|t| *t < vocab) {
+            if !std::mem::replace(&mut self.marked[t], true) {
+                let x = &mut logits[t];
+                *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
+            }
+        }
+        for t in seen.iter().map(|t| *t as usize).filter(|t| *t < vocab) {
+            self.marked[t] = false;
+        }
+    }
+
+    /// Temperature, top-k, top-p, min-p, then a draw.
+    fn draw(&mut self, logits: &[f32]) -> usize {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (i as u32, ((x - max) * inv_t).exp())),
+        );
+        let by_weight = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if let Some(k) = p.top_k {
+            let k = (k as usize).min(c.len());
+            if k < c.len() {
+                c.select_nth_unstable_by(k - 1, by_weight);
+                c.truncate(k);
+            }
+        }
+        if p.top_p < 1.0 || p.min_p > 0.0 {
+            c.sort_unstable_by(by_weight);
+            let total: f32 = c.iter().map(|x| x.1).sum();
+            let floor = p.min_p * c[0].1;
+            let mut cumulative = 0.0;
+            let mut keep = 0;
+            for (_, w) in c.iter() {
+                if *w < floor || cumulative >= p.top_p * total {
+                    break;
+                }
+                cumulative += w;
+                keep += 1;
+            }
+            c.truncate(keep.max(1));
+        }
+        let total: f32 = c.iter().map(|x| x.1).sum();
+        let mut r = self.rng.gen::<f32>() * total;
+        for (token, w) in c.iter() {
+            if r < *w {
+                return *token as usize;
+            }
+            r -= w;
+        }
+        c.last().expect("at least one candidate").0 as usize
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,505 @@
+//! Continuous batching: which tokens of which sequences run in the next forward step.
+//!
+//! [`State`] is plain data, owned by the engine's step loop and tested without a model or a
+//! runtime. Each step:
+//!
+//! 1. every running sequence that has finished its prompt gets one decode token;
+//! 2. sequences still in their prompt get the next chunk, within the step's token budget
+//!    (chunked prefill);
+//! 3. waiting requests are admitted in arrival order while the budget, the running limit and the
+//!    free pages allow: each first takes the longest cached prefix from the radix cache, then
+//!    pages for its first chunk.
+//!
+//! When a page cannot be had, the prefix cache evicts unused blocks; when that is not enough for a
+//! running decode, the most recently admitted sequence is preempted by recompute: its pages are
+//! released and it rejoins the front of the queue with its prompt and output so far, to be
+//! prefilled again (often largely from the prefix cache). After the model runs,
+//! [`State::complete`] appends the sampled tokens, caches newly filled pages, and retires finished
+//! sequences. [`State::abort`] frees a request's pages at any point.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use nibble_kvcache::{hash_blocks, BlockHash, PagePool, PageTable, RadixCache, SlotId};
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens processed per step, decode and prefill together.
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+    /// Requests waiting for admission before new ones are refused.
+    pub max_waiting: usize,
+    /// Longest sequence (prompt + output) the model accepts.
+    pub max_context: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_tokens: 512,
+            max_running: 64,
+            max_waiting: 256,
+            max_context: 8192,
+        }
+    }
+}
+
+/// A request's id, unique within one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced `max_tokens` tokens.
+    Length,
+    /// It produced a stop token (or the engine found a stop string).
+    Stop,
+    /// The caller aborted it.
+    Aborted,
+}
+
+/// Refusals at submission.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} tokens")]
+    TooLong {
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
+    #[error("request needs {needed} KV pages but the pool has only {total}")]
+    TooLarge { needed: usize, total: usize },
+    #[error("{waiting} requests are already waiting; try again later")]
+    QueueFull { waiting: usize },
+    #[error("request {0:?} already exists")]
+    Duplicate(SeqId),
+}
+
+/// Which attention path an item runs through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// The sequence's first tokens: nothing cached.
+    Prefill,
+    /// More tokens after a prefix already in pages.
+    Extend,
+    /// One token after a prefix already in pages.
+    Decode,
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item {
+    pub seq: SeqId,
+    /// Positions of the tokens processed now.
+    pub positions: Range<usize>,
+    /// Their token ids.
+    pub tokens: Vec<u32>,
+    /// Their cache slots, in order.
+    pub slots: Vec<SlotId>,
+    pub path: Path,
+    /// Whether the step must sample a token after the last position (the prompt is done).
+    pub sample: bool,
+}
+
+/// What the model runs next.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Batch {
+    pub items: Vec<Item>,
+}
+
+impl Batch {
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.items.iter().map(|i| i.tokens.len()).sum()
+    }
+}
+
+/// What happened to a sequence after a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// It produced this token and goes on.
+    Token(u32),
+    /// It produced this token (or none, when aborted or stopped by the caller) and finished.
+    Finished(Option<u32>, FinishReason),
+}
+
+#[derive(Debug)]
+struct Sequence {
+    id: SeqId,
+    /// Prompt then output so far.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    /// Tokens whose K/V are in `table`.
+    computed: usize,
+    table: PageTable,
+    /// Cached blocks this sequence locked when it was admitted.
+    locked: Vec<BlockHash>,
+    /// Full pages already offered to the prefix cache.
+    cached_pages: usize,
+    /// Cached tokens it started from, for usage reporting.
+    prefix_hit: usize,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// A request to start.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    pub id: SeqId,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub stop_tokens: Vec<u32>,
+}
+
+/// The scheduler's state: queues, pages, prefix cache.
+#[derive(Debug)]
+pub struct State {
+    config: SchedulerConfig,
+    pub pool: PagePool,
+    pub cache: RadixCache,
+    waiting: VecDeque<Sequence>,
+    /// In admission order: preemption takes from the back.
+    running: Vec<Sequence>,
+    preemptions: u64,
+}
+
+impl State {
+    pub fn new(config: SchedulerConfig, pool: PagePool, cache: RadixCache) -> Self {
+        Self {
+            config,
+            pool,
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+        }
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Sequences preempted by recompute so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    fn page_size(&self) -> usize {
+        self.pool.layout().page_size()
+    }
+
+    /// Queues a request, or refuses it with the reason.
+    pub fn submit(&mut self, request: NewRequest) -> Result<(), SubmitError> {
+        if request.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        let total = request.prompt.len() + request.max_tokens;
+        if total > self.config.max_context {
+            return Err(SubmitError::TooLong {
+                prompt: request.prompt.len(),
+                max_tokens: request.max_tokens,
+                context: self.config.max_context,
+            });
+        }
+        let needed = total.div_ceil(self.page_size());
+        if needed > self.pool.total_pages() {
+            return Err(SubmitError::TooLarge {
+                needed,
+                total: self.pool.total_pages(),
+            });
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(SubmitError::QueueFull {
+                waiting: self.waiting.len(),
+            });
+        }
+        let exists = |s: &Sequence| s.id == request.id;
+        if self.waiting.iter().any(exists) || self.running.iter().any(exists) {
+            return Err(SubmitError::Duplicate(request.id));
+        }
+        self.waiting.push_back(Sequence {
+            id: request.id,
+            prompt_len: request.prompt.len(),
+            tokens: request.prompt,
+            max_tokens: request.max_tokens,
+            stop_tokens: request.stop_tokens,
+            computed: 0,
+            table: PageTable::new(),
+            locked: Vec::new(),
+            cached_pages: 0,
+            prefix_hit: 0,
+        });
+        Ok(())
+    }
+
+    /// Allocates `n` pages' worth of room for `seq`'s next tokens, evicting cached blocks if
+    /// needed. Returns the slots, or None when the pool cannot supply them.
+    fn grow(
+        pool: &mut PagePool,
+        cache: &mut RadixCache,
+        table: &mut PageTable,
+        n: usize,
+    ) -> Option<Vec<SlotId>> {
+        let need = table.pages_needed(n, pool.layout().page_size());
+        if need > pool.free_pages() {
+            let missing = need - pool.free_pages();
+            cache.evict(pool, missing).expect("cache pages are valid");
+        }
+        table.append(pool, n).ok()
+    }
+
+    /// Releases everything a sequence holds.
+    fn release(&mut self, seq: &mut Sequence) {
+        self.cache_full_pages(seq);
+        self.cache.unlock(&seq.locked).expect("locked at admission");
+        seq.locked.clear();
+        seq.table.release(&mut self.pool).expect("held pages");
+    }
+
+    /// Offers the sequence's newly filled full pages to the prefix cache.
+    fn cache_full_pages(&mut self, seq: &mut Sequence) {
+        let page_size = self.page_size();
+        let full = seq.computed / page_size;
+        if full > seq.cached_pages {
+            let hashes = hash_blocks(&seq.tokens[..full * page_size], page_size);
+            self.cache
+                .insert(&mut self.pool, &hashes, &seq.table.pages()[..full])
+                .expect("pages held by the sequence");
+            seq.cached_pages = full;
+        }
+    }
+
+    /// Preempts the most recently admitted running sequence other than `keep`: its pages go
+    /// back and it waits again at the front of the queue. Returns the victim's index.
+    fn preempt_one(&mut self, keep: usize) -> Option<usize> {
+        let victim = (0..self.running.len()).rev().find(|i| *i != keep)?;
+        let seq = self.running.remove(victim);
+        self.requeue(seq);
+        self.preemptions += 1;
+        Some(victim)
+    }
+
+    /// Releases a sequence's pages and puts it at the front of the queue to be recomputed.
+    fn requeue(&mut self, mut seq: Sequence) {
+        self.release(&mut seq);
+        seq.computed = 0;
+        seq.cached_pages = 0;
+        self.waiting.push_front(seq);
+    }
+
+    /// Chooses the next step's work.
+    pub fn schedule(&mut self) -> Batch {
+        let mut budget = self.config.max_batch_tokens;
+        let mut items = Vec::new();
+        let page_size = self.page_size();
+        // 1. Decodes, oldest first; preempt from the newest when pages run out.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let seq = &self.running[i];
+            if seq.computed + 1 != seq.tokens.len() {
+                i += 1;
+                continue;
+            }
+            let (pool, cache) = (&mut self.pool, &mut self.cache);
+            let seq = &mut self.running[i];
+            match Self::grow(pool, cache, &mut seq.table, 1) {
+                Some(slots) => {
+                    let p = seq.computed;
+                    items.push(Item {
+                        seq: seq.id,
+                        positions: p..p + 1,
+                        tokens: vec![seq.tokens[p]],
+                        slots,
+                        path: Path::Decode,
+                        sample: true,
+                    });
+                    budget -= 1;
+                    i += 1;
+                }
+                None => {
+                    let Some(victim) = self.preempt_one(i) else {
+                        break;
+                    };
+                    if victim < i {
+                        // It was scheduled already: drop its item and follow the shift.
+                        let gone = items
+                            .iter()
+                            .position(|it: &Item| !self.running.iter().any(|s| s.id == it.seq));
+                        if let Some(gone) = gone {
+                            budget += items.remove(gone).tokens.len();
+                        }
+                        i -= 1;
+                    }
+                }
+            }
+        }
+        // 2. Prompt chunks of sequences already running.
+        for idx in 0..self.running.len() {
+            if budget == 0 {
+                break;
+            }
+            let seq = &self.running[idx];
+            let remaining = seq.tokens.len() - seq.computed;
+            if remaining <= 1 && seq.computed > 0 {
+                continue; // decoding, handled above
+            }
+            if let Some(item) = self.chunk(idx, remaining.min(budget)) {
+                budget -= item.tokens.len();
+                items.push(item);
+            } else {
+                break;
+            }
+        }
+        // 3. Admissions.
+        while budget > 0 && self.running.len() < self.config.max_running {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            // Reuse the longest cached prefix, keeping at least one token to compute so the step
+            // produces logits.
+            let hashes = hash_blocks(&seq.tokens[..seq.tokens.len() - 1], page_size);
+            let pages = self.cache.match_prefix(&hashes);
+            let hit = &hashes[..pages.len()];
+            self.cache.lock(hit).expect("just matched");
+            seq.table = PageTable::from_shared(&mut self.pool, &pages).expect("cached pages");
+            seq.locked = hit.to_vec();
+            seq.computed = pages.len() * page_size;
+            seq.cached_pages = pages.len();
+            if seq.prefix_hit == 0 {
+                seq.prefix_hit = seq.computed;
+            }
+            self.running.push(seq);
+            let idx = self.running.len() - 1;
+            let remaining = self.running[idx].tokens.len() - self.running[idx].computed;
+            match self.chunk(idx, remaining.min(budget)) {
+                Some(item) => {
+                    budget -= item.tokens.len();
+                    items.push(item);
+                }
+                None => {
+                    // No room: back to the front of the queue, holding nothing.
+                    let seq = self.running.pop().expect("just pushed");
+                    self.requeue(seq);
+                    break;
+                }
+            }
+        }
+        Batch { items }
+    }
+
+    /// Allocates and describes the next `n` prompt tokens of running sequence `idx`.
+    fn chunk(&mut self, idx: usize, n: usize) -> Option<Item> {
+        let (pool, cache) = (&mut self.pool, &mut self.cache);
+        let seq = &mut self.running[idx];
+        let slots = Self::grow(pool, cache, &mut seq.table, n)?;
+        let start = seq.computed;
+        let path = match (start, n) {
+            (0, _) => Path::Prefill,
+            (_, 1) => Path::Decode,
+            _ => Path::Extend,
+        };
+        Some(Item {
+            seq: seq.id,
+            positions: start..start + n,
+            tokens: seq.tokens[start..start + n].to_vec(),
+            slots,
+            path,
+            sample: start + n == seq.tokens.len(),
+        })
+    }
+
+    /// Records a step's results: the batch that ran and, for items that sampled, the token.
+    /// Returns each sampling sequence's outcome.
+    pub fn complete(&mut self, batch: &Batch, sampled: &[(SeqId, u32)]) -> Vec<(SeqId, Outcome)> {
+        for item in &batch.items {
+            if let Some(seq) = self.running.iter_mut().find(|s| s.id == item.seq) {
+                seq.computed = item.positions.end;
+            }
+        }
+        let mut outcomes = Vec::new();
+        for (id, token) in sampled {
+            let Some(idx) = self.running.iter().position(|s| s.id == *id) else {
+                continue;
+            };
+            let seq = &mut self.running[idx];
+            seq.tokens.push(*token);
+            let reason = if seq.stop_tokens.contains(token) {
+                Some(FinishReason::Stop)
+            } else if seq.generated() >= seq.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            match reason {
+                Some(reason) => {
+                    let mut seq = self.running.remove(idx);
+                    self.release(&mut seq);
+                    outcomes.push((*id, Outcome::Finished(Some(*token), reason)));
+                }
+                None => outcomes.push((*id, Outcome::Token(*token))),
+            }
+        }
+        let mut running = std::mem::take(&mut self.running);
+        for seq in running.iter_mut() {
+            self.cache_full_pages(seq);
+        }
+        self.running = running;
+        outcomes
+    }
+
+    /// Ends a request wherever it is, freeing its pages. Returns false if it is unknown.
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        if let Some(idx) = self.running.iter().position(|s| s.id == id) {
+            let mut seq = self.running.remove(idx);
+            self.release(&mut seq);
+            return true;
+        }
+        if let Some(idx) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(idx);
+            return true;
+        }
+        false
+    }
+
+    /// Cached prompt tokens a running sequence started from.
+    pub fn prefix_hit(&self, id: SeqId) -> Option<usize> {
+        self.running
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| s.prefix_hit)
+    }
+
+    /// The tokens of a running sequence (prompt then output).
+    pub fn tokens(&self, id: SeqId) -> Option<&[u32]> {
+        self.running
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| s.tokens.as_slice())
+    }
+
+    /// The page table of a running sequence.
+    pub fn table(&self, id: SeqId) -> Option<&PageTable> {
+        self.running.iter().find(|s| s.id == id).map(|s| &s.table)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,310 @@
+use std::collections::HashMap;
+
+use nibble_kvcache::PoolPlan;
+use nibble_kvfmt::{KvDtype, PageLayout};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use super::*;
+
+const PAGE: usize = 4;
+
+fn state(pages: usize, config: SchedulerConfig) -> State {
+    let layout = PageLayout::new(1, 1, 16, PAGE, KvDtype::Nvfp4).unwrap();
+    let pool = PagePool::new(PoolPlan::for_pages(layout, pages).unwrap());
+    State::new(config, pool, RadixCache::default())
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    NewRequest {
+        id: SeqId(id),
+        prompt,
+        max_tokens,
+        stop_tokens: vec![],
+    }
+}
+
+/// A stand-in for the model: the next token is a function of the whole sequence so far, so any
+/// recompute must reproduce it exactly.
+fn next_token(tokens: &[u32]) -> u32 {
+    tokens
+        .iter()
+        .fold(7u32, |h, t| h.wrapping_mul(31).wrapping_add(*t))
+        % 1000
+}
+
+/// Runs one step: checks each item against the sequence, samples where asked.
+fn step(state: &mut State) -> (Batch, Vec<(SeqId, Outcome)>) {
+    let batch = state.schedule();
+    let mut sampled = Vec::new();
+    for item in &batch.items {
+        let tokens = state.tokens(item.seq).unwrap();
+        assert_eq!(&tokens[item.positions.clone()], &item.tokens[..]);
+        assert_eq!(item.slots.len(), item.tokens.len());
+        let table = state.table(item.seq).unwrap();
+        for (p, slot) in item.positions.clone().zip(&item.slots) {
+            assert_eq!(table.slot(p, PAGE).unwrap(), *slot, "slot of position {p}");
+        }
+        if item.sample {
+            assert_eq!(item.positions.end, tokens.len());
+            sampled.push((item.seq, next_token(tokens)));
+        }
+    }
+    let outcomes = state.complete(&batch, &sampled);
+    (batch, outcomes)
+}
+
+fn drain(state: &mut State) -> HashMap<SeqId, Vec<u32>> {
+    let mut outputs: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    for _ in 0..10_000 {
+        let (batch, outcomes) = step(state);
+        if batch.is_empty() && state.waiting() == 0 {
+            break;
+        }
+        for (id, outcome) in outcomes {
+            match outcome {
+                Outcome::Token(t) | Outcome::Finished(Some(t), _) => {
+                    outputs.entry(id).or_default().push(t)
+                }
+                Outcome::Finished(None, _) => {}
+            }
+        }
+        state.pool.check_invariants().unwrap();
+    }
+    assert_eq!(state.running() + state.waiting(), 0, "everything finished");
+    outputs
+}
+
+fn expected_output(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut tokens = prompt.to_vec();
+    for _ in 0..n {
+        tokens.push(next_token(&tokens));
+    }
+    tokens[prompt.len()..].to_vec()
+}
+
+fn assert_no_leak(state: &mut State) {
+    state.cache.clear(&mut state.pool).unwrap();
+    assert_eq!(
+        state.pool.free_pages(),
+        state.pool.total_pages(),
+        "leaked pages"
+    );
+}
+
+#[test]
+fn one_request_prefills_then_decodes() {
+    let mut s = state(16, SchedulerConfig::default());
+    let prompt: Vec<u32> = (1..=10).collect();
+    s.submit(request(1, prompt.clone(), 3)).unwrap();
+    let (batch, outcomes) = step(&mut s);
+    assert_eq!(batch.items[0].path, Path::Prefill);
+    assert_eq!(batch.items[0].positions, 0..10);
+    assert!(matches!(outcomes[0].1, Outcome::Token(_)));
+    let (batch, _) = step(&mut s);
+    assert_eq!(batch.items[0].path, Path::Decode);
+    assert_eq!(batch.items[0].positions, 10..11);
+    let (_, outcomes) = step(&mut s);
+    assert!(matches!(
+        outcomes[0].1,
+        Outcome::Finished(Some(_), FinishReason::Length)
+    ));
+    assert_eq!(s.running(), 0);
+    // Pages of the prompt and output (12 computed tokens = 3 full pages) stay cached.
+    assert_eq!(s.cache.len(), 3);
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn long_prompts_are_chunked_within_the_budget() {
+    let config = SchedulerConfig {
+        max_batch_tokens: 4,
+        ..Default::default()
+    };
+    let mut s = state(16, config);
+    s.submit(request(1, (0..10).collect(), 1)).unwrap();
+    let paths: Vec<(Path, Range<usize>, bool)> = (0..3)
+        .map(|_| {
+            let (batch, _) = step(&mut s);
+            let item = &batch.items[0];
+            (item.path, item.positions.clone(), item.sample)
+        })
+        .collect();
+    assert_eq!(
+        paths,
+        vec![
+            (Path::Prefill, 0..4, false),
+            (Path::Extend, 4..8, false),
+            (Path::Extend, 8..10, true)
+        ]
+    );
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn a_cached_prefix_is_reused() {
+    let mut s = state(16, SchedulerConfig::default());
+    let prompt: Vec<u32> = (0..13).collect();
+    s.submit(request(1, prompt.clone(), 1)).unwrap();
+    drain(&mut s);
+    s.submit(request(2, prompt.clone(), 2)).unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(
+        batch.items[0].positions,
+        12..13,
+        "three cached pages reused"
+    );
+    assert_eq!(batch.items[0].path, Path::Decode);
+    assert_eq!(s.prefix_hit(SeqId(2)), Some(12));
+    // A prompt of exactly whole pages still computes its last token.
+    let whole: Vec<u32> = (0..8).collect();
+    s.submit(request(3, whole, 1)).unwrap();
+    let out = drain(&mut s);
+    assert_eq!(
+        out[&SeqId(3)],
+        expected_output(&(0..8).collect::<Vec<_>>(), 1)
+    );
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn admission_waits_for_free_pages() {
+    let mut s = state(4, SchedulerConfig::default());
+    s.submit(request(1, (0..12).collect(), 2)).unwrap();
+    s.submit(request(2, (100..112).collect(), 2)).unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(batch.items.len(), 1, "the second prompt does not fit yet");
+    assert_eq!(s.waiting(), 1);
+    let out = drain(&mut s);
+    assert_eq!(
+        out[&SeqId(2)],
+        expected_output(&(100..112).collect::<Vec<_>>(), 2)
+    );
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn preemption_recomputes_and_gives_the_same_tokens() {
+    // Both prompts fit at first; their decodes do not.
+    let mut s = state(5, SchedulerConfig::default());
+    let a: Vec<u32> = (0..7).collect();
+    let b: Vec<u32> = (50..57).collect();
+    s.submit(request(1, a.clone(), 8)).unwrap();
+    s.submit(request(2, b.clone(), 8)).unwrap();
+    let out = drain(&mut s);
+    assert_eq!(out[&SeqId(1)], expected_output(&a, 8));
+    assert_eq!(out[&SeqId(2)], expected_output(&b, 8));
+    assert!(s.preemptions() > 0, "the test must exercise preemption");
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn stop_tokens_and_abort() {
+    let mut s = state(16, SchedulerConfig::default());
+    let prompt: Vec<u32> = (0..5).collect();
+    let first = expected_output(&prompt, 1)[0];
+    s.submit(NewRequest {
+        stop_tokens: vec![first],
+        ..request(1, prompt, 10)
+    })
+    .unwrap();
+    let (_, outcomes) = step(&mut s);
+    assert_eq!(
+        outcomes[0].1,
+        Outcome::Finished(Some(first), FinishReason::Stop)
+    );
+    s.submit(request(2, (0..30).collect(), 10)).unwrap();
+    s.submit(request(3, (0..3).collect(), 10)).unwrap();
+    step(&mut s);
+    assert!(s.abort(SeqId(2)));
+    assert!(!s.abort(SeqId(2)));
+    assert!(s.abort(SeqId(3)));
+    assert_eq!(s.running(), 0);
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn submissions_are_validated_and_the_queue_is_bounded() {
+    let config = SchedulerConfig {
+        max_waiting: 2,
+        max_context: 64,
+        ..Default::default()
+    };
+    let mut s = state(8, config);
+    assert_eq!(
+        s.submit(request(1, vec![], 4)),
+        Err(SubmitError::EmptyPrompt)
+    );
+    assert!(matches!(
+        s.submit(request(1, vec![1; 60], 10)),
+        Err(SubmitError::TooLong { .. })
+    ));
+    assert!(matches!(
+        s.submit(request(1, vec![1; 40], 10)),
+        Err(SubmitError::TooLarge {
+            needed: 13,
+            total: 8
+        })
+    ));
+    s.submit(request(1, vec![1; 4], 4)).unwrap();
+    assert_eq!(
+        s.submit(request(1, vec![1; 4], 4)),
+        Err(SubmitError::Duplicate(SeqId(1)))
+    );
+    s.submit(request(2, vec![1; 4], 4)).unwrap();
+    assert_eq!(
+        s.submit(request(3, vec![1; 4], 4)),
+        Err(SubmitError::QueueFull { waiting: 2 })
+    );
+}
+
+#[test]
+fn randomized_load_finishes_everything_without_leaks() {
+    let mut rng = StdRng::seed_from_u64(9);
+    for round in 0..20 {
+        let config = SchedulerConfig {
+            max_batch_tokens: rng.gen_range(4..40),
+            max_running: rng.gen_range(1..6),
+            max_waiting: 64,
+            max_context: 64,
+        };
+        let mut s = state(rng.gen_range(12..30), config);
+        let mut prompts = HashMap::new();
+        let shared: Vec<u32> = (0..rng.gen_range(0..12)).collect();
+        for id in 0..rng.gen_range(1..20u64) {
+            let mut prompt = shared.clone();
+            prompt.extend((0..rng.gen_range(1..20)).map(|_| rng.gen_range(0..50u32)));
+            let n = rng.gen_range(1..12);
+            s.submit(request(id, prompt.clone(), n)).unwrap();
+            prompts.insert(SeqId(id), (prompt, n));
+        }
+        let aborted = SeqId(rng.gen_range(0..20));
+        let mut outputs: HashMap<SeqId, Vec<u32>> = HashMap::new();
+        for t in 0..10_000 {
+            if t == 3 {
+                s.abort(aborted);
+            }
+            let (batch, outcomes) = step(&mut s);
+            for (id, outcome) in outcomes {
+                if let Outcome::Token(tok) | Outcome::Finished(Some(tok), _) = outcome {
+                    outputs.entry(id).or_default().push(tok);
+                }
+            }
+            s.pool.check_invariants().unwrap();
+            if batch.is_empty() && s.waiting() == 0 {
+                break;
+            }
+        }
+        assert_eq!(s.running() + s.waiting(), 0, "round {round}");
+        for (id, (prompt, n)) in &prompts {
+            if *id == aborted {
+                continue;
+            }
+            assert_eq!(
+                outputs[id],
+                expected_output(prompt, *n),
+                "round {round} {id:?}"
+            );
+        }
+        assert_no_leak(&mut s);
+    }
+}
