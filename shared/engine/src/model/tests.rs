@@ -13,7 +13,7 @@ const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 8;
 const FFN: usize = 48;
 const LAYERS: usize = 2;
-const CONTEXT: usize = 160;
+const CONTEXT: usize = 320;
 
 /// Deterministic values in [-scale, scale).
 fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -126,7 +126,7 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 fn chunked_prefill_and_decode_match_one_prefill() {
     for arch in ["llama", "qwen2", "qwen3"] {
         let model = load(arch);
-        let toks = tokens(150); // > 64 rows: exercises the blocked attention path
+        let toks = tokens(300); // > 64 rows: the blocked path; > 256: split decode spans
         let full = prefill_all(&model, &toks);
 
         // Chunks of 37 (the extend shape), one of 3, then single tokens (the decode shape).

@@ -12,7 +12,7 @@ use std::cell::RefCell;
 /// Query rows per task: bounds scratch to `Q_BLOCK × context` floats per thread.
 const Q_BLOCK: usize = 64;
 
-/// Up to this many new rows, dot products and AXPYs beat two small GEMMs (decode steps).
+/// Up to this many new rows, streaming dot products and AXPYs beat small GEMMs (decode steps).
 const FEW_ROWS: usize = 4;
 
 thread_local! {
@@ -131,47 +131,70 @@ pub(super) fn causal_gqa(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTenso
     });
 }
 
-/// Attention for a few query rows: per (head, row), scores by dot products over the visible
-/// keys, softmax, then the weighted sum of value rows accumulated into the output.
+/// Smallest span of keys worth giving its own thread in a decode step.
+const MIN_KEYS_PER_SPLIT: usize = 128;
+
+/// Attention for a few query rows (decode steps), one row at a time. The visible keys are split
+/// into spans, one per thread; each span streams whole K and V rows once for all heads
+/// (token-major rows are contiguous) and leaves, per head, its score max, exp-sum and
+/// unnormalized output; the spans are then merged with the usual log-sum-exp rescaling.
 fn few_rows(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
     let g = args.geometry;
-    let d = g.head_dim;
+    let (d, heads) = (g.head_dim, g.num_heads);
     let n = args.q_rows.len();
-    let group = g.num_heads / g.num_kv_heads;
     let past = args.kv_len - n;
-    let (q_stride, kv_stride, out_stride) = (args.q.cols, args.k.cols, out.cols);
-    let out_ptr = OutPtr(out.as_mut_slice().as_mut_ptr());
+    let part_len = heads * (d + 2);
     let (q, k, v) = (args.q.as_slice(), args.k.as_slice(), args.v.as_slice());
-    let row0 = args.q_rows.start;
-
-    // One task per (KV head, row): the query heads of a GQA group run back to back, so the
-    // group's keys and values come from DRAM once and from cache for the other heads.
-    (0..g.num_kv_heads * n).into_par_iter().for_each(|task| {
-        let (kv_head, i) = (task / n, task % n);
-        let col = kv_head * d;
+    let (q_stride, out_stride) = (args.q.cols, out.cols);
+    let threads = rayon::current_num_threads();
+    for i in 0..n {
+        let row = args.q_rows.start + i;
         let visible = past + i + 1;
-        SCRATCH.with_borrow_mut(|scores| {
-            scores.resize(visible, 0.0);
-            for h in kv_head * group..(kv_head + 1) * group {
-                let qh = &q[(row0 + i) * q_stride + h * d..][..d];
-                // SAFETY: row row0+i, columns h*d..h*d+d of the output belong to this task
-                // alone (h is in this task's group) and lie inside `out` (asserted above).
-                let oh = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        out_ptr.get().add((row0 + i) * out_stride + h * d),
-                        d,
-                    )
-                };
-                let head = simd::OneHead {
-                    q: qh,
-                    keys: &k[col..],
-                    values: &v[col..],
-                    stride: kv_stride,
-                    visible,
-                    scale: g.scale,
-                };
-                simd::attend_one_head(&head, scores, oh);
+        let splits = (visible / MIN_KEYS_PER_SPLIT).clamp(1, threads);
+        // Per split: maxima [heads], sums [heads], outputs [heads][d].
+        let mut partials = vec![0.0f32; splits * part_len];
+        let span = |s: usize| visible * s / splits..visible * (s + 1) / splits;
+        let query = &q[row * q_stride..(row + 1) * q_stride];
+        partials
+            .par_chunks_mut(part_len)
+            .enumerate()
+            .for_each(|(s, part)| {
+                SCRATCH.with_borrow_mut(|scores| {
+                    let keys = span(s);
+                    scores.resize(heads * keys.len(), 0.0);
+                    let span = simd::KeySpan {
+                        q: query,
+                        k,
+                        v,
+                        stride: args.k.cols,
+                        keys,
+                        group: heads / g.num_kv_heads,
+                        head_dim: d,
+                        scale: g.scale,
+                    };
+                    simd::attend_key_span(&span, scores, part);
+                });
+            });
+        let dst = &mut out.as_mut_slice()[row * out_stride..][..heads * d];
+        for h in 0..heads {
+            let max = partials
+                .chunks_exact(part_len)
+                .fold(f32::NEG_INFINITY, |m, p| m.max(p[h]));
+            let o = &mut dst[h * d..(h + 1) * d];
+            o.fill(0.0);
+            let mut denom = 0.0f32;
+            for p in partials.chunks_exact(part_len) {
+                let w = (p[h] - max).exp();
+                denom += w * p[heads + h];
+                let acc = &p[2 * heads + h * d..2 * heads + (h + 1) * d];
+                for (x, &a) in o.iter_mut().zip(acc) {
+                    *x += w * a;
+                }
             }
-        });
-    });
+            let inv = 1.0 / denom;
+            for x in o.iter_mut() {
+                *x *= inv;
+            }
+        }
+    }
 }

@@ -152,54 +152,75 @@ pub fn rope_half_split(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     });
 }
 
-/// Attention of one query head vector over `visible` context rows: `keys` and `values` start
-/// at the head's first column and hold one row every `stride` values. `scores` is scratch of at
-/// least `visible` values; the result goes to `out` (`q.len()` values).
-pub struct OneHead<'a> {
-    /// The query, `d` values.
+/// One span of keys of a decode step: every query head of one token row against context rows
+/// `keys` (token-major K/V, `stride` values per row, head `h` reading KV head `h / group`).
+pub struct KeySpan<'a> {
+    /// The token's queries, `heads × head_dim` values.
     pub q: &'a [f32],
-    /// Keys from the head's column on, rows `stride` apart.
-    pub keys: &'a [f32],
-    /// Values, laid out like `keys`.
-    pub values: &'a [f32],
-    /// Distance between rows.
+    /// Keys, one row of `stride` values per position.
+    pub k: &'a [f32],
+    /// Values, laid out like `k`.
+    pub v: &'a [f32],
+    /// Values per K/V row.
     pub stride: usize,
-    /// Rows to attend over.
-    pub visible: usize,
+    /// Context rows of this span.
+    pub keys: std::ops::Range<usize>,
+    /// Query heads per KV head.
+    pub group: usize,
+    /// Dims per head.
+    pub head_dim: usize,
     /// Score scale.
     pub scale: f32,
 }
 
-/// Runs [`OneHead`] into `out`, using `scores` as scratch.
-pub fn attend_one_head(a: &OneHead<'_>, scores: &mut [f32], out: &mut [f32]) {
-    dispatch!(attend_one_head(a: &OneHead<'_>, scores: &mut [f32], out: &mut [f32]) {
-        let d = a.q.len();
-        let scores = &mut scores[..a.visible];
-        for (j, s) in scores.iter_mut().enumerate() {
-            let key = &a.keys[j * a.stride..j * a.stride + d];
-            let mut acc = [0.0f32; 8];
-            for (qc, kc) in a.q.chunks_exact(8).zip(key.chunks_exact(8)) {
-                for l in 0..8 {
-                    acc[l] += qc[l] * kc[l];
+/// Partial attention of [`KeySpan`]: with `heads = q.len() / head_dim`, writes to `part` the
+/// per-head maximum scaled score `[heads]`, the sum of `exp(score·scale − max)` `[heads]`, and
+/// the unnormalized outputs `[heads][head_dim]`. `scores` is scratch of `heads × span` values.
+pub fn attend_key_span(a: &KeySpan<'_>, scores: &mut [f32], part: &mut [f32]) {
+    dispatch!(attend_key_span(a: &KeySpan<'_>, scores: &mut [f32], part: &mut [f32]) {
+        let d = a.head_dim;
+        let heads = a.q.len() / d;
+        let len = a.keys.len();
+        for (jj, j) in a.keys.clone().enumerate() {
+            let krow = &a.k[j * a.stride..(j + 1) * a.stride];
+            for h in 0..heads {
+                let qh = &a.q[h * d..(h + 1) * d];
+                let kh = &krow[(h / a.group) * d..(h / a.group + 1) * d];
+                let mut acc = [0.0f32; 8];
+                for (qc, kc) in qh.chunks_exact(8).zip(kh.chunks_exact(8)) {
+                    for l in 0..8 {
+                        acc[l] += qc[l] * kc[l];
+                    }
+                }
+                scores[h * len + jj] = acc.iter().sum::<f32>() + dot_tail(qh, kh);
+            }
+        }
+        let (stats, outs) = part.split_at_mut(2 * heads);
+        for h in 0..heads {
+            let s = &mut scores[h * len..(h + 1) * len];
+            let max = lane_max(s);
+            stats[heads + h] = exp_shifted(s, max, a.scale);
+            stats[h] = max * a.scale;
+        }
+        outs.fill(0.0);
+        for (jj, j) in a.keys.clone().enumerate() {
+            let vrow = &a.v[j * a.stride..(j + 1) * a.stride];
+            for h in 0..heads {
+                let p = scores[h * len + jj];
+                let vh = &vrow[(h / a.group) * d..(h / a.group + 1) * d];
+                for (o, &x) in outs[h * d..(h + 1) * d].iter_mut().zip(vh) {
+                    *o += p * x;
                 }
             }
-            let tail: f32 = a.q[d / 8 * 8..].iter().zip(&key[d / 8 * 8..]).map(|(x, y)| x * y).sum();
-            *s = acc.iter().sum::<f32>() + tail;
-        }
-        let max = lane_max(scores);
-        let sum = exp_shifted(scores, max, a.scale);
-        out.fill(0.0);
-        for (j, &p) in scores.iter().enumerate() {
-            let value = &a.values[j * a.stride..j * a.stride + d];
-            for (o, &v) in out.iter_mut().zip(value) {
-                *o += p * v;
-            }
-        }
-        let inv = 1.0 / sum;
-        for o in out.iter_mut() {
-            *o *= inv;
         }
     });
+}
+
+/// The part of `dot(q, k)` past the last whole group of eight values.
+#[inline(always)]
+fn dot_tail(q: &[f32], k: &[f32]) -> f32 {
+    let start = q.len() / 8 * 8;
+    q[start..].iter().zip(&k[start..]).map(|(x, y)| x * y).sum()
 }
 
 /// `x += y`.
