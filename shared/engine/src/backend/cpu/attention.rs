@@ -1,7 +1,14 @@
-//! Causal GQA attention on the CPU: for each (query head, block of query rows), scores by GEMM
-//! against the head's KV group, masked softmax, then a GEMM with V written straight into the
-//! head's columns of the output. Scores live in a per-thread scratch buffer that is reused
-//! across calls, so a decode step allocates nothing once the buffer has grown to the context.
+//! Causal GQA attention on the CPU, over token-major f32 K/V.
+//!
+//! * Many new rows (prefill, extend): for each (query head, block of query rows), scores by
+//!   GEMM against the head's KV group, masked softmax, then a GEMM with V written straight into
+//!   the head's columns of the output.
+//! * A few new rows (decode): the visible keys are split across threads and each span streams
+//!   whole K/V rows once for all heads; spans merge by log-sum-exp.
+//!
+//! Scores live in per-thread scratch buffers reused across calls, so nothing proportional to
+//! the context is allocated once they have grown (a decode step allocates only the
+//! `threads × heads × (head_dim + 2)` span partials).
 
 use super::simd;
 use super::CpuTensor;
