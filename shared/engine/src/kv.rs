@@ -1,9 +1,12 @@
-//! The KV seam between the forward pass and whatever stores a sequence's keys and values.
+//! The KV seam between the forward pass and whatever stores the sequences' keys and values.
 //!
-//! For every layer, the forward pass hands a [`KvStore`] the new tokens' Q, K and V (after
-//! RoPE) and gets back their attention output; how K/V are kept (contiguous f32 here; paged
-//! BF16/FP8/NVFP4 later) and which attention path runs (initial prefill, extend, decode) is the
-//! store's business. The protocol for one forward step of `n` tokens is
+//! For every layer, the forward pass hands a [`KvBatch`] the whole step's Q, K and V (after
+//! RoPE), every sequence's rows concatenated, and gets back their attention output; how K/V are
+//! kept and which attention path runs (initial prefill, extend, decode) is the batch's business.
+//! A batch-level seam lets a paged cache attend for all sequences at once (one kernel launch per
+//! layer on a GPU). [`PerSequence`] turns per-sequence [`KvStore`]s — the contiguous f32
+//! [`ContiguousKv`] reference — into a batch. The protocol for one forward step of `n` tokens of
+//! one store is
 //! [`KvStore::reserve`]`(n)`, then [`KvStore::attend`] once per layer in order, then
 //! [`KvStore::commit`]`(n)`. A step that fails before `commit` leaves `len()` unchanged; what it
 //! reserved may stay reserved (see [`KvStore::reserve`]).
@@ -12,6 +15,94 @@ use crate::backend::{AttentionArgs, AttnGeometry, Backend};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use std::ops::Range;
+
+/// One layer's new tokens for a whole step.
+pub struct StepTokens<'a, T> {
+    /// Queries after RoPE, `[rows, num_heads * head_dim]`.
+    pub q: &'a T,
+    /// Keys after RoPE, `[rows, num_kv_heads * head_dim]`.
+    pub k: &'a T,
+    /// Values, `[rows, num_kv_heads * head_dim]`.
+    pub v: &'a T,
+    /// Sequence `i`'s rows; row `spans[i].start + j` is its token at position `stored(i) + j`.
+    pub spans: &'a [Range<usize>],
+    /// Head layout.
+    pub geometry: AttnGeometry,
+}
+
+/// The caches of every sequence of one forward step.
+///
+/// Protocol: [`reserve`](Self::reserve), then [`attend`](Self::attend) once per layer in order,
+/// then [`commit`](Self::commit). A step that fails before `commit` changes no `stored` count.
+pub trait KvBatch<B: Backend>: Send {
+    /// Sequences in the step.
+    fn sequences(&self) -> usize;
+
+    /// Tokens sequence `seq` already has cached: the position of its first new token.
+    fn stored(&self, seq: usize) -> usize;
+
+    /// Makes room for `new[i]` tokens of sequence `i`, or fails.
+    fn reserve(&mut self, backend: &B, new: &[usize]) -> Result<()>;
+
+    /// Stores layer `layer`'s K/V of every new token and writes their causal attention over
+    /// each sequence's context into the matching rows of `out`.
+    fn attend(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        step: &StepTokens<'_, B::Tensor>,
+        out: &mut B::Tensor,
+    ) -> Result<()>;
+
+    /// Makes the step's tokens visible: `stored(i)` grows by `new[i]`.
+    fn commit(&mut self, new: &[usize]);
+}
+
+/// Per-sequence stores as one batch, attending one sequence at a time.
+pub struct PerSequence<'a, 'b, B: Backend>(pub &'a mut [&'b mut dyn KvStore<B>]);
+
+impl<B: Backend> KvBatch<B> for PerSequence<'_, '_, B> {
+    fn sequences(&self) -> usize {
+        self.0.len()
+    }
+
+    fn stored(&self, seq: usize) -> usize {
+        self.0[seq].len()
+    }
+
+    fn reserve(&mut self, backend: &B, new: &[usize]) -> Result<()> {
+        for (store, n) in self.0.iter_mut().zip(new) {
+            store.reserve(backend, *n)?;
+        }
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        step: &StepTokens<'_, B::Tensor>,
+        out: &mut B::Tensor,
+    ) -> Result<()> {
+        for (store, rows) in self.0.iter_mut().zip(step.spans) {
+            let new = NewTokens {
+                q: step.q,
+                k: step.k,
+                v: step.v,
+                rows: rows.clone(),
+                geometry: step.geometry,
+            };
+            store.attend(backend, layer, &new, out)?;
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, new: &[usize]) {
+        for (store, n) in self.0.iter_mut().zip(new) {
+            store.commit(*n);
+        }
+    }
+}
 
 /// One layer's new tokens for one sequence.
 pub struct NewTokens<'a, T> {

@@ -33,7 +33,7 @@ pub use backend::{AttentionArgs, AttnGeometry, Backend, RopeArgs};
 pub use chat::ChatMessage;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use error::{Error, Result};
-pub use kv::{ContiguousKv, KvStore, NewTokens};
+pub use kv::{ContiguousKv, KvBatch, KvStore, NewTokens, PerSequence, StepTokens};
 pub use model::{Logits, Model, SeqInput, Workspace};
 pub use tokenizer::Tokenizer;
 pub use weights::{LayerWeights, Weights};

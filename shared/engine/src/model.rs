@@ -10,7 +10,7 @@ use crate::backend::{AttnGeometry, Backend, RopeArgs};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kv::{ContiguousKv, KvStore, NewTokens};
+use crate::kv::{ContiguousKv, KvBatch, KvStore, PerSequence, StepTokens};
 use crate::weights::Weights;
 use std::ops::Range;
 use std::path::Path;
@@ -51,6 +51,7 @@ pub struct Workspace<B: Backend> {
     tokens: Vec<u32>,
     positions: Vec<u32>,
     spans: Vec<Range<usize>>,
+    counts: Vec<usize>,
 }
 
 /// RoPE cos/sin tables for every position up to the context length.
@@ -159,6 +160,7 @@ impl<B: Backend> Model<B> {
             tokens: Vec::new(),
             positions: Vec::new(),
             spans: Vec::new(),
+            counts: Vec::new(),
         }
     }
 
@@ -172,19 +174,38 @@ impl<B: Backend> Model<B> {
         which: Logits,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
+        let tokens: Vec<&[u32]> = batch.iter().map(|s| s.tokens).collect();
+        let mut stores: Vec<&mut dyn KvStore<B>> =
+            batch.iter_mut().map(|s| &mut *s.kv as _).collect();
+        let mut kv = PerSequence(&mut stores);
+        self.forward_batch(ws, &tokens, &mut kv, which, logits)
+    }
+
+    /// [`forward`](Self::forward) over any [`KvBatch`]: sequence `i` contributes `tokens[i]`,
+    /// at positions `kv.stored(i)..`. This is how paged caches, which attend for the whole batch
+    /// at once, run the model.
+    pub fn forward_batch(
+        &self,
+        ws: &mut Workspace<B>,
+        tokens: &[&[u32]],
+        kv: &mut dyn KvBatch<B>,
+        which: Logits,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         self.backend
-            .scope(|| self.forward_in_scope(ws, batch, which, logits))
+            .scope(|| self.forward_in_scope(ws, tokens, kv, which, logits))
     }
 
     fn forward_in_scope(
         &self,
         ws: &mut Workspace<B>,
-        batch: &mut [SeqInput<'_, B>],
+        tokens: &[&[u32]],
+        kv: &mut dyn KvBatch<B>,
         which: Logits,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         logits.clear();
-        self.prepare(ws, batch)?;
+        self.prepare(ws, tokens, kv)?;
         let be = &*self.backend;
         let c = &self.config;
         let rows = ws.tokens.len();
@@ -225,16 +246,14 @@ impl<B: Backend> Model<B> {
             be.rope(&mut ws.q, &ws.positions, &rope);
             be.rope(&mut ws.k, &ws.positions, &rope);
             be.resize(&mut ws.attn, rows, c.q_dim());
-            for (seq, span) in batch.iter_mut().zip(&ws.spans) {
-                let new = NewTokens {
-                    q: &ws.q,
-                    k: &ws.k,
-                    v: &ws.v,
-                    rows: span.clone(),
-                    geometry,
-                };
-                seq.kv.attend(be, layer, &new, &mut ws.attn)?;
-            }
+            let step = StepTokens {
+                q: &ws.q,
+                k: &ws.k,
+                v: &ws.v,
+                spans: &ws.spans,
+                geometry,
+            };
+            kv.attend(be, layer, &step, &mut ws.attn)?;
             be.resize(&mut ws.proj, rows, c.hidden_size);
             be.matmul_t(&ws.attn, &w.wo, &mut ws.proj);
             be.add(&mut ws.x, &ws.proj);
@@ -249,26 +268,37 @@ impl<B: Backend> Model<B> {
             be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj);
             be.add(&mut ws.x, &ws.proj);
         }
-        for (seq, span) in batch.iter_mut().zip(&ws.spans) {
-            seq.kv.commit(span.len());
-        }
+        ws.counts.clear();
+        ws.counts.extend(ws.spans.iter().map(|s| s.len()));
+        kv.commit(&ws.counts);
         self.logits(ws, which, logits);
         Ok(())
     }
 
     /// Validates the batch, reserves cache room, and fills the token/position/span lists.
-    fn prepare(&self, ws: &mut Workspace<B>, batch: &mut [SeqInput<'_, B>]) -> Result<()> {
+    fn prepare(
+        &self,
+        ws: &mut Workspace<B>,
+        batch: &[&[u32]],
+        kv: &mut dyn KvBatch<B>,
+    ) -> Result<()> {
         ws.tokens.clear();
         ws.positions.clear();
         ws.spans.clear();
-        for (i, seq) in batch.iter().enumerate() {
-            if seq.tokens.is_empty() {
+        if kv.sequences() != batch.len() {
+            return Err(Error::InvalidInput(format!(
+                "{} token lists for {} caches",
+                batch.len(),
+                kv.sequences()
+            )));
+        }
+        for (i, tokens) in batch.iter().enumerate() {
+            if tokens.is_empty() {
                 return Err(Error::InvalidInput(format!(
                     "sequence {i} of the batch has no tokens"
                 )));
             }
-            if let Some(&t) = seq
-                .tokens
+            if let Some(&t) = tokens
                 .iter()
                 .find(|&&t| t as usize >= self.config.vocab_size)
             {
@@ -277,8 +307,8 @@ impl<B: Backend> Model<B> {
                     self.config.vocab_size
                 )));
             }
-            let start = seq.kv.len();
-            let end = start + seq.tokens.len();
+            let start = kv.stored(i);
+            let end = start + tokens.len();
             if end > self.config.max_context {
                 return Err(Error::InvalidInput(format!(
                     "sequence {i} would reach {end} tokens, beyond the context length {}",
@@ -286,17 +316,16 @@ impl<B: Backend> Model<B> {
                 )));
             }
             let row = ws.tokens.len();
-            ws.spans.push(row..row + seq.tokens.len());
-            ws.tokens.extend_from_slice(seq.tokens);
+            ws.spans.push(row..row + tokens.len());
+            ws.tokens.extend_from_slice(tokens);
             ws.positions.extend((start..end).map(|p| p as u32));
         }
         if batch.is_empty() {
             return Err(Error::InvalidInput("empty batch".into()));
         }
-        for seq in batch.iter_mut() {
-            seq.kv.reserve(&self.backend, seq.tokens.len())?;
-        }
-        Ok(())
+        ws.counts.clear();
+        ws.counts.extend(batch.iter().map(|t| t.len()));
+        kv.reserve(&self.backend, &ws.counts)
     }
 
     /// Final norm and LM head for the rows `which` selects.

@@ -16,6 +16,7 @@
 
 use nibble_kvcache::{HostPages, PageId, PagePool, SlotId};
 use nibble_kvfmt::{bf16, e4m3, fp8, nvfp4, KvDtype, KvPart, PageLayout};
+use rayon::prelude::*;
 
 /// Errors of the attention paths: shape mismatches and cache errors.
 #[derive(Debug, thiserror::Error)]
@@ -70,9 +71,10 @@ pub struct Workspace {
     /// One KV head of K and V decoded to f32 `[token][head_dim]`, the tile attention reads.
     k_tile: Vec<f32>,
     v_tile: Vec<f32>,
-    scores: Vec<f32>,
-    head: Vec<f32>,
+    /// One token of every KV head, for gathering the prefix.
+    token: Vec<f32>,
     q: Vec<f32>,
+    decode: DecodeScratch,
 }
 
 impl Workspace {
@@ -83,9 +85,9 @@ impl Workspace {
             v: Vec::new(),
             k_tile: Vec::new(),
             v_tile: Vec::new(),
-            scores: Vec::new(),
-            head: Vec::new(),
+            token: Vec::new(),
             q: Vec::new(),
+            decode: DecodeScratch::default(),
         }
     }
 
@@ -119,30 +121,26 @@ impl Workspace {
         }
     }
 
-    /// Decodes KV head `head` of tokens `0..tokens` into the f32 tiles.
-    fn load_tiles(&mut self, head: usize, tokens: usize, layout: &PageLayout, g: (f32, f32)) {
-        let (heads, dim) = (layout.kv_heads(), layout.head_dim());
+    /// Decodes tokens `0..tokens` of every KV head into the f32 tiles `[token][kv_head][dim]`.
+    fn load_tiles(&mut self, tokens: usize, layout: &PageLayout, g: (f32, f32)) {
+        let values = tokens * layout.kv_heads() * layout.head_dim();
         let width = self.dtype.bytes();
-        self.k_tile.resize(tokens * dim, 0.0);
-        self.v_tile.resize(tokens * dim, 0.0);
+        self.k_tile.resize(values, 0.0);
+        self.v_tile.resize(values, 0.0);
         for (src, tile, g) in [
             (&self.k, &mut self.k_tile, g.0),
             (&self.v, &mut self.v_tile, g.1),
         ] {
-            for t in 0..tokens {
-                let start = ((t * heads) + head) * dim * width;
-                let bytes = &src[start..start + dim * width];
-                let out = &mut tile[t * dim..(t + 1) * dim];
-                match self.dtype {
-                    WorkDtype::Fp8 => {
-                        for (o, b) in out.iter_mut().zip(bytes) {
-                            *o = e4m3::decode(*b) * g;
-                        }
+            let bytes = &src[..values * width];
+            match self.dtype {
+                WorkDtype::Fp8 => {
+                    for (o, b) in tile.iter_mut().zip(bytes) {
+                        *o = e4m3::decode(*b) * g;
                     }
-                    WorkDtype::Bf16 => {
-                        for (o, p) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                            *o = bf16::decode(u16::from_le_bytes([p[0], p[1]]));
-                        }
+                }
+                WorkDtype::Bf16 => {
+                    for (o, p) in tile.iter_mut().zip(bytes.chunks_exact(2)) {
+                        *o = bf16::decode(u16::from_le_bytes([p[0], p[1]]));
                     }
                 }
             }
@@ -248,46 +246,49 @@ fn bf16_q(ws: &mut Workspace, q: &[f32]) {
 }
 
 /// Causal attention of `n` queries at positions `start..start + n` over the workspace's first
-/// `start + n` tokens.
+/// `start + n` tokens. Query rows run in parallel on the current rayon pool.
 fn attend_workspace(
     ws: &mut Workspace,
     layout: &PageLayout,
     heads: Heads,
     g: (f32, f32),
     start: usize,
-    n: usize,
     out: &mut [f32],
 ) {
     let (dim, group) = (heads.head_dim, heads.group());
-    let scale = 1.0 / (dim as f32).sqrt();
+    let row = heads.q_heads * dim;
+    let n = out.len() / row;
     let context = start + n;
-    for kv_head in 0..heads.kv_heads {
-        ws.load_tiles(kv_head, context, layout, g);
-        for h in kv_head * group..(kv_head + 1) * group {
-            for i in 0..n {
-                let visible = start + i + 1;
-                let qi = &ws.q[(i * heads.q_heads + h) * dim..][..dim];
-                ws.scores.clear();
-                ws.scores.extend(
-                    ws.k_tile
-                        .chunks_exact(dim)
-                        .take(visible)
-                        .map(|kj| dot(qi, kj) * scale),
+    ws.load_tiles(context, layout, g);
+    let scale = 1.0 / (dim as f32).sqrt();
+    let (q, k_tile, v_tile) = (&ws.q, &ws.k_tile, &ws.v_tile);
+    let kv_row = heads.kv_heads * dim;
+    out.par_chunks_mut(row).enumerate().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, (i, out_row)| {
+            let visible = start + i + 1;
+            for h in 0..heads.q_heads {
+                let kv_head = h / group;
+                let qi = &q[i * row + h * dim..][..dim];
+                scores.clear();
+                scores.extend(
+                    (0..visible)
+                        .map(|j| dot(qi, &k_tile[j * kv_row + kv_head * dim..][..dim]) * scale),
                 );
-                let max = ws.scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
                 let mut sum = 0.0;
-                for s in ws.scores.iter_mut() {
+                for s in scores.iter_mut() {
                     *s = (*s - max).exp();
                     sum += *s;
                 }
-                let o = &mut out[(i * heads.q_heads + h) * dim..][..dim];
+                let o = &mut out_row[h * dim..(h + 1) * dim];
                 o.fill(0.0);
-                for (p, vj) in ws.scores.iter().zip(ws.v_tile.chunks_exact(dim)) {
-                    axpy(o, p / sum, vj);
+                for (j, p) in scores.iter().enumerate() {
+                    axpy(o, p / sum, &v_tile[j * kv_row + kv_head * dim..][..dim]);
                 }
             }
-        }
-    }
+        },
+    );
 }
 
 fn global_scales(store: &HostPages, layer: usize) -> (f32, f32) {
@@ -358,7 +359,7 @@ impl PagedCache<'_> {
         ws.store(KvPart::K, 0, &layout, g.0, step.k);
         ws.store(KvPart::V, 0, &layout, g.1, step.v);
         bf16_q(ws, step.q);
-        attend_workspace(ws, &layout, heads, g, 0, n, out);
+        attend_workspace(ws, &layout, heads, g, 0, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
         Ok(())
     }
@@ -381,8 +382,8 @@ impl PagedCache<'_> {
         let (kv_heads, dim, page_size) = (layout.kv_heads(), layout.head_dim(), layout.page_size());
         ws.reserve(prefix + n, &layout);
         // Gather: dequantize the cached prefix token by token into the work dtype.
-        ws.head.resize(kv_heads * dim, 0.0);
-        let mut token = std::mem::take(&mut ws.head);
+        ws.token.resize(kv_heads * dim, 0.0);
+        let mut token = std::mem::take(&mut ws.token);
         for t in 0..prefix {
             let slot = slot_of(pages, t, page_size)?;
             for (part, gp) in [(KvPart::K, g.0), (KvPart::V, g.1)] {
@@ -392,11 +393,11 @@ impl PagedCache<'_> {
                 ws.store(part, t, &layout, gp, &token);
             }
         }
-        ws.head = token;
+        ws.token = token;
         ws.store(KvPart::K, prefix, &layout, g.0, step.k);
         ws.store(KvPart::V, prefix, &layout, g.1, step.v);
         bf16_q(ws, step.q);
-        attend_workspace(ws, &layout, heads, g, prefix, n, out);
+        attend_workspace(ws, &layout, heads, g, prefix, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
         Ok(())
     }
@@ -425,19 +426,69 @@ impl PagedCache<'_> {
             });
         }
         store.write_kv(pool, step.layer, step.k, step.v, &[Some(slot)])?;
-        let g = global_scales(store, step.layer);
         bf16_q(ws, step.q);
+        let q = std::mem::take(&mut ws.q);
+        let query = DecodeQuery {
+            layer: step.layer,
+            heads,
+            q: &q,
+        };
+        let result = ws.decode.attend(store, query, pages, context, out);
+        ws.q = q;
+        result
+    }
+}
+
+/// One decode token's query for one layer, BF16-rounded, all query heads.
+#[derive(Clone, Copy)]
+struct DecodeQuery<'a> {
+    layer: usize,
+    heads: Heads,
+    q: &'a [f32],
+}
+
+/// Scratch of decode attention: one head vector, a page of scores per query head of a group,
+/// and the online-softmax state. Its size depends on the geometry, never on the context.
+#[derive(Debug, Default)]
+pub struct DecodeScratch {
+    head: Vec<f32>,
+    scores: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl DecodeScratch {
+    /// Attention of one query token over `context` tokens read straight from `pages`, written to
+    /// `out`.
+    fn attend(
+        &mut self,
+        store: &HostPages,
+        query: DecodeQuery<'_>,
+        pages: &[PageId],
+        context: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let DecodeQuery { layer, heads, q } = query;
+        let layout = *store.layout();
+        let page_size = layout.page_size();
+        let g = global_scales(store, layer);
         let (dim, group) = (heads.head_dim, heads.group());
         let scale = 1.0 / (dim as f32).sqrt();
-        ws.head.resize(dim, 0.0);
-        ws.scores.resize(group * page_size, 0.0);
-        // Online softmax state per query head of the group: running max, running sum, and the
+        self.head.resize(dim, 0.0);
+        self.scores.resize(group * page_size, 0.0);
+        // Online softmax per query head of the group: running max, running sum, and the
         // unnormalized output accumulated in `out`.
-        let mut max = vec![f32::NEG_INFINITY; group];
-        let mut sum = vec![0.0f32; group];
+        self.max.resize(group, 0.0);
+        self.sum.resize(group, 0.0);
+        let (max, sum, scores, head) = (
+            &mut self.max,
+            &mut self.sum,
+            &mut self.scores,
+            &mut self.head,
+        );
         for kv_head in 0..heads.kv_heads {
             let hq = kv_head * group;
-            let q = &ws.q[hq * dim..(hq + group) * dim];
+            let q = &q[hq * dim..(hq + group) * dim];
             let acc = &mut out[hq * dim..(hq + group) * dim];
             acc.fill(0.0);
             max.fill(f32::NEG_INFINITY);
@@ -446,38 +497,40 @@ impl PagedCache<'_> {
                 let view = PageView {
                     bytes: store.page(*page)?,
                     layout: &layout,
-                    layer: step.layer,
+                    layer,
                 };
                 let tokens = (context - p * page_size).min(page_size);
                 // Scores of this page's tokens for every query head of the group: each K vector is
                 // dequantized once for the whole group.
                 for t in 0..tokens {
-                    view.head(KvPart::K, kv_head, t, g.0, &mut ws.head);
+                    view.head(KvPart::K, kv_head, t, g.0, head);
                     for j in 0..group {
-                        ws.scores[j * page_size + t] =
-                            dot(&q[j * dim..(j + 1) * dim], &ws.head) * scale;
+                        scores[j * page_size + t] = dot(&q[j * dim..(j + 1) * dim], head) * scale;
                     }
                 }
                 for j in 0..group {
-                    let scores = &mut ws.scores[j * page_size..j * page_size + tokens];
-                    let page_max = scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+                    let page_scores = &mut scores[j * page_size..j * page_size + tokens];
+                    let page_max = page_scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
                     let new_max = max[j].max(page_max);
                     let correction = (max[j] - new_max).exp();
                     sum[j] *= correction;
                     for a in acc[j * dim..(j + 1) * dim].iter_mut() {
                         *a *= correction;
                     }
-                    for s in scores.iter_mut() {
+                    for s in page_scores.iter_mut() {
                         *s = (*s - new_max).exp();
                         sum[j] += *s;
                     }
                     max[j] = new_max;
                 }
                 for t in 0..tokens {
-                    view.head(KvPart::V, kv_head, t, g.1, &mut ws.head);
+                    view.head(KvPart::V, kv_head, t, g.1, head);
                     for j in 0..group {
-                        let w = ws.scores[j * page_size + t];
-                        axpy(&mut acc[j * dim..(j + 1) * dim], w, &ws.head);
+                        axpy(
+                            &mut acc[j * dim..(j + 1) * dim],
+                            scores[j * page_size + t],
+                            head,
+                        );
                     }
                 }
             }
