@@ -64,13 +64,42 @@ pub enum Error {
     ShapeMismatch {
         /// Tensor name.
         name: String,
-        /// Expected dims (GGUF order: fastest-varying first).
+        /// Expected dims, in the file format's order (GGUF: fastest-varying first;
+        /// safetensors: slowest-varying first).
         expected: Vec<u64>,
         /// Dims in the file.
         found: Vec<u64>,
     },
+    /// A safetensors file's header is malformed or inconsistent with its size.
+    #[error("malformed safetensors file {path}: {reason}")]
+    MalformedSafetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the tensor where there is one.
+        reason: String,
+    },
+    /// A safetensors tensor has a dtype this engine does not convert.
+    #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, F16, BF16)")]
+    UnsupportedDtype {
+        /// Tensor name.
+        name: String,
+        /// The safetensors dtype name.
+        dtype: String,
+    },
+    /// A JSON file of a model directory (config.json, tokenizer_config.json, ...) does not parse.
+    #[error("cannot parse {path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// The model uses a feature this engine does not implement (a RoPE scaling kind, an
+    /// activation, an output-projection bias, ...); the message names it.
+    #[error("unsupported model feature: {0}")]
+    Unsupported(String),
     /// The model's architecture is not implemented.
-    #[error("unsupported architecture `{0}` (supported: llama)")]
+    #[error("unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3)")]
     UnsupportedArchitecture(String),
     /// The model config is inconsistent (e.g. heads do not divide the hidden size).
     #[error("invalid model config: {0}")]
@@ -84,6 +113,12 @@ pub enum Error {
     /// A forward-pass input is invalid (token out of range, context full, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// The paged KV cache refused an operation (pool exhausted, bad slot, ...).
+    #[error("KV cache: {0}")]
+    Kv(#[from] nibble_kvcache::Error),
+    /// A paged attention call had inconsistent shapes.
+    #[error("paged attention: {0}")]
+    Attention(#[from] crate::paged::AttentionError),
 }
 
 /// Result alias for this crate.

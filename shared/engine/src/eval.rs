@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, SeqInput};
+use crate::session::{KvConfig, PagedSession};
 
 /// `-log p(target)` under `softmax(logits)`, computed in f64.
 pub fn nll(logits: &[f32], target: u32) -> f64 {
@@ -68,6 +69,73 @@ pub fn score_window<B: Backend>(model: &Model<B>, tokens: &[u32]) -> Result<Wind
     let rows = logits.chunks_exact(vocab);
     let (mut nlls, mut predicted) = (Vec::new(), Vec::new());
     for (row, &target) in rows.zip(&tokens[1..]) {
+        nlls.push(nll(row, target));
+        predicted.push(argmax(row));
+    }
+    Ok(WindowScore {
+        nll: nlls,
+        predicted,
+    })
+}
+
+/// How a window's tokens go through the paged cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalPath {
+    /// The whole window as one initial prefill.
+    Prefill,
+    /// Chunks of [`EXTEND_CHUNK`] tokens: the first an initial prefill, the rest through extend.
+    Extend,
+    /// The first token prefilled, every later one teacher-forced through decode, so attention
+    /// reads the quantized pages.
+    Decode,
+}
+
+/// Tokens per chunk of [`EvalPath::Extend`].
+pub const EXTEND_CHUNK: usize = 64;
+
+impl std::str::FromStr for EvalPath {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "prefill" => Ok(EvalPath::Prefill),
+            "extend" => Ok(EvalPath::Extend),
+            "decode" => Ok(EvalPath::Decode),
+            _ => Err(Error::InvalidInput(format!(
+                "unknown path {s:?}: expected prefill, extend or decode"
+            ))),
+        }
+    }
+}
+
+/// Scores `tokens` through the paged cache of `kv` along `path`.
+pub fn score_window_paged<B: Backend>(
+    model: &Model<B>,
+    kv: &KvConfig,
+    path: EvalPath,
+    tokens: &[u32],
+) -> Result<WindowScore> {
+    if tokens.len() < 2 {
+        return Err(Error::InvalidInput(format!(
+            "a window needs at least 2 tokens, got {}",
+            tokens.len()
+        )));
+    }
+    let mut session = PagedSession::new(model, kv, tokens.len())?;
+    let mut ws = model.workspace();
+    let (mut all, mut chunk) = (Vec::new(), Vec::new());
+    let step = match path {
+        EvalPath::Prefill => tokens.len(),
+        EvalPath::Extend => EXTEND_CHUNK,
+        EvalPath::Decode => 1,
+    };
+    for part in tokens.chunks(step) {
+        session.forward(model, &mut ws, part, Logits::All, &mut chunk)?;
+        all.extend_from_slice(&chunk);
+    }
+    let vocab = model.config().vocab_size;
+    let (mut nlls, mut predicted) = (Vec::new(), Vec::new());
+    for (row, &target) in all.chunks_exact(vocab).zip(&tokens[1..]) {
         nlls.push(nll(row, target));
         predicted.push(argmax(row));
     }

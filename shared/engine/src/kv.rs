@@ -11,9 +11,10 @@
 //! [`KvStore::commit`]`(n)`. A step that fails before `commit` leaves `len()` unchanged; what it
 //! reserved may stay reserved (see [`KvStore::reserve`]).
 
-use crate::backend::{AttentionArgs, AttnGeometry, Backend};
+use crate::backend::{AttentionArgs, AttnGeometry, Backend, PagedSeq};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use nibble_kvcache::PagePool;
 use std::ops::Range;
 
 /// One layer's new tokens for a whole step.
@@ -102,6 +103,52 @@ impl<B: Backend> KvBatch<B> for PerSequence<'_, '_, B> {
             store.commit(*n);
         }
     }
+}
+
+/// A step over the paged cache: every sequence's page table and new slots are already allocated
+/// (by the scheduler), so `reserve` only checks them and `commit` has nothing to do — the owner
+/// of the page tables records the new lengths.
+pub struct PagedBatch<'a, B: Backend> {
+    pub pages: &'a mut B::Pages,
+    pub pool: &'a PagePool,
+    pub seqs: Vec<PagedSeq<'a>>,
+}
+
+impl<B: Backend> KvBatch<B> for PagedBatch<'_, B> {
+    fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    fn stored(&self, seq: usize) -> usize {
+        self.seqs[seq].stored
+    }
+
+    fn reserve(&mut self, _backend: &B, new: &[usize]) -> Result<()> {
+        let page_size = self.pool.layout().page_size();
+        for (i, (seq, n)) in self.seqs.iter().zip(new).enumerate() {
+            let needed = (seq.stored + n).div_ceil(page_size);
+            if seq.slots.len() != *n || seq.pages.len() < needed {
+                return Err(Error::InvalidInput(format!(
+                    "sequence {i}: {n} new tokens but {} slots and {} of {needed} pages",
+                    seq.slots.len(),
+                    seq.pages.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn attend(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        step: &StepTokens<'_, B::Tensor>,
+        out: &mut B::Tensor,
+    ) -> Result<()> {
+        backend.paged_attention(self.pages, self.pool, layer, step, &self.seqs, out)
+    }
+
+    fn commit(&mut self, _new: &[usize]) {}
 }
 
 /// One layer's new tokens for one sequence.

@@ -451,13 +451,57 @@ struct DecodeQuery<'a> {
 /// and the online-softmax state. Its size depends on the geometry, never on the context.
 #[derive(Debug, Default)]
 pub struct DecodeScratch {
+    q: Vec<f32>,
     head: Vec<f32>,
     scores: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
 }
 
+/// One decode token of one sequence, for [`DecodeScratch::decode`].
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeArgs<'a> {
+    pub layer: usize,
+    pub q_heads: usize,
+    /// The token's queries, all heads (rounded to BF16 here).
+    pub q: &'a [f32],
+    /// The sequence's pages, covering `context` tokens.
+    pub pages: &'a [PageId],
+    /// Tokens to attend over, the new one (already written to its slot) included.
+    pub context: usize,
+}
+
 impl DecodeScratch {
+    /// Decode attention reading `store` only: the new token's K/V must already be in its slot.
+    /// Several sequences can run this in parallel, each with its own scratch.
+    pub fn decode(
+        &mut self,
+        store: &HostPages,
+        args: DecodeArgs<'_>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let layout = *store.layout();
+        let heads = Heads::of(&layout, args.q_heads)?;
+        check("q", heads.q_heads * heads.head_dim, args.q.len())?;
+        check("output", args.q.len(), out.len())?;
+        check(
+            "context pages",
+            args.context.div_ceil(layout.page_size()),
+            args.pages.len(),
+        )?;
+        let mut q = std::mem::take(&mut self.q);
+        q.clear();
+        q.extend(args.q.iter().map(|x| bf16::decode(bf16::encode(*x))));
+        let query = DecodeQuery {
+            layer: args.layer,
+            heads,
+            q: &q,
+        };
+        let result = self.attend(store, query, args.pages, args.context, out);
+        self.q = q;
+        result
+    }
+
     /// Attention of one query token over `context` tokens read straight from `pages`, written to
     /// `out`.
     fn attend(

@@ -11,6 +11,8 @@ pub mod cpu;
 
 use crate::config::RopeStyle;
 use crate::error::Result;
+use crate::kv::StepTokens;
+use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
 use std::ops::Range;
 
 /// Shape of a GQA attention: query heads share KV heads in groups of
@@ -132,4 +134,53 @@ pub trait Backend: Send + Sync + 'static {
     /// Causal GQA attention of one sequence (see [`AttentionArgs`]); writes rows `q_rows` of
     /// `out` (`[rows, num_heads * head_dim]`) and leaves its other rows alone.
     fn attention(&self, args: &AttentionArgs<'_, Self::Tensor>, out: &mut Self::Tensor);
+
+    /// The bytes of a KV page pool, in this backend's memory.
+    type Pages: Send;
+
+    /// Zeroed storage for `plan`'s pages, with global scales fixed for its life. With `hadamard`,
+    /// head vectors are stored rotated (see [`crate::hadamard`]).
+    fn new_pages(
+        &self,
+        plan: PoolPlan,
+        scales: GlobalScales,
+        hadamard: bool,
+    ) -> Result<Self::Pages>;
+
+    /// One layer of paged attention for a whole step: writes every new token's K/V into its
+    /// slot (quantized to the pool's dtype) and runs each sequence's attention path — initial
+    /// prefill when it has nothing stored, decode for one new token, extend otherwise — writing
+    /// the rows `step.spans[i]` of `out`.
+    fn paged_attention(
+        &self,
+        pages: &mut Self::Pages,
+        pool: &PagePool,
+        layer: usize,
+        step: &StepTokens<'_, Self::Tensor>,
+        seqs: &[PagedSeq<'_>],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+
+    /// Copies one page's bytes (data and scales) to the host, replacing `out`'s contents.
+    fn read_page(&self, pages: &Self::Pages, page: PageId, out: &mut Vec<u8>) -> Result<()>;
+
+    /// Overwrites one allocated page with `bytes` (a page received from a peer).
+    fn write_page(
+        &self,
+        pages: &mut Self::Pages,
+        pool: &PagePool,
+        page: PageId,
+        bytes: &[u8],
+    ) -> Result<()>;
+}
+
+/// One sequence's pages in a paged attention step.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedSeq<'a> {
+    /// Its page table: enough pages for `stored + slots.len()` tokens.
+    pub pages: &'a [PageId],
+    /// Tokens already in the pages.
+    pub stored: usize,
+    /// The slots of the step's new tokens, in order.
+    pub slots: &'a [SlotId],
 }

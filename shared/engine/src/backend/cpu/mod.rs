@@ -3,11 +3,15 @@
 
 mod attention;
 mod gemv;
+mod paged;
 pub mod simd;
 
-use super::{AttentionArgs, Backend, RopeArgs};
+use super::{AttentionArgs, Backend, PagedSeq, RopeArgs};
 use crate::config::RopeStyle;
 use crate::error::{Error, Result};
+use crate::kv::StepTokens;
+use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan};
+pub use paged::CpuPages;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -265,5 +269,49 @@ impl Backend for CpuBackend {
 
     fn attention(&self, args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
         self.pool.install(|| attention::causal_gqa(args, out));
+    }
+
+    type Pages = CpuPages;
+
+    fn new_pages(&self, plan: PoolPlan, scales: GlobalScales, hadamard: bool) -> Result<CpuPages> {
+        CpuPages::new(plan, scales, hadamard)
+    }
+
+    fn paged_attention(
+        &self,
+        pages: &mut CpuPages,
+        pool: &PagePool,
+        layer: usize,
+        step: &StepTokens<'_, CpuTensor>,
+        seqs: &[PagedSeq<'_>],
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        self.pool
+            .install(|| pages.attend(pool, layer, step, seqs, out))
+    }
+
+    fn read_page(&self, pages: &CpuPages, page: PageId, out: &mut Vec<u8>) -> Result<()> {
+        out.clear();
+        out.extend_from_slice(pages.store().page(page)?);
+        Ok(())
+    }
+
+    fn write_page(
+        &self,
+        pages: &mut CpuPages,
+        pool: &PagePool,
+        page: PageId,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let dst = pages.store_mut().page_mut(pool, page)?;
+        if dst.len() != bytes.len() {
+            return Err(Error::InvalidInput(format!(
+                "page {page} is {} bytes, received {}",
+                dst.len(),
+                bytes.len()
+            )));
+        }
+        dst.copy_from_slice(bytes);
+        Ok(())
     }
 }

@@ -1,0 +1,80 @@
+//! The paged cache on the real model: every KV dtype through every attention path stays close
+//! to the f32 reference, and the paths agree with each other.
+
+mod common;
+
+use std::sync::Arc;
+
+use nibble_engine::eval::{score_window, score_window_paged, EvalPath};
+use nibble_engine::{CpuBackend, KvConfig, Model, Tokenizer};
+use nibble_kvfmt::KvDtype;
+
+#[test]
+fn every_dtype_and_path_tracks_the_f32_reference() {
+    let file = common::open_model();
+    let model = Model::from_gguf(Arc::new(CpuBackend::new(2).unwrap()), &file).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let text =
+        std::fs::read_to_string(common::fixture("austen_pride_and_prejudice_8000_20000.txt"))
+            .unwrap();
+    let tokens = tokenizer.encode(&text, false).unwrap();
+    let window = &tokens[..160];
+    let reference = score_window(&model, window).unwrap();
+    let mut prefill_nll = Vec::new();
+    for dtype in KvDtype::ALL {
+        let kv = KvConfig::new(dtype);
+        let mut nlls = Vec::new();
+        for path in [EvalPath::Prefill, EvalPath::Extend, EvalPath::Decode] {
+            let score = score_window_paged(&model, &kv, path, window).unwrap();
+            let agree = score
+                .predicted
+                .iter()
+                .zip(&reference.predicted)
+                .filter(|(a, b)| a == b)
+                .count() as f64
+                / reference.predicted.len() as f64;
+            let delta = score.mean_nll() - reference.mean_nll();
+            eprintln!(
+                "{dtype} {path:?}: nll {:.4} (f32 {:.4}), top-1 agreement {agree:.3}",
+                score.mean_nll(),
+                reference.mean_nll()
+            );
+            let (max_delta, min_agree) = match dtype {
+                KvDtype::Bf16 => (0.01, 0.97),
+                KvDtype::Fp8 => (0.05, 0.93),
+                KvDtype::Nvfp4 => (0.1, 0.75),
+            };
+            assert!(
+                delta.abs() < max_delta,
+                "{dtype} {path:?}: NLL moved by {delta}"
+            );
+            assert!(agree >= min_agree, "{dtype} {path:?}: agreement {agree}");
+            nlls.push(score.mean_nll());
+        }
+        // Extend and decode read pages of this dtype: for bf16 that equals the work dtype.
+        if dtype == KvDtype::Bf16 {
+            assert!(
+                (nlls[0] - nlls[1]).abs() < 1e-9,
+                "bf16 prefill and extend agree"
+            );
+        }
+        // Prefill attends over the prompt's K/V in the work dtype (FP8, or BF16 for a bf16
+        // cache) and never reads pages, so its score does not depend on the stored dtype.
+        let expected_prefill = match dtype {
+            KvDtype::Bf16 => None,
+            _ => Some(nlls[0]),
+        };
+        prefill_nll.push((dtype, expected_prefill));
+    }
+    let fp8 = prefill_nll
+        .iter()
+        .find(|(d, _)| *d == KvDtype::Fp8)
+        .unwrap()
+        .1;
+    let nvfp4 = prefill_nll
+        .iter()
+        .find(|(d, _)| *d == KvDtype::Nvfp4)
+        .unwrap()
+        .1;
+    assert_eq!(fp8, nvfp4, "prefill never reads the pages");
+}
