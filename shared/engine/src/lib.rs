@@ -1,10 +1,15 @@
 //! nibble's inference engine: model loading, tokenizer, the [`Backend`] compute seam with a CPU
 //! reference backend, and the Llama-family forward pass.
 //!
+//! * [`source`]: [`ModelSource::open`], the entry point that opens a model by path (a GGUF
+//!   file or a Hugging Face directory) and loads its model and tokenizer.
 //! * [`gguf`]: GGUF v2/v3 reader and GGML dequantizers.
+//! * [`hf`], [`safetensors`]: Hugging Face model directories (config.json, safetensors
+//!   checkpoints, tokenizer.json).
 //! * [`config`]: [`ModelConfig`] from model metadata; [`Architecture`], [`RopeStyle`].
 //! * [`weights`]: f32 weights uploaded to a backend once and shared.
-//! * [`tokenizer`], [`chat`]: BPE tokenizer rebuilt from GGUF metadata; chat templates.
+//! * [`tokenizer`], [`chat`]: BPE tokenizer rebuilt from GGUF metadata or read from
+//!   tokenizer.json; chat templates.
 //! * [`backend`]: the [`Backend`] trait and [`CpuBackend`].
 //! * [`kv`]: the [`KvStore`] seam through which every layer's attention runs, and the
 //!   contiguous f32 [`ContiguousKv`] store.
@@ -19,12 +24,15 @@ pub mod error;
 pub mod eval;
 pub mod gguf;
 pub mod hadamard;
+pub mod hf;
 pub mod kv;
 pub mod model;
 pub mod paged;
+pub mod safetensors;
 pub mod sampling;
 pub mod scheduler;
 pub mod session;
+pub mod source;
 pub mod stop;
 pub mod tokenizer;
 pub mod weights;
@@ -34,8 +42,10 @@ pub use backend::{AttentionArgs, AttnGeometry, Backend, PagedSeq, RopeArgs};
 pub use chat::ChatMessage;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use error::{Error, Result};
+pub use hf::HfModelDir;
 pub use kv::{ContiguousKv, KvBatch, KvStore, NewTokens, PagedBatch, PerSequence, StepTokens};
 pub use model::{Logits, Model, SeqInput, Workspace};
 pub use session::{KvConfig, PagedSession};
+pub use source::ModelSource;
 pub use tokenizer::Tokenizer;
 pub use weights::{LayerWeights, Weights};

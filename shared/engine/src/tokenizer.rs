@@ -1,5 +1,6 @@
-//! Tokenizers: a `tokenizers::Tokenizer` rebuilt from GGUF metadata, plus the special token ids
-//! and chat template that come with it.
+//! Tokenizers: a `tokenizers::Tokenizer` rebuilt from GGUF metadata or read from a Hugging Face
+//! `tokenizer.json` (see [`crate::hf`]), plus the special token ids and chat template that come
+//! with it. [`Tokenizer::load`] picks the source by path.
 //!
 //! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is supported. For the SmolLM/StarCoder
 //! family (`tokenizer.ggml.pre` = `smollm`, `starcoder`, `refact`) the pre-tokenizer splits every
@@ -29,11 +30,52 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<u32>,
     eos: Option<u32>,
+    /// Every end-of-generation id, `eos` first.
+    eos_ids: Vec<u32>,
     add_bos: bool,
     chat_template: Option<String>,
 }
 
+/// What [`Tokenizer::from_parts`] assembles.
+pub(crate) struct TokenizerParts {
+    pub inner: tokenizers::Tokenizer,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// Further end-of-generation ids (duplicates and `eos` itself are dropped).
+    pub extra_eos: Vec<u32>,
+    pub add_bos: bool,
+    pub chat_template: Option<String>,
+}
+
 impl Tokenizer {
+    /// Loads the tokenizer of a model path: a Hugging Face model directory
+    /// ([`Tokenizer::from_hf_dir`]) or a GGUF file ([`Tokenizer::from_gguf`]).
+    pub fn load(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            Self::from_hf_dir(path)
+        } else {
+            Self::from_gguf(&GgufFile::open(path)?)
+        }
+    }
+
+    pub(crate) fn from_parts(parts: TokenizerParts) -> Self {
+        let mut eos_ids: Vec<u32> = parts.eos.into_iter().collect();
+        for id in parts.extra_eos {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+        Self {
+            inner: parts.inner,
+            bos: parts.bos,
+            eos: parts.eos.or(eos_ids.first().copied()),
+            eos_ids,
+            add_bos: parts.add_bos,
+            chat_template: parts.chat_template,
+        }
+    }
+
     /// Rebuilds the tokenizer stored in a GGUF file's metadata.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let model = file.require_str("tokenizer.ggml.model")?;
@@ -126,10 +168,11 @@ impl Tokenizer {
                     .ok_or_else(|| Error::Tokenizer(format!("{key} = {v} is not a token id"))),
             }
         };
-        Ok(Self {
+        Ok(Self::from_parts(TokenizerParts {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
             eos: id("tokenizer.ggml.eos_token_id")?,
+            extra_eos: Vec::new(),
             add_bos: file
                 .get("tokenizer.ggml.add_bos_token")
                 .and_then(|v| v.as_bool())
@@ -138,7 +181,7 @@ impl Tokenizer {
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.as_str())
                 .map(str::to_string),
-        })
+        }))
     }
 
     /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids;
@@ -176,6 +219,18 @@ impl Tokenizer {
     /// End-of-sequence token.
     pub fn eos_token_id(&self) -> Option<u32> {
         self.eos
+    }
+
+    /// Every token that ends generation: the EOS token first, then (Hugging Face models) the
+    /// other ids of `generation_config.json`'s `eos_token_id` list, such as ChatML's
+    /// `<|im_end|>` next to `<|endoftext|>`.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Whether [`Tokenizer::encode`] with `add_special` prepends the BOS token.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
     }
 
     /// The token id of a token string, if it is in the vocabulary.

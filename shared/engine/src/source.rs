@@ -1,0 +1,69 @@
+//! [`ModelSource`]: the one entry point that opens a model by path, whatever its format.
+//!
+//! A directory is a Hugging Face checkpoint ([`HfModelDir`]); a file is GGUF ([`GgufFile`]).
+//!
+//! ```no_run
+//! use nibble_engine::{CpuBackend, ModelSource};
+//! use std::sync::Arc;
+//!
+//! # fn main() -> nibble_engine::Result<()> {
+//! let source = ModelSource::open("models/Qwen2.5-0.5B-Instruct")?; // or a .gguf file
+//! let model = source.load_model(Arc::new(CpuBackend::new(2)?))?;
+//! let tokenizer = source.load_tokenizer()?;
+//! # Ok(())
+//! # }
+//! ```
+
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::hf::HfModelDir;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use std::path::Path;
+use std::sync::Arc;
+
+/// An opened model, before its weights are loaded.
+pub enum ModelSource {
+    /// A GGUF file (metadata parsed, tensors mapped).
+    Gguf(GgufFile),
+    /// A Hugging Face model directory (config read, safetensors mapped).
+    HuggingFace(HfModelDir),
+}
+
+impl ModelSource {
+    /// Opens `path`: a directory as a Hugging Face model, anything else as a GGUF file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            HfModelDir::open(path).map(Self::HuggingFace)
+        } else {
+            GgufFile::open(path).map(Self::Gguf)
+        }
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self {
+            Self::Gguf(file) => ModelConfig::from_gguf(file),
+            Self::HuggingFace(dir) => Ok(dir.config().clone()),
+        }
+    }
+
+    /// Loads the weights onto `backend` (converted to f32 once, shared by the model's clones).
+    pub fn load_model<B: Backend>(&self, backend: Arc<B>) -> Result<Model<B>> {
+        match self {
+            Self::Gguf(file) => Model::from_gguf(backend, file),
+            Self::HuggingFace(dir) => dir.load_model(backend),
+        }
+    }
+
+    /// Loads the tokenizer (with special tokens and chat template).
+    pub fn load_tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            Self::Gguf(file) => Tokenizer::from_gguf(file),
+            Self::HuggingFace(dir) => dir.tokenizer(),
+        }
+    }
+}
