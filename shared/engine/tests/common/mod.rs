@@ -31,6 +31,7 @@ pub fn open_model() -> GgufFile {
 }
 
 /// Path of a committed fixture.
+#[allow(dead_code)] // each test binary compiles this module; not all of them read fixtures
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
