@@ -17,6 +17,7 @@
 //! * [`eval`]: NLL / perplexity helpers.
 
 pub mod backend;
+pub mod calibrate;
 pub mod chat;
 pub mod config;
 pub mod detok;
