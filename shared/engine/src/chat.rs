@@ -1,6 +1,10 @@
 //! Chat templates: the model's Jinja template rendered with minijinja, the way Hugging Face
 //! `apply_chat_template` does (variables `messages`, `add_generation_prompt`, `bos_token`,
-//! `eos_token`; `raise_exception` available to templates).
+//! `eos_token`; `raise_exception` available to templates). As in `transformers`' Jinja
+//! environment, `trim_blocks` and `lstrip_blocks` are on, `{% break %}` / `{% continue %}` and
+//! the `tojson` filter are available, and Python's string, dict and list methods
+//! (`content.strip()`, `.startswith(...)`, `.items()`, ...) work through minijinja-contrib's
+//! `pycompat`.
 
 use crate::error::{Error, Result};
 use serde::Serialize;
@@ -46,6 +50,14 @@ pub fn render(
     eos_token: &str,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .expect("the default delimiters are valid"),
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
         |msg: String| -> std::result::Result<String, minijinja::Error> {
@@ -83,6 +95,46 @@ mod tests {
             out,
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// Python string methods, and block whitespace handled as `transformers` does. The expected
+    /// text is what jinja2 3.1.6 renders in `transformers`' environment
+    /// (`ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`).
+    #[test]
+    fn renders_python_methods_and_trims_blocks_like_transformers() {
+        let template = "{%- for message in messages %}\n    {%- if message['role'] == 'system' %}\n<|system|>\n{{ message['content'].strip() }}\n    {%- elif message.content.startswith('/') %}\n<|command|>{{ message['content'][1:].upper() }}\n    {%- else %}\n<|{{ message.role }}|>\n{{ message['content'].strip() | replace('there', 'you') }}\n    {%- endif %}\n{% endfor %}\n{%- if add_generation_prompt %}\n<|assistant|>\n{% endif %}\n";
+        let msgs = [
+            ChatMessage::new("system", "  Be brief.  "),
+            ChatMessage::new("user", " Hi there\n"),
+            ChatMessage::new("user", "/help"),
+        ];
+        let out = render(template, &msgs, true, "", "").unwrap();
+        assert_eq!(
+            out,
+            "<|system|>\nBe brief.<|user|>\nHi you<|command|>HELP<|assistant|>\n"
+        );
+        // Without a newline-eating `-`, trim_blocks drops the newline after a block tag and
+        // lstrip_blocks the indentation before it.
+        let out = render(
+            "{% for m in messages %}\n  {% if true %}\n[{{ m.content.lstrip() }}]\n  {% endif %}\n{% endfor %}",
+            &msgs[1..2],
+            false,
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(out, "[Hi there\n]\n");
+        // Loop controls and tojson.
+        let out = render(
+            "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}",
+            &msgs,
+            false,
+            "",
+            "",
+        )
+        .unwrap();
+        // Python's `json.dumps` separators, as transformers' `tojson` (keys sorted here).
+        assert_eq!(out, r#"{"content": "  Be brief.  ", "role": "system"}"#);
     }
 
     #[test]
