@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use nibble_kvcache::{PagePool, PoolPlan, RadixCache};
+use nibble_kvcache::{PageId, PagePool, PoolPlan, RadixCache};
 
 use crate::backend::{Backend, PagedSeq};
 use crate::detok::Detokenizer;
@@ -21,7 +21,8 @@ use crate::kv::PagedBatch;
 use crate::model::{Logits, Model, Workspace};
 use crate::sampling::{InvalidParam, Sampler, SamplingParams};
 use crate::scheduler::{
-    Batch, FinishReason, NewRequest, Outcome, SchedulerConfig, SeqId, State, SubmitError,
+    Batch, FinishReason, NewRequest, Outcome, Reservation, SchedulerConfig, SeqId, State,
+    SubmitError,
 };
 use crate::session::KvConfig;
 use crate::stop::{StopMatcher, StopStep};
@@ -66,6 +67,15 @@ pub enum Event {
         logprob: Option<f32>,
         text: String,
     },
+    /// A prefill-only request finished its prompt: its first token, and the pages holding the
+    /// prompt's K/V, held until [`Engine::release`].
+    Prefilled {
+        id: SeqId,
+        token: u32,
+        logprob: Option<f32>,
+        pages: Vec<PageId>,
+        usage: Usage,
+    },
     /// The request ended; `text` is what was held back (the tail of a stop-string candidate or
     /// an unfinished character).
     Finished {
@@ -87,6 +97,19 @@ struct Request {
     completion_tokens: usize,
     /// Prompt tokens the prefix cache supplied, known once the request is first scheduled.
     cached_tokens: Option<usize>,
+}
+
+impl Request {
+    fn new(prompt: &[u32], params: SamplingParams) -> Self {
+        Self {
+            detok: Detokenizer::new(prompt),
+            stop: StopMatcher::new(params.stop.clone()),
+            sampler: Sampler::new(params),
+            prompt_tokens: prompt.len(),
+            completion_tokens: 0,
+            cached_tokens: None,
+        }
+    }
 }
 
 /// The engine.
@@ -146,11 +169,26 @@ impl<B: Backend> Engine<B> {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> std::result::Result<(), RequestError> {
-        params.validate()?;
+        self.submit_request(id, prompt, params, false)
+    }
+
+    fn check_tokens(&self, prompt: &[u32]) -> std::result::Result<(), RequestError> {
         let vocab = self.model.config().vocab_size;
-        if let Some(&token) = prompt.iter().find(|t| **t as usize >= vocab) {
-            return Err(RequestError::Token { token, vocab });
+        match prompt.iter().find(|t| **t as usize >= vocab) {
+            Some(&token) => Err(RequestError::Token { token, vocab }),
+            None => Ok(()),
         }
+    }
+
+    fn submit_request(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        prefill_only: bool,
+    ) -> std::result::Result<(), RequestError> {
+        params.validate()?;
+        self.check_tokens(&prompt)?;
         let mut stop_tokens = params.stop_token_ids.clone();
         stop_tokens.extend(&self.eos);
         self.state.submit(NewRequest {
@@ -158,18 +196,9 @@ impl<B: Backend> Engine<B> {
             prompt: prompt.clone(),
             max_tokens: params.max_tokens as usize,
             stop_tokens,
+            prefill_only,
         })?;
-        self.requests.insert(
-            id,
-            Request {
-                detok: Detokenizer::new(&prompt),
-                stop: StopMatcher::new(params.stop.clone()),
-                sampler: Sampler::new(params),
-                prompt_tokens: prompt.len(),
-                completion_tokens: 0,
-                cached_tokens: None,
-            },
-        );
+        self.requests.insert(id, Request::new(&prompt, params));
         Ok(())
     }
 
@@ -254,45 +283,54 @@ impl<B: Backend> Engine<B> {
         let outcomes = self.state.complete(batch, &pairs);
         let mut events = Vec::new();
         for ((id, outcome), (_, _, logprob)) in outcomes.into_iter().zip(sampled) {
-            let (token, finished) = match outcome {
-                Outcome::Token(t) => (Some(t), None),
-                Outcome::Finished(t, reason) => (t, Some(reason)),
-            };
-            let tokenizer = Arc::clone(&self.tokenizer);
-            let decode = |ids: &[u32]| tokenizer.decode(ids, true);
-            let Some(request) = self.requests.get_mut(&id) else {
-                continue;
-            };
-            let mut stopped = false;
-            if let Some(token) = token {
-                request.completion_tokens += 1;
-                let delta = request.detok.push(token, decode).unwrap_or_default();
-                let text = match request.stop.push(&delta) {
-                    StopStep::Continue(text) => text,
-                    StopStep::Stop(text) => {
-                        stopped = true;
-                        text
-                    }
-                };
-                events.push(Event::Token {
-                    id,
-                    token,
-                    logprob: *logprob,
-                    text,
-                });
-            }
-            let reason = if stopped {
-                // A stop string ended it: the scheduler still runs it, so abort frees its pages.
-                self.state.abort(id);
-                Some(FinishReason::Stop)
-            } else {
-                finished
-            };
-            if let Some(reason) = reason {
-                events.push(self.close(id, reason, None, !stopped));
-            }
+            self.emit(id, outcome, *logprob, &mut events);
         }
         events
+    }
+
+    /// Turns one scheduler outcome into events: the token's text, and the end if it came.
+    fn emit(&mut self, id: SeqId, outcome: Outcome, logprob: Option<f32>, events: &mut Vec<Event>) {
+        let (token, finished) = match outcome {
+            Outcome::Token(t) => (Some(t), None),
+            Outcome::Finished(t, reason) => (t, Some(reason)),
+            Outcome::Prefilled(token) => {
+                events.push(self.prefilled(id, token, logprob));
+                return;
+            }
+        };
+        let tokenizer = Arc::clone(&self.tokenizer);
+        let decode = |ids: &[u32]| tokenizer.decode(ids, true);
+        let Some(request) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let mut stopped = false;
+        if let Some(token) = token {
+            request.completion_tokens += 1;
+            let delta = request.detok.push(token, decode).unwrap_or_default();
+            let text = match request.stop.push(&delta) {
+                StopStep::Continue(text) => text,
+                StopStep::Stop(text) => {
+                    stopped = true;
+                    text
+                }
+            };
+            events.push(Event::Token {
+                id,
+                token,
+                logprob,
+                text,
+            });
+        }
+        let reason = if stopped {
+            // A stop string ended it: the scheduler still runs it, so abort frees its pages.
+            self.state.abort(id);
+            Some(FinishReason::Stop)
+        } else {
+            finished
+        };
+        if let Some(reason) = reason {
+            events.push(self.close(id, reason, None, !stopped));
+        }
     }
 
     /// Removes a request and describes its end.
@@ -328,6 +366,102 @@ impl<B: Backend> Engine<B> {
             usage,
             error,
         }
+    }
+
+    /// Describes a prefill-only request whose prompt is done; its pages stay held for export.
+    fn prefilled(&mut self, id: SeqId, token: u32, logprob: Option<f32>) -> Event {
+        let request = self.requests.remove(&id);
+        let pages = self
+            .state
+            .table(id)
+            .map(|t| t.pages().to_vec())
+            .unwrap_or_default();
+        let usage = Usage {
+            prompt_tokens: request.as_ref().map_or(0, |r| r.prompt_tokens),
+            completion_tokens: 1,
+            cached_tokens: request.and_then(|r| r.cached_tokens).unwrap_or(0),
+        };
+        Event::Prefilled {
+            id,
+            token,
+            logprob,
+            pages,
+            usage,
+        }
+    }
+
+    /// Queues a request that stops after its prompt: the step that finishes the prompt reports
+    /// [`Event::Prefilled`] with the first token and the pages, which stay held until
+    /// [`release`](Self::release) (after they were exported).
+    pub fn submit_prefill(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> std::result::Result<(), RequestError> {
+        self.submit_request(id, prompt, params, true)
+    }
+
+    /// Copies one page's bytes (data and scales) out, for a transfer.
+    pub fn export_page(&self, page: PageId, out: &mut Vec<u8>) -> Result<()> {
+        self.model.backend().read_page(&self.pages, page, out)
+    }
+
+    /// Frees what a prefilled request or an unused reservation holds. False if nothing is held.
+    pub fn release(&mut self, id: SeqId) -> bool {
+        self.state.release_held(id)
+    }
+
+    /// Reserves pages for a prompt whose K/V a prefill worker will send; the reservation says
+    /// which leading pages this worker already has.
+    pub fn reserve(
+        &mut self,
+        id: SeqId,
+        prompt: &[u32],
+    ) -> std::result::Result<Reservation, RequestError> {
+        self.check_tokens(prompt)?;
+        Ok(self.state.reserve(id, prompt)?)
+    }
+
+    /// Writes one received page into a reserved page.
+    pub fn import_page(&mut self, page: PageId, bytes: &[u8]) -> Result<()> {
+        self.model
+            .backend()
+            .write_page(&mut self.pages, &self.state.pool, page, bytes)
+    }
+
+    /// Starts decoding a reservation whose pages now hold the prompt, from the prefill worker's
+    /// first token. Returns the events of that token (and the request's end, if it already ends).
+    pub fn start_decode(
+        &mut self,
+        id: SeqId,
+        first_token: u32,
+        params: SamplingParams,
+    ) -> std::result::Result<Vec<Event>, RequestError> {
+        params.validate()?;
+        let prompt = self
+            .state
+            .tokens(id)
+            .ok_or(SubmitError::Unknown(id))?
+            .to_vec();
+        let mut stop_tokens = params.stop_token_ids.clone();
+        stop_tokens.extend(&self.eos);
+        let max_tokens = params.max_tokens as usize;
+        let cached = self.state.prefix_hit(id);
+        self.requests.insert(id, Request::new(&prompt, params));
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.cached_tokens = cached;
+        }
+        let finished = self
+            .state
+            .activate(id, first_token, max_tokens, stop_tokens)?;
+        let mut events = Vec::new();
+        let outcome = match finished {
+            Some(reason) => Outcome::Finished(Some(first_token), reason),
+            None => Outcome::Token(first_token),
+        };
+        self.emit(id, outcome, None, &mut events);
+        Ok(events)
     }
 
     /// A failed step ends every request in it, releasing their pages.

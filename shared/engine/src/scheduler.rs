@@ -17,7 +17,7 @@
 //! [`State::complete`] appends the sampled tokens, caches newly filled pages, and retires finished
 //! sequences. [`State::abort`] frees a request's pages at any point.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use nibble_kvcache::{hash_blocks, BlockHash, PagePool, PageTable, RadixCache, SlotId};
@@ -78,6 +78,10 @@ pub enum SubmitError {
     QueueFull { waiting: usize },
     #[error("request {0:?} already exists")]
     Duplicate(SeqId),
+    #[error("request {0:?} is not held by this worker")]
+    Unknown(SeqId),
+    #[error("{needed} KV pages needed, {free} free after eviction")]
+    NoRoom { needed: usize, free: usize },
 }
 
 /// Which attention path an item runs through.
@@ -129,6 +133,9 @@ pub enum Outcome {
     Token(u32),
     /// It produced this token (or none, when aborted or stopped by the caller) and finished.
     Finished(Option<u32>, FinishReason),
+    /// A prefill-only request finished its prompt and produced its first token; its pages are
+    /// held until [`State::release_held`].
+    Prefilled(u32),
 }
 
 #[derive(Debug)]
@@ -148,6 +155,7 @@ struct Sequence {
     cached_pages: usize,
     /// Cached tokens it started from, for usage reporting.
     prefix_hit: usize,
+    prefill_only: bool,
 }
 
 impl Sequence {
@@ -163,6 +171,9 @@ pub struct NewRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub stop_tokens: Vec<u32>,
+    /// Stop after the prompt: sample the first token and hold the pages for export to a decode
+    /// worker (see [`State::release_held`]).
+    pub prefill_only: bool,
 }
 
 /// The scheduler's state: queues, pages, prefix cache.
@@ -174,6 +185,9 @@ pub struct State {
     waiting: VecDeque<Sequence>,
     /// In admission order: preemption takes from the back.
     running: Vec<Sequence>,
+    /// Sequences holding pages outside the batch: prefilled ones awaiting export and
+    /// reservations awaiting their pages.
+    held: HashMap<SeqId, Sequence>,
     preemptions: u64,
 }
 
@@ -185,6 +199,7 @@ impl State {
             cache,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            held: HashMap::new(),
             preemptions: 0,
         }
     }
@@ -231,8 +246,7 @@ impl State {
                 waiting: self.waiting.len(),
             });
         }
-        let exists = |s: &Sequence| s.id == request.id;
-        if self.waiting.iter().any(exists) || self.running.iter().any(exists) {
+        if self.exists(request.id) {
             return Err(SubmitError::Duplicate(request.id));
         }
         self.waiting.push_back(Sequence {
@@ -246,6 +260,7 @@ impl State {
             locked: Vec::new(),
             cached_pages: 0,
             prefix_hit: 0,
+            prefill_only: request.prefill_only,
         });
         Ok(())
     }
@@ -441,6 +456,12 @@ impl State {
             };
             let seq = &mut self.running[idx];
             seq.tokens.push(*token);
+            if seq.prefill_only {
+                let seq = self.running.remove(idx);
+                outcomes.push((*id, Outcome::Prefilled(*token)));
+                self.held.insert(*id, seq);
+                continue;
+            }
             let reason = if seq.stop_tokens.contains(token) {
                 Some(FinishReason::Stop)
             } else if seq.generated() >= seq.max_tokens {
@@ -472,6 +493,9 @@ impl State {
             self.release(&mut seq);
             return true;
         }
+        if self.release_held(id) {
+            return true;
+        }
         if let Some(idx) = self.waiting.iter().position(|s| s.id == id) {
             self.waiting.remove(idx);
             return true;
@@ -479,27 +503,35 @@ impl State {
         false
     }
 
-    /// Cached prompt tokens a running sequence started from.
+    /// Cached prompt tokens a running or held sequence started from.
     pub fn prefix_hit(&self, id: SeqId) -> Option<usize> {
-        self.running
-            .iter()
-            .find(|s| s.id == id)
-            .map(|s| s.prefix_hit)
+        self.find(id).map(|s| s.prefix_hit)
     }
 
-    /// The tokens of a running sequence (prompt then output).
+    /// The tokens of a running or held sequence (prompt then output).
     pub fn tokens(&self, id: SeqId) -> Option<&[u32]> {
+        self.find(id).map(|s| s.tokens.as_slice())
+    }
+
+    fn find(&self, id: SeqId) -> Option<&Sequence> {
         self.running
             .iter()
             .find(|s| s.id == id)
-            .map(|s| s.tokens.as_slice())
+            .or_else(|| self.held.get(&id))
     }
 
-    /// The page table of a running sequence.
+    fn exists(&self, id: SeqId) -> bool {
+        self.find(id).is_some() || self.waiting.iter().any(|s| s.id == id)
+    }
+
+    /// The page table of a running or held sequence.
     pub fn table(&self, id: SeqId) -> Option<&PageTable> {
-        self.running.iter().find(|s| s.id == id).map(|s| &s.table)
+        self.find(id).map(|s| &s.table)
     }
 }
+
+mod handoff;
+pub use handoff::Reservation;
 
 #[cfg(test)]
 mod tests;

@@ -20,6 +20,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
         prompt,
         max_tokens,
         stop_tokens: vec![],
+        prefill_only: false,
     }
 }
 
@@ -62,7 +63,7 @@ fn drain(state: &mut State) -> HashMap<SeqId, Vec<u32>> {
         }
         for (id, outcome) in outcomes {
             match outcome {
-                Outcome::Token(t) | Outcome::Finished(Some(t), _) => {
+                Outcome::Token(t) | Outcome::Finished(Some(t), _) | Outcome::Prefilled(t) => {
                     outputs.entry(id).or_default().push(t)
                 }
                 Outcome::Finished(None, _) => {}
@@ -307,4 +308,49 @@ fn randomized_load_finishes_everything_without_leaks() {
         }
         assert_no_leak(&mut s);
     }
+}
+
+#[test]
+fn prefill_only_holds_pages_and_reservations_activate() {
+    let mut s = state(16, SchedulerConfig::default());
+    let prompt: Vec<u32> = (0..21).collect();
+    s.submit(NewRequest {
+        prefill_only: true,
+        ..request(1, prompt.clone(), 5)
+    })
+    .unwrap();
+    let (_, outcomes) = step(&mut s);
+    let first = next_token(&prompt);
+    assert_eq!(outcomes, vec![(SeqId(1), Outcome::Prefilled(first))]);
+    assert_eq!((s.running(), s.held()), (0, 1));
+    assert_eq!(
+        s.table(SeqId(1)).unwrap().len(),
+        21,
+        "pages cover the prompt"
+    );
+    assert!(s.release_held(SeqId(1)));
+    // A decode-side reservation reuses the cached full pages and allocates the rest.
+    let r = s.reserve(SeqId(2), &prompt).unwrap();
+    assert_eq!(r.cached_tokens, 20);
+    assert_eq!(r.pages.len(), 6);
+    assert_eq!(
+        s.reserve(SeqId(2), &prompt),
+        Err(SubmitError::Duplicate(SeqId(2)))
+    );
+    assert_eq!(s.activate(SeqId(2), first, 3, vec![]), Ok(None));
+    let out = drain(&mut s);
+    let mut expected = vec![first];
+    expected.extend(expected_output(&[prompt.clone(), vec![first]].concat(), 2));
+    assert_eq!(out[&SeqId(2)], expected[1..]);
+    assert_eq!(
+        s.activate(SeqId(3), 1, 3, vec![]),
+        Err(SubmitError::Unknown(SeqId(3)))
+    );
+    // A first token that is a stop token ends the request at once.
+    s.reserve(SeqId(4), &prompt).unwrap();
+    assert_eq!(
+        s.activate(SeqId(4), 9, 3, vec![9]),
+        Ok(Some(FinishReason::Stop))
+    );
+    assert_no_leak(&mut s);
 }
