@@ -172,6 +172,15 @@ impl<B: Backend> Engine<B> {
         self.submit_request(id, prompt, params, false)
     }
 
+    /// The request's stop tokens plus, unless it ignores them, the model's end of sequence.
+    fn stop_tokens(&self, params: &SamplingParams) -> Vec<u32> {
+        let mut stop = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop.extend(&self.eos);
+        }
+        stop
+    }
+
     fn check_tokens(&self, prompt: &[u32]) -> std::result::Result<(), RequestError> {
         let vocab = self.model.config().vocab_size;
         match prompt.iter().find(|t| **t as usize >= vocab) {
@@ -189,8 +198,7 @@ impl<B: Backend> Engine<B> {
     ) -> std::result::Result<(), RequestError> {
         params.validate()?;
         self.check_tokens(&prompt)?;
-        let mut stop_tokens = params.stop_token_ids.clone();
-        stop_tokens.extend(&self.eos);
+        let stop_tokens = self.stop_tokens(&params);
         self.state.submit(NewRequest {
             id,
             prompt: prompt.clone(),
@@ -444,8 +452,7 @@ impl<B: Backend> Engine<B> {
             .tokens(id)
             .ok_or(SubmitError::Unknown(id))?
             .to_vec();
-        let mut stop_tokens = params.stop_token_ids.clone();
-        stop_tokens.extend(&self.eos);
+        let stop_tokens = self.stop_tokens(&params);
         let max_tokens = params.max_tokens as usize;
         let cached = self.state.prefix_hit(id);
         self.requests.insert(id, Request::new(&prompt, params));

@@ -38,6 +38,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Report the log-probability of each chosen token.
     pub logprobs: bool,
+    /// Keep generating past the model's end-of-sequence token (benchmarks).
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
@@ -53,6 +55,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             logprobs: false,
+            ignore_eos: false,
         }
     }
 }
