@@ -15,7 +15,7 @@
 //! the output like q. Query head `h` attends with KV head `h / (q_heads / kv_heads)` (GQA).
 
 use nibble_kvcache::{HostPages, PageId, PagePool, SlotId};
-use nibble_kvfmt::{bf16, e4m3, fp8, nvfp4, KvDtype, KvPart, PageLayout};
+use nibble_kvfmt::{bf16, e2m1, e4m3, fp8, nvfp4, KvDtype, KvPart, PageLayout};
 use rayon::prelude::*;
 
 /// Errors of the attention paths: shape mismatches and cache errors.
@@ -296,6 +296,19 @@ fn global_scales(store: &HostPages, layer: usize) -> (f32, f32) {
     (scales.get(layer, KvPart::K), scales.get(layer, KvPart::V))
 }
 
+/// The (K, V) global scales of the FP8 work dtype for `layer`: those that cover the same range
+/// as the cache. An fp8 cache's scale is used as is. An nvfp4 global scale maps a layer's amax
+/// onto 6 · 448 (largest E2M1 value times largest block scale), so the work dtype takes it times
+/// 6, mapping the same amax onto 448; using it unchanged would saturate FP8 at amax / 6 once
+/// calibrated. (A bf16 workspace ignores the scale.)
+fn work_scales(store: &HostPages, layer: usize) -> (f32, f32) {
+    let (k, v) = global_scales(store, layer);
+    match store.layout().dtype() {
+        KvDtype::Nvfp4 => (k * e2m1::MAX, v * e2m1::MAX),
+        KvDtype::Fp8 | KvDtype::Bf16 => (k, v),
+    }
+}
+
 /// The slot of token `t` of a sequence whose pages are `pages`.
 fn slot_of(pages: &[PageId], t: usize, page_size: usize) -> Result<SlotId> {
     let page = pages.get(t / page_size).ok_or(AttentionError::Shape {
@@ -354,7 +367,7 @@ impl PagedCache<'_> {
         let layout = *store.layout();
         let n = slots.len();
         let heads = step.heads(&layout, n, out)?;
-        let g = global_scales(store, step.layer);
+        let g = work_scales(store, step.layer);
         ws.reserve(n, &layout);
         ws.store(KvPart::K, 0, &layout, g.0, step.k);
         ws.store(KvPart::V, 0, &layout, g.1, step.v);
@@ -378,7 +391,7 @@ impl PagedCache<'_> {
         let layout = *store.layout();
         let n = slots.len();
         let heads = step.heads(&layout, n, out)?;
-        let g = global_scales(store, step.layer);
+        let g = work_scales(store, step.layer);
         let (kv_heads, dim, page_size) = (layout.kv_heads(), layout.head_dim(), layout.page_size());
         ws.reserve(prefix + n, &layout);
         // Gather: dequantize the cached prefix token by token into the work dtype.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use nibble_engine::eval::{score_window, score_window_paged, EvalPath};
 use nibble_engine::{CpuBackend, KvConfig, Model, Tokenizer};
+use nibble_kvcache::GlobalScales;
 use nibble_kvfmt::KvDtype;
 
 #[test]
@@ -59,18 +60,25 @@ fn every_dtype_and_path_tracks_the_f32_reference() {
             );
         }
         // Prefill attends over the prompt's K/V in the work dtype (FP8, or BF16 for a bf16
-        // cache) and never reads pages, so its score does not depend on the stored dtype.
-        let expected_prefill = match dtype {
-            KvDtype::Bf16 => None,
-            _ => Some(nlls[0]),
-        };
-        prefill_nll.push((dtype, expected_prefill));
+        // cache) and never reads pages, so its score does not depend on the stored dtype, only
+        // on the work dtype's scales.
+        if dtype != KvDtype::Bf16 {
+            prefill_nll.push((dtype, nlls[0]));
+        }
     }
-    let fp8 = prefill_nll
-        .iter()
-        .find(|(d, _)| *d == KvDtype::Fp8)
+    // An nvfp4 cache's FP8 work dtype covers the nvfp4 range: its global scale times 6 (the
+    // largest E2M1 value), so uncalibrated nvfp4 prefill equals fp8 prefill with scales of 6.
+    let layers = model.config().num_layers;
+    let fp8_as_nvfp4_work = KvConfig {
+        scales: Some(GlobalScales {
+            k: vec![6.0; layers],
+            v: vec![6.0; layers],
+        }),
+        ..KvConfig::new(KvDtype::Fp8)
+    };
+    let fp8 = score_window_paged(&model, &fp8_as_nvfp4_work, EvalPath::Prefill, window)
         .unwrap()
-        .1;
+        .mean_nll();
     let nvfp4 = prefill_nll
         .iter()
         .find(|(d, _)| *d == KvDtype::Nvfp4)
