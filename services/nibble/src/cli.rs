@@ -3,7 +3,7 @@
 //! Values are parsed into their final types here (a [`KvDtype`], a head dim that is a multiple of
 //! 16, a finite positive global scale), so a bad flag is a usage error that names the flag. Every
 //! usage error is reported as one `error: ...` line with exit status 2; only `--help` and
-//! `--version` print more.
+//! `--version` print more. The flags of the commands that run a model are in `cli/model.rs`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,6 +15,13 @@ use nibble_kvfmt::{check_global_scale, KvDtype};
 
 use crate::kv::Codec;
 use crate::EXIT_USAGE;
+
+mod model;
+
+pub use model::{
+    CalibrateArgs, EvalDtype, GenerateArgs, ModelArgs, PplArgs, QuantArgs, SamplingArgs,
+    DEFAULT_MODEL,
+};
 
 /// nibble: a disaggregated prefill/decode LLM serving cluster with an NVFP4 KV cache.
 #[derive(Debug, Parser)]
@@ -31,6 +38,22 @@ pub enum Command {
     /// KV-cache format tools: encode, decode, page layout.
     #[command(subcommand, arg_required_else_help = true)]
     Kv(KvCommand),
+    /// Generate text from a prompt on the CPU engine, streaming it to stdout.
+    #[command(arg_required_else_help = true)]
+    Generate(GenerateArgs),
+    /// Evaluate a model over a paged, quantized KV cache.
+    #[command(subcommand, arg_required_else_help = true)]
+    Eval(EvalCommand),
+    /// Measure per-layer K/V amax on a text and write the calibration JSON (global scales).
+    #[command(arg_required_else_help = true)]
+    Calibrate(CalibrateArgs),
+}
+
+/// `nibble eval ...`.
+#[derive(Debug, Subcommand)]
+pub enum EvalCommand {
+    /// Perplexity and top-1 agreement with the f32 reference, over windows of a text.
+    Ppl(PplArgs),
 }
 
 /// `nibble kv ...`.

@@ -1,5 +1,5 @@
-//! [`Error`]: everything the CLI can fail on. Each message is one line and names the file, value
-//! or index that was wrong, so `error: {err}` is a complete diagnostic.
+//! [`Error`]: everything the CLI can fail on. Each message is one line and names the file, value,
+//! flag or index that was wrong, so `error: {err}` is a complete diagnostic.
 
 use std::io;
 use std::path::PathBuf;
@@ -47,6 +47,61 @@ pub enum Error {
     /// Writing to standard output failed.
     #[error("cannot write to stdout: {0}")]
     Stdout(io::Error),
+    /// Writing to standard error failed.
+    #[error("cannot write to stderr: {0}")]
+    Stderr(io::Error),
+    /// The model path does not exist.
+    #[error(
+        "model {} not found: run scripts/fetch-model.sh to download the default \
+         SmolLM2-135M-Instruct, or pass --model (or set NIBBLE_MODEL) to a GGUF file or a \
+         Hugging Face model directory",
+        path.display()
+    )]
+    ModelMissing { path: PathBuf },
+    /// The model could not be opened or loaded.
+    #[error("cannot load model {}: {source}", path.display())]
+    Model {
+        path: PathBuf,
+        source: nibble_engine::Error,
+    },
+    /// A calibration file could not be used.
+    #[error("{}: {source}", path.display())]
+    Calibration {
+        path: PathBuf,
+        source: nibble_engine::Error,
+    },
+    /// A text input is not UTF-8.
+    #[error("{} is not UTF-8 text (invalid byte at offset {offset})", path.display())]
+    NotUtf8 { path: PathBuf, offset: usize },
+    /// A text input could not be tokenized.
+    #[error("cannot tokenize {}: {source}", path.display())]
+    Tokenize {
+        path: PathBuf,
+        source: nibble_engine::Error,
+    },
+    /// A text input holds fewer tokens than the command needs.
+    #[error("{} has {tokens} tokens, fewer than {needed} ({what})", path.display())]
+    TextTooShort {
+        path: PathBuf,
+        tokens: usize,
+        needed: usize,
+        what: String,
+    },
+    /// Two flags that do not go together, or a flag whose value is out of range.
+    #[error("{flag}: {reason}")]
+    Flag { flag: &'static str, reason: String },
+    /// A sampling parameter is out of range (checked before the model loads).
+    #[error("{0}")]
+    Sampling(#[from] nibble_engine::sampling::InvalidParam),
+    /// The engine refused the request.
+    #[error("request refused: {0}")]
+    Request(#[from] nibble_engine::RequestError),
+    /// The engine failed while generating.
+    #[error("generation failed: {0}")]
+    Generation(String),
+    /// Any other engine failure (chat template, tokenizer, cache setup, forward pass).
+    #[error("{0}")]
+    Engine(#[from] nibble_engine::Error),
 }
 
 /// Result alias of this crate.

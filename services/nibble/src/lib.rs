@@ -4,24 +4,33 @@
 //!
 //! * [`kv`]: `nibble kv encode|decode`, files in and out of the interchange layout;
 //! * [`layout`]: `nibble kv layout`, the byte accounting of one model geometry as JSON;
+//! * [`generate`]: `nibble generate`, one request through the engine, streamed to stdout;
+//! * [`ppl`]: `nibble eval ppl`, perplexity and top-1 agreement over the quantized cache;
+//! * [`calibration`]: `nibble calibrate`, the K/V global-scale calibration JSON;
+//! * [`load`]: opening a model (GGUF or Hugging Face) and checking its inputs before loading;
 //! * [`files`]: reading inputs and replacing outputs atomically (no partial file is ever left).
 
+pub mod calibration;
 pub mod cli;
 mod error;
 pub mod files;
+pub mod generate;
 pub mod kv;
 pub mod layout;
+pub mod load;
+pub mod ppl;
 
 use std::io::Write;
 
 pub use error::{Error, Result};
 
-use cli::{Cli, Command, KvCommand};
+use cli::{Cli, Command, EvalCommand, KvCommand};
 
 /// Exit status for bad input of any kind: usage errors (as clap uses) and failed commands.
 pub const EXIT_USAGE: u8 = 2;
 
-/// Runs a parsed command; anything meant for stdout goes to `stdout`.
+/// Runs a parsed command; anything meant for stdout goes to `stdout`. Diagnostics that are not
+/// errors (`generate`'s summary line) go to the process's stderr.
 pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
     match &cli.command {
         Command::Kv(KvCommand::Encode(args)) => {
@@ -40,5 +49,8 @@ pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
             )?;
             report.write_json(stdout)
         }
+        Command::Generate(args) => generate::run(args, stdout, &mut std::io::stderr().lock()),
+        Command::Eval(EvalCommand::Ppl(args)) => ppl::run(args, stdout),
+        Command::Calibrate(args) => calibration::run(args),
     }
 }

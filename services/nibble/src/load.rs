@@ -1,0 +1,124 @@
+//! Opening a model and the inputs that go with it, checking each before the slow part.
+//!
+//! The order is fixed so that a bad input fails fast: the model path must exist, its config and
+//! tokenizer are read (cheap: the weights are only memory-mapped), a calibration file is checked
+//! against the model's layer count, and only then are the weights converted to f32 on a
+//! [`CpuBackend`] with the requested threads.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nibble_engine::calibrate::Calibration;
+use nibble_engine::{CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
+use nibble_kvfmt::KvDtype;
+
+use crate::cli::{ModelArgs, QuantArgs};
+use crate::{files, Error, Result};
+
+/// An opened model whose weights are not loaded yet.
+pub struct Opened {
+    path: PathBuf,
+    threads: usize,
+    source: ModelSource,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+}
+
+impl Opened {
+    /// Opens `--model`, reading its config and tokenizer.
+    pub fn open(args: &ModelArgs) -> Result<Self> {
+        let path = args.model.clone();
+        if !path.exists() {
+            return Err(Error::ModelMissing { path });
+        }
+        let fail = |source| Error::Model {
+            path: path.clone(),
+            source,
+        };
+        let source = ModelSource::open(&path).map_err(fail)?;
+        let config = source.config().map_err(fail)?;
+        let tokenizer = source.load_tokenizer().map_err(fail)?;
+        Ok(Self {
+            threads: args.threads(),
+            path,
+            source,
+            config,
+            tokenizer,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Tokenizes a UTF-8 text file whole, without a BOS token.
+    pub fn tokenize_file(&self, path: &Path) -> Result<Vec<u32>> {
+        let bytes = files::read(path)?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::NotUtf8 {
+            path: path.to_path_buf(),
+            offset: e.utf8_error().valid_up_to(),
+        })?;
+        self.tokenizer
+            .encode(&text, false)
+            .map_err(|source| Error::Tokenize {
+                path: path.to_path_buf(),
+                source,
+            })
+    }
+
+    /// The KV config of a `dtype` cache with these flags, its calibration file read and checked
+    /// against this model.
+    pub fn kv_config(&self, dtype: KvDtype, quant: &QuantArgs) -> Result<KvConfig> {
+        let scales = match &quant.calibration {
+            Some(path) => Some(read_calibration(path, self.config.num_layers)?.scales(dtype)),
+            None => None,
+        };
+        if quant.hadamard && !nibble_engine::hadamard::supported(self.config.head_dim) {
+            return Err(Error::Flag {
+                flag: "--hadamard",
+                reason: format!(
+                    "needs a power-of-two head dim; the model's is {}",
+                    self.config.head_dim
+                ),
+            });
+        }
+        Ok(KvConfig {
+            dtype,
+            page_size: quant.page_size,
+            scales,
+            hadamard: quant.hadamard,
+        })
+    }
+
+    /// Loads the weights; returns the model and its tokenizer.
+    pub fn load(self) -> Result<(Model<CpuBackend>, Tokenizer)> {
+        let fail = |source| Error::Model {
+            path: self.path.clone(),
+            source,
+        };
+        let backend = CpuBackend::new(self.threads).map_err(fail)?;
+        let model = self.source.load_model(Arc::new(backend)).map_err(fail)?;
+        Ok((model, self.tokenizer))
+    }
+}
+
+/// Reads a calibration file written by `nibble calibrate` for a model of `layers` layers.
+pub fn read_calibration(path: &Path, layers: usize) -> Result<Calibration> {
+    let bytes = files::read(path)?;
+    let text = String::from_utf8(bytes).map_err(|e| Error::NotUtf8 {
+        path: path.to_path_buf(),
+        offset: e.utf8_error().valid_up_to(),
+    })?;
+    Calibration::from_json(&text, layers).map_err(|source| Error::Calibration {
+        path: path.to_path_buf(),
+        source,
+    })
+}
