@@ -77,6 +77,7 @@ fn run(engine: &mut Engine<CpuBackend>) -> HashMap<SeqId, Output> {
                     o.reason = Some(reason);
                     o.usage = usage;
                 }
+                Event::Prefilled { id, .. } => panic!("{id:?} was not submitted prefill-only"),
             }
         }
     }
