@@ -1,0 +1,518 @@
+//! The engine actor: one OS thread owns the [`Engine`] and everything in it (model, page bytes,
+//! scheduler, prefix cache); async code talks to it through a cloneable [`EngineHandle`].
+//!
+//! The thread loops: it takes every queued [`Command`], runs [`Engine::step`] while there is work,
+//! and routes each step's events to the sender of the request they belong to. A request whose
+//! receiver was dropped (the client went away) is aborted, so its pages return to the pool.
+//! Prefix-cache changes are published on a broadcast channel as [`KvEventBatch`]es (see
+//! [`KvPublisher`](crate::kv_events::KvPublisher)).
+//!
+//! Invariant: every request the engine knows has exactly one live entry in `senders` until it
+//! finishes, is prefilled (then its pages are *held* until [`EngineHandle::release`]), or is
+//! aborted.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread;
+
+use nibble_engine::sampling::SamplingParams;
+use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
+use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
+use nibble_kvcache::PageId;
+use nibble_proto::v1;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tonic::codegen::Bytes;
+
+use crate::error::{Error, Result};
+use crate::kv_events::KvPublisher;
+
+/// Events of one request, in order.
+pub type EventStream = mpsc::UnboundedReceiver<Event>;
+
+/// What never changes about a running engine.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// The page pool's format, as peers see it.
+    pub kv_format: v1::KvFormat,
+    /// `kv_format`'s fingerprint.
+    pub fingerprint: u64,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Bytes of one page (data and scales of every layer's K and V).
+    pub page_bytes: usize,
+    /// Pages in the pool.
+    pub total_pages: usize,
+    /// The longest prompt plus completion, in tokens.
+    pub max_context: usize,
+    /// The model's end-of-sequence token ids.
+    pub eos: Vec<u32>,
+}
+
+/// A moment's load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadSnapshot {
+    /// Pages no request and no cached block holds.
+    pub free_pages: usize,
+    /// Pages in the pool.
+    pub total_pages: usize,
+    /// Pages held by the prefix cache.
+    pub cached_pages: usize,
+    /// Requests being prefilled or decoded.
+    pub running: usize,
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// Requests holding pages outside the batch (prefilled, or reserved).
+    pub held: usize,
+}
+
+/// A request to the engine thread.
+enum Command {
+    Submit {
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        prefill_only: bool,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<std::result::Result<(), RequestError>>,
+    },
+    Reserve {
+        id: SeqId,
+        prompt: Vec<u32>,
+        reply: oneshot::Sender<std::result::Result<Reservation, RequestError>>,
+    },
+    Export {
+        pages: Vec<PageId>,
+        reply: oneshot::Sender<Result<Vec<u8>>>,
+    },
+    Import {
+        pages: Vec<PageId>,
+        data: Bytes,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    StartDecode {
+        id: SeqId,
+        first_token: u32,
+        params: SamplingParams,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<std::result::Result<(), RequestError>>,
+    },
+    Abort {
+        id: SeqId,
+        reply: Option<oneshot::Sender<bool>>,
+    },
+    Release {
+        id: SeqId,
+        reply: Option<oneshot::Sender<bool>>,
+    },
+    Load {
+        reply: oneshot::Sender<LoadSnapshot>,
+    },
+    KvSnapshot {
+        reply: oneshot::Sender<v1::KvSnapshotResponse>,
+    },
+}
+
+/// A cloneable handle on the engine thread. The thread stops when every handle is dropped and
+/// no request is left.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::UnboundedSender<Command>,
+    kv_events: broadcast::Sender<v1::KvEventBatch>,
+    info: Arc<EngineInfo>,
+}
+
+/// KV-event batches buffered per subscriber before it lags (and must resync from a snapshot).
+const KV_EVENT_BUFFER: usize = 1024;
+
+impl EngineHandle {
+    /// Starts the engine thread for `model` and waits until the engine is built.
+    pub fn spawn<B>(
+        model: Model<B>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self>
+    where
+        B: Backend + 'static,
+        Model<B>: Send,
+    {
+        let layout = config.kv.layout(&model)?;
+        let scales = config.kv.scales_for(layout.layers())?;
+        let kv_format = v1::KvFormat::new(&layout, &scales);
+        let (commands, rx) = mpsc::unbounded_channel();
+        let (kv_events, _) = broadcast::channel(KV_EVENT_BUFFER);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let publisher = KvPublisher::new(kv_events.clone());
+        thread::Builder::new()
+            .name("nibble-engine".into())
+            .spawn(move || {
+                let engine = match Engine::new(model, tokenizer, config) {
+                    Ok(engine) => engine,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let s = engine.state();
+                let info = EngineInfo {
+                    fingerprint: kv_format.fingerprint(),
+                    kv_format,
+                    page_size: s.pool.layout().page_size(),
+                    page_bytes: s.pool.layout().page_bytes(),
+                    total_pages: s.pool.total_pages(),
+                    max_context: engine.model().config().max_context,
+                    eos: engine.tokenizer().eos_token_id().into_iter().collect(),
+                };
+                let _ = ready_tx.send(Ok(info));
+                Actor::new(engine, publisher).run(rx);
+            })?;
+        let info = ready_rx.recv().map_err(|_| Error::EngineStopped)??;
+        Ok(Self {
+            commands,
+            kv_events,
+            info: Arc::new(info),
+        })
+    }
+
+    /// The engine's fixed facts.
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    fn send(&self, command: Command) -> Result<()> {
+        self.commands
+            .send(command)
+            .map_err(|_| Error::EngineStopped)
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T> {
+        let (reply, rx) = oneshot::channel();
+        self.send(make(reply))?;
+        rx.await.map_err(|_| Error::EngineStopped)
+    }
+
+    async fn submit_request(
+        &self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        prefill_only: bool,
+    ) -> Result<EventStream> {
+        let (events, stream) = mpsc::unbounded_channel();
+        self.call(|reply| Command::Submit {
+            id,
+            prompt,
+            params,
+            prefill_only,
+            events,
+            reply,
+        })
+        .await??;
+        Ok(stream)
+    }
+
+    /// Queues a request; its events arrive on the returned stream, which ends after
+    /// [`Event::Finished`]. Dropping the stream aborts the request.
+    pub async fn submit(
+        &self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        self.submit_request(id, prompt, params, false).await
+    }
+
+    /// Queues a prefill-only request: the stream yields [`Event::Prefilled`] (or
+    /// [`Event::Finished`] on failure). Its pages stay held until [`release`](Self::release).
+    pub async fn submit_prefill(
+        &self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        self.submit_request(id, prompt, params, true).await
+    }
+
+    /// Reserves pages for a prompt whose K/V another worker will push.
+    pub async fn reserve(&self, id: SeqId, prompt: Vec<u32>) -> Result<Reservation> {
+        Ok(self
+            .call(|reply| Command::Reserve { id, prompt, reply })
+            .await??)
+    }
+
+    /// The bytes of `pages`, concatenated (each exactly `page_bytes` long).
+    pub async fn export_pages(&self, pages: Vec<PageId>) -> Result<Vec<u8>> {
+        self.call(|reply| Command::Export { pages, reply }).await?
+    }
+
+    /// Writes `data` (`pages.len()` pages of `page_bytes` each) into reserved pages.
+    pub async fn import_pages(&self, pages: Vec<PageId>, data: impl Into<Bytes>) -> Result<()> {
+        let data = data.into();
+        self.call(|reply| Command::Import { pages, data, reply })
+            .await?
+    }
+
+    /// Starts decoding a filled reservation from the first token; events as for
+    /// [`submit`](Self::submit), starting with that token.
+    pub async fn start_decode(
+        &self,
+        id: SeqId,
+        first_token: u32,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        let (events, stream) = mpsc::unbounded_channel();
+        self.call(|reply| Command::StartDecode {
+            id,
+            first_token,
+            params,
+            events,
+            reply,
+        })
+        .await??;
+        Ok(stream)
+    }
+
+    /// Ends a request wherever it is, freeing its pages. False if it was unknown.
+    pub async fn abort(&self, id: SeqId) -> Result<bool> {
+        self.call(|reply| Command::Abort {
+            id,
+            reply: Some(reply),
+        })
+        .await
+    }
+
+    /// Frees what a prefilled request or a reservation holds. False if nothing was held.
+    pub async fn release(&self, id: SeqId) -> Result<bool> {
+        self.call(|reply| Command::Release {
+            id,
+            reply: Some(reply),
+        })
+        .await
+    }
+
+    /// Aborts without waiting (for drop guards); a stopped engine has nothing to free.
+    pub fn abort_now(&self, id: SeqId) {
+        let _ = self.send(Command::Abort { id, reply: None });
+    }
+
+    /// Releases held pages without waiting (for drop guards).
+    pub fn release_now(&self, id: SeqId) {
+        let _ = self.send(Command::Release { id, reply: None });
+    }
+
+    /// The engine's load now.
+    pub async fn load(&self) -> Result<LoadSnapshot> {
+        self.call(|reply| Command::Load { reply }).await
+    }
+
+    /// Every block of the prefix cache, with the id of the last published event it reflects.
+    pub async fn kv_snapshot(&self) -> Result<v1::KvSnapshotResponse> {
+        self.call(|reply| Command::KvSnapshot { reply }).await
+    }
+
+    /// Prefix-cache events from now on. A lagging receiver misses batches: it sees a gap in
+    /// ids and resyncs from [`kv_snapshot`](Self::kv_snapshot).
+    pub fn subscribe_kv_events(&self) -> broadcast::Receiver<v1::KvEventBatch> {
+        self.kv_events.subscribe()
+    }
+}
+
+/// The engine thread's state.
+struct Actor<B: Backend> {
+    engine: Engine<B>,
+    senders: HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+    publisher: KvPublisher,
+}
+
+impl<B: Backend> Actor<B> {
+    fn new(engine: Engine<B>, publisher: KvPublisher) -> Self {
+        Self {
+            engine,
+            senders: HashMap::new(),
+            publisher,
+        }
+    }
+
+    fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+        let mut open = true;
+        loop {
+            if !self.engine.has_work() {
+                if !open {
+                    break;
+                }
+                match commands.blocking_recv() {
+                    Some(command) => self.handle(command),
+                    None => break,
+                }
+            }
+            loop {
+                match commands.try_recv() {
+                    Ok(command) => self.handle(command),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            self.reap_cancelled();
+            if self.engine.has_work() {
+                let events = self.engine.step();
+                self.route(events);
+            }
+            self.publisher.publish(self.engine.state());
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Submit {
+                id,
+                prompt,
+                params,
+                prefill_only,
+                events,
+                reply,
+            } => {
+                let result = if prefill_only {
+                    self.engine.submit_prefill(id, prompt, params)
+                } else {
+                    self.engine.submit(id, prompt, params)
+                };
+                if result.is_ok() {
+                    self.senders.insert(id, events);
+                }
+                let _ = reply.send(result);
+            }
+            Command::Reserve { id, prompt, reply } => {
+                let _ = reply.send(self.engine.reserve(id, &prompt));
+            }
+            Command::Export { pages, reply } => {
+                let _ = reply.send(self.export(&pages));
+            }
+            Command::Import { pages, data, reply } => {
+                let _ = reply.send(self.import(&pages, &data));
+            }
+            Command::StartDecode {
+                id,
+                first_token,
+                params,
+                events,
+                reply,
+            } => match self.engine.start_decode(id, first_token, params) {
+                Ok(first) => {
+                    self.senders.insert(id, events);
+                    let _ = reply.send(Ok(()));
+                    self.route(first);
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Command::Abort { id, reply } => {
+                let found = self.engine.abort(id);
+                if let Some(sender) = self.senders.remove(&id) {
+                    // Tell whoever still listens that the request ended here.
+                    let _ = sender.send(Event::Finished {
+                        id,
+                        reason: FinishReason::Aborted,
+                        text: String::new(),
+                        usage: Usage::default(),
+                        error: None,
+                    });
+                }
+                if let Some(reply) = reply {
+                    let _ = reply.send(found);
+                }
+            }
+            Command::Release { id, reply } => {
+                let released = self.engine.release(id);
+                if let Some(reply) = reply {
+                    let _ = reply.send(released);
+                }
+            }
+            Command::Load { reply } => {
+                let s = self.engine.state();
+                let _ = reply.send(LoadSnapshot {
+                    free_pages: s.pool.free_pages(),
+                    total_pages: s.pool.total_pages(),
+                    cached_pages: s.cache.len(),
+                    running: s.running(),
+                    waiting: s.waiting(),
+                    held: s.held(),
+                });
+            }
+            Command::KvSnapshot { reply } => {
+                self.publisher.publish(self.engine.state());
+                let _ = reply.send(self.publisher.snapshot());
+            }
+        }
+    }
+
+    fn export(&self, pages: &[PageId]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut page = Vec::new();
+        for &id in pages {
+            page.clear();
+            self.engine.export_page(id, &mut page)?;
+            out.extend_from_slice(&page);
+        }
+        Ok(out)
+    }
+
+    fn import(&mut self, pages: &[PageId], data: &[u8]) -> Result<()> {
+        let page_bytes = self.engine.state().pool.layout().page_bytes();
+        if data.len() != pages.len() * page_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "data must be {} pages of {page_bytes} bytes, got {} bytes",
+                pages.len(),
+                data.len()
+            )));
+        }
+        for (&id, bytes) in pages.iter().zip(data.chunks_exact(page_bytes)) {
+            self.engine.import_page(id, bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Aborts every request whose receiver is gone.
+    fn reap_cancelled(&mut self) {
+        let gone: Vec<SeqId> = self
+            .senders
+            .iter()
+            .filter(|(_, s)| s.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.senders.remove(&id);
+            self.engine.abort(id);
+            tracing::debug!(request = id.0, "receiver dropped: request aborted");
+        }
+    }
+
+    /// Sends each event to its request; a request that cannot be told is aborted (or, when
+    /// prefilled, released).
+    fn route(&mut self, events: Vec<Event>) {
+        for event in events {
+            let (id, last) = match &event {
+                Event::Token { id, .. } => (*id, false),
+                Event::Prefilled { id, .. } | Event::Finished { id, .. } => (*id, true),
+            };
+            let prefilled = matches!(event, Event::Prefilled { .. });
+            let delivered = match self.senders.get(&id) {
+                Some(sender) => sender.send(event).is_ok(),
+                None => false,
+            };
+            if last {
+                self.senders.remove(&id);
+            }
+            if !delivered {
+                self.senders.remove(&id);
+                if prefilled {
+                    self.engine.release(id);
+                } else {
+                    self.engine.abort(id);
+                }
+            }
+        }
+    }
+}

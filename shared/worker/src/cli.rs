@@ -1,0 +1,163 @@
+//! The command line of `nibble-prefill` and `nibble-decode` ([`WorkerArgs`], every flag also an
+//! environment variable) and [`run`], which starts a worker from it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, Role};
+use nibble_engine::scheduler::SchedulerConfig;
+use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
+use nibble_kvfmt::KvDtype;
+use nibble_proto::v1;
+use tokio::net::TcpListener;
+
+use crate::actor::EngineHandle;
+use crate::error::{Error, Result};
+use crate::service::{WorkerIdentity, WorkerState};
+
+/// A worker's configuration.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// The model: a GGUF file or a Hugging Face directory.
+    #[arg(long, env = "NIBBLE_MODEL")]
+    pub model: PathBuf,
+    /// The name the model is served under (default: the file or directory name).
+    #[arg(long, env = "NIBBLE_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// Address to listen on for gRPC (Worker, and KvTransfer on decode workers).
+    #[arg(long, env = "NIBBLE_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Address peers reach this worker at (default: the bound listen address).
+    #[arg(long, env = "NIBBLE_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// This worker's id, unique within its role (default: role-port).
+    #[arg(long, env = "NIBBLE_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// KV-cache element format.
+    #[arg(long, env = "NIBBLE_KV_DTYPE", default_value = "nvfp4", value_parser = parse_dtype)]
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV page.
+    #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: usize,
+    /// Bytes of KV pages to allocate, in MiB.
+    #[arg(long, env = "NIBBLE_KV_BUDGET_MIB", default_value_t = 256)]
+    pub kv_budget_mib: usize,
+    /// CPU threads of the engine.
+    #[arg(long, env = "NIBBLE_THREADS", default_value_t = 2)]
+    pub threads: usize,
+    /// How long an unfilled reservation is kept, in milliseconds.
+    #[arg(long, env = "NIBBLE_RESERVATION_TTL_MS", default_value_t = 30_000)]
+    pub reservation_ttl_ms: u64,
+    /// etcd client URLs (comma-separated); none runs without registration.
+    #[arg(long, env = "NIBBLE_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// How often the registered capacity is refreshed, in milliseconds.
+    #[arg(long, env = "NIBBLE_CAPACITY_INTERVAL_MS", default_value_t = 1_000)]
+    pub capacity_interval_ms: u64,
+}
+
+fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
+    KvDtype::ALL
+        .into_iter()
+        .find(|d| d.to_string() == s)
+        .ok_or_else(|| format!("unknown KV dtype {s:?} (expected bf16, fp8 or nvfp4)"))
+}
+
+/// Loads the model, starts the engine thread and returns the worker's state.
+pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result<Arc<WorkerState>> {
+    let source = ModelSource::open(&args.model)?;
+    let model = source.load_model(Arc::new(CpuBackend::new(args.threads)?))?;
+    let tokenizer = Arc::new(source.load_tokenizer()?);
+    let mut kv = KvConfig::new(args.kv_dtype);
+    kv.page_size = args.page_size;
+    let engine = EngineHandle::spawn(
+        model,
+        tokenizer,
+        EngineConfig {
+            kv,
+            kv_budget_bytes: args.kv_budget_mib << 20,
+            scheduler: SchedulerConfig::default(),
+        },
+    )?;
+    let model_name = args.model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    Ok(WorkerState::new(
+        engine,
+        WorkerIdentity {
+            worker_id: args
+                .worker_id
+                .clone()
+                .unwrap_or_else(|| format!("{role}-{identity_port}")),
+            role: match role {
+                Role::Prefill => v1::WorkerRole::Prefill,
+                Role::Decode => v1::WorkerRole::Decode,
+                Role::Router => v1::WorkerRole::Router,
+            },
+            model: model_name,
+            transfer_address: String::new(),
+            reservation_ttl: Duration::from_millis(args.reservation_ttl_ms),
+        },
+    ))
+}
+
+/// Runs a worker of `role` until Ctrl-C.
+pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
+    if role == Role::Router {
+        return Err(Error::InvalidArgument(
+            "a worker is prefill or decode".into(),
+        ));
+    }
+    let listener = TcpListener::bind(args.listen).await?;
+    let local = listener.local_addr()?;
+    let address = args.advertise.clone().unwrap_or_else(|| local.to_string());
+    let state = {
+        let args = args.clone();
+        tokio::task::spawn_blocking(move || start_engine(&args, role, local.port()))
+            .await
+            .map_err(|_| Error::EngineStopped)??
+    };
+    let state = if role == Role::Decode {
+        // Pages arrive on the same listener.
+        let mut identity = state.identity().clone();
+        identity.transfer_address = address.clone();
+        WorkerState::new(state.engine().clone(), identity)
+    } else {
+        state
+    };
+    // An empty value (`NIBBLE_ETCD_ENDPOINTS=`) means none.
+    let endpoints: Vec<&String> = args
+        .etcd_endpoints
+        .iter()
+        .filter(|e| !e.trim().is_empty())
+        .collect();
+    let registration = if endpoints.is_empty() {
+        None
+    } else {
+        let discovery: Arc<dyn Discovery> =
+            Arc::new(EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?);
+        let task = crate::registration::register(
+            Arc::clone(&discovery),
+            Arc::clone(&state),
+            role,
+            &address,
+            Duration::from_millis(args.capacity_interval_ms),
+        )
+        .await?;
+        Some((discovery, task))
+    };
+    println!("nibble-{role} listening on {address}");
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let served = crate::server::serve(state, listener, shutdown).await;
+    if let Some((discovery, task)) = registration {
+        task.abort();
+        let _ = discovery.close().await;
+    }
+    served
+}

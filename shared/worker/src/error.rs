@@ -1,0 +1,104 @@
+//! The worker's errors, classified where they arise and mapped to a gRPC status in one place:
+//! [`From<Error> for tonic::Status`](Error).
+
+use nibble_engine::scheduler::SubmitError;
+use nibble_engine::RequestError;
+
+/// Everything a worker operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request was refused by the engine (parameters, tokens, capacity).
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// The engine failed (model loading, page bytes).
+    #[error("engine: {0}")]
+    Engine(#[from] nibble_engine::Error),
+    /// A wire value was invalid.
+    #[error(transparent)]
+    Convert(#[from] nibble_proto::ConvertError),
+    /// A field was invalid; the message names it.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A peer's KV format differs from ours: its pages would be misread.
+    #[error("KV-format fingerprint {theirs:016x} differs from this worker's {ours:016x}")]
+    FingerprintMismatch { ours: u64, theirs: u64 },
+    /// No pending reservation has this id.
+    #[error("no pending reservation {0}")]
+    UnknownReservation(u64),
+    /// The reservation is not filled yet.
+    #[error("reservation {id} has {filled} of {expected} pages")]
+    Incomplete {
+        id: u64,
+        filled: usize,
+        expected: usize,
+    },
+    /// A page arrived twice.
+    #[error("page {0} of the reservation was already written")]
+    DuplicatePage(u32),
+    /// The request was aborted (by Abort, or a cancelled peer).
+    #[error("request {0} was aborted")]
+    Aborted(String),
+    /// The engine failed while running the request.
+    #[error("request failed: {0}")]
+    Failed(String),
+    /// The decode worker refused or failed a page push.
+    #[error("page push to {address}: {status}")]
+    Push {
+        address: String,
+        status: tonic::Status,
+    },
+    /// The decode worker could not be reached.
+    #[error("connecting to {address}: {source}")]
+    Connect {
+        address: String,
+        source: tonic::transport::Error,
+    },
+    /// The engine thread is gone.
+    #[error("the engine has stopped")]
+    EngineStopped,
+    /// Membership registration failed.
+    #[error("discovery: {0}")]
+    Discovery(#[from] nibble_discovery::Error),
+    /// Serving failed.
+    #[error("server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        use tonic::Status;
+        let message = e.to_string();
+        match e {
+            Error::Request(RequestError::Submit(submit)) => match submit {
+                SubmitError::QueueFull { .. } | SubmitError::NoRoom { .. } => {
+                    Status::resource_exhausted(message)
+                }
+                SubmitError::Duplicate(_) => Status::already_exists(message),
+                SubmitError::Unknown(_) => Status::not_found(message),
+                SubmitError::EmptyPrompt
+                | SubmitError::TooLong { .. }
+                | SubmitError::TooLarge { .. } => Status::invalid_argument(message),
+            },
+            Error::Request(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
+            Error::Convert(e) => e.into(),
+            Error::FingerprintMismatch { .. } | Error::Incomplete { .. } => {
+                Status::failed_precondition(message)
+            }
+            Error::UnknownReservation(_) => Status::not_found(message),
+            Error::DuplicatePage(_) => Status::already_exists(message),
+            Error::Aborted(_) => Status::aborted(message),
+            // The peer's classification stands (a fingerprint refusal stays FAILED_PRECONDITION).
+            Error::Push { status, .. } => Status::new(status.code(), message),
+            Error::Connect { .. } | Error::EngineStopped => Status::unavailable(message),
+            Error::Engine(_)
+            | Error::Failed(_)
+            | Error::Discovery(_)
+            | Error::Serve(_)
+            | Error::Io(_) => Status::internal(message),
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! The core of nibble's prefill and decode workers (the `nibble-prefill` and `nibble-decode`
+//! binaries are thin wrappers around [`cli::run`]).
+//!
+//! * [`actor`]: the engine runs on its own OS thread; [`EngineHandle`] is the cloneable async
+//!   handle that sends it commands (submit, prefill, reserve, page import/export, decode, abort,
+//!   release, load, KV events).
+//! * [`service`]: the `Worker` gRPC service (worker.proto) and, on decode workers, `KvTransfer`
+//!   (transfer.proto), over one [`WorkerState`].
+//! * [`transfer`]: pushing a prefilled request's pages to a decode worker's reservation, and the
+//!   counters of pages and bytes moved.
+//! * [`server`]: [`serve`] on a bound listener until a shutdown future completes, with
+//!   `grpc.health.v1` and reflection.
+//! * [`registration`]: membership through a [`nibble_discovery::Discovery`].
+//! * [`error`]: [`Error`] and its one mapping to `tonic::Status`.
+//!
+//! The flow (DESIGN.md): the router calls `Reserve` on decode worker D, `Prefill` on prefill
+//! worker P (which pushes exactly the pages D lacks to D's `KvTransfer`), then `Decode` on D.
+
+pub mod actor;
+pub mod cli;
+pub mod convert;
+pub mod error;
+mod kv_events;
+pub mod registration;
+pub mod server;
+pub mod service;
+pub mod transfer;
+
+pub use actor::{EngineHandle, EngineInfo, EventStream, LoadSnapshot};
+pub use cli::{run, WorkerArgs};
+pub use error::{Error, Result};
+pub use nibble_discovery::Role;
+pub use server::serve;
+pub use service::{TransferService, WorkerIdentity, WorkerService, WorkerState};
+pub use transfer::{TransferCounters, TransferTotals};

@@ -1,0 +1,51 @@
+//! Serving a worker: its `Worker` service, `KvTransfer` on decode workers, `grpc.health.v1` and
+//! server reflection, on a listener the caller bound, until a shutdown future completes.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use nibble_proto::v1;
+use nibble_proto::v1::kv_transfer_server::KvTransferServer;
+use nibble_proto::v1::worker_server::WorkerServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::error::Result;
+use crate::service::{TransferService, WorkerService, WorkerState};
+
+/// Largest gRPC message accepted or sent: page pushes carry several pages per message.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Serves `state` on `listener` until `shutdown` completes. Decode workers (role decode) also
+/// serve `KvTransfer` on the same listener.
+pub async fn serve(
+    state: Arc<WorkerState>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let (health, health_service) = nibble_proto::serving::health();
+    health.set_serving::<WorkerServer<WorkerService>>().await;
+    let reflection = nibble_proto::serving::reflection()
+        .map_err(|e| std::io::Error::other(format!("reflection: {e}")))?;
+    let accepts_pages = state.identity().role == v1::WorkerRole::Decode;
+    let transfer = accepts_pages.then(|| {
+        KvTransferServer::new(TransferService(Arc::clone(&state)))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    });
+    if accepts_pages {
+        health
+            .set_serving::<KvTransferServer<TransferService>>()
+            .await;
+    }
+    let worker = WorkerServer::new(WorkerService(state))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(worker)
+        .add_optional_service(transfer)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,566 @@
+//! The gRPC services on an [`EngineHandle`]: `Worker` (worker.proto) and, on decode workers,
+//! `KvTransfer` (transfer.proto). Both share one [`WorkerState`]: the pending reservations, the
+//! map from request ids to engine ids, and the transfer counters.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nibble_engine::scheduler::SeqId;
+use nibble_engine::Event;
+use nibble_proto::v1;
+use nibble_proto::v1::kv_transfer_server::KvTransfer;
+use nibble_proto::v1::worker_server::Worker;
+use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::actor::EngineHandle;
+use crate::convert;
+use crate::error::{Error, Result};
+use crate::transfer::{self, Pending, Reservations, TransferCounters};
+
+/// What a worker says about itself.
+#[derive(Debug, Clone)]
+pub struct WorkerIdentity {
+    /// Unique in the cluster.
+    pub worker_id: String,
+    pub role: v1::WorkerRole,
+    /// The model served.
+    pub model: String,
+    /// Where this worker's KvTransfer service listens (empty if it accepts no pages).
+    pub transfer_address: String,
+    /// How long a reservation waits to be filled and decoded when the request names no TTL.
+    pub reservation_ttl: Duration,
+}
+
+/// State shared by the services of one worker.
+pub struct WorkerState {
+    engine: EngineHandle,
+    identity: WorkerIdentity,
+    reservations: Reservations,
+    /// Request id → engine id, for Abort.
+    requests: Mutex<HashMap<String, SeqId>>,
+    next_id: AtomicU64,
+    counters: TransferCounters,
+}
+
+impl WorkerState {
+    pub fn new(engine: EngineHandle, identity: WorkerIdentity) -> Arc<Self> {
+        Arc::new(Self {
+            engine,
+            identity,
+            reservations: Reservations::default(),
+            requests: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            counters: TransferCounters::default(),
+        })
+    }
+
+    pub fn engine(&self) -> &EngineHandle {
+        &self.engine
+    }
+
+    pub fn identity(&self) -> &WorkerIdentity {
+        &self.identity
+    }
+
+    /// Pages and bytes this worker moved.
+    pub fn counters(&self) -> &TransferCounters {
+        &self.counters
+    }
+
+    /// Reservations waiting to be filled and decoded.
+    pub fn pending_reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
+    fn requests(&self) -> std::sync::MutexGuard<'_, HashMap<String, SeqId>> {
+        self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A fresh engine id for `request_id`, remembered until [`forget`](Self::forget).
+    fn track(&self, request_id: &str) -> Result<SeqId> {
+        if request_id.is_empty() {
+            return Err(Error::InvalidArgument(
+                "request_id must not be empty".into(),
+            ));
+        }
+        let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let mut requests = self.requests();
+        if requests.contains_key(request_id) {
+            return Err(Error::InvalidArgument(format!(
+                "request_id {request_id:?} is already in use on this worker"
+            )));
+        }
+        requests.insert(request_id.to_string(), id);
+        Ok(id)
+    }
+
+    fn forget(&self, request_id: &str, id: SeqId) {
+        let mut requests = self.requests();
+        if requests.get(request_id) == Some(&id) {
+            requests.remove(request_id);
+        }
+    }
+
+    fn check_fingerprint(&self, theirs: u64) -> Result<()> {
+        let ours = self.engine.info().fingerprint;
+        if theirs == ours {
+            Ok(())
+        } else {
+            Err(Error::FingerprintMismatch { ours, theirs })
+        }
+    }
+
+    /// Tokens left after `prompt` in the context and in the whole pool.
+    fn room(&self, prompt: usize) -> usize {
+        let info = self.engine.info();
+        info.max_context
+            .min(info.total_pages * info.page_size)
+            .saturating_sub(prompt)
+    }
+
+    async fn reserve(self: &Arc<Self>, r: v1::ReserveRequest) -> Result<v1::ReserveResponse> {
+        self.check_fingerprint(r.kv_format_fingerprint)?;
+        let info = self.engine.info();
+        if let Some(max) = r.max_tokens {
+            if r.token_ids.len() + max as usize > info.max_context {
+                return Err(Error::InvalidArgument(format!(
+                    "prompt ({} tokens) plus max_tokens ({max}) exceeds the context of {} tokens",
+                    r.token_ids.len(),
+                    info.max_context
+                )));
+            }
+        }
+        let id = self.track(&r.request_id)?;
+        let reservation = match self.engine.reserve(id, r.token_ids).await {
+            Ok(reservation) => reservation,
+            Err(e) => {
+                self.forget(&r.request_id, id);
+                return Err(e);
+            }
+        };
+        let first = reservation.cached_tokens / info.page_size;
+        let count = reservation.pages.len() - first;
+        self.reservations.insert(
+            id.0,
+            Pending {
+                request_id: r.request_id.clone(),
+                pages: reservation.pages.clone(),
+                first_page_index: first,
+                filled: vec![false; count],
+            },
+        );
+        let ttl = r.ttl_ms.map_or(self.identity.reservation_ttl, |ms| {
+            Duration::from_millis(ms.into())
+        });
+        let state = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(ttl).await;
+            if let Some(p) = state.reservations.remove(id.0) {
+                tracing::info!(request_id = p.request_id, "reservation expired unfilled");
+                state.forget(&p.request_id, id);
+                state.engine.abort_now(id);
+            }
+        });
+        Ok(v1::ReserveResponse {
+            reservation_id: id.0,
+            cached_tokens: reservation.cached_tokens as u32,
+            first_page_index: first as u32,
+            page_count: count as u32,
+            page_ids: reservation.pages[first..].iter().map(|p| p.0).collect(),
+            ttl_ms: ttl.as_millis().min(u32::MAX.into()) as u32,
+            kv_format_fingerprint: info.fingerprint,
+        })
+    }
+
+    async fn prefill(self: &Arc<Self>, r: v1::PrefillRequest) -> Result<v1::PrefillResponse> {
+        if let Some(target) = &r.target {
+            self.check_fingerprint(target.kv_format_fingerprint)?;
+            if target.backend == v1::TransferBackend::Nccl as i32 {
+                return Err(Error::InvalidArgument(
+                    "target.backend: NCCL is not available on this worker".into(),
+                ));
+            }
+        }
+        // A prefill samples one token; room for more would only refuse long prompts.
+        let params = convert::sampling_params(r.sampling.as_ref(), None, r.logprobs.as_ref(), 1)?;
+        let id = self.track(&r.request_id)?;
+        let guard = Held {
+            state: self,
+            request_id: &r.request_id,
+            id,
+        };
+        let mut events = self.engine.submit_prefill(id, r.token_ids, params).await?;
+        let (token, logprob, pages, usage) = loop {
+            match events.recv().await {
+                Some(Event::Prefilled {
+                    token,
+                    logprob,
+                    pages,
+                    usage,
+                    ..
+                }) => break (token, logprob, pages, usage),
+                Some(Event::Finished { error, .. }) => {
+                    return Err(match error {
+                        Some(e) => Error::Failed(e),
+                        None => Error::Aborted(r.request_id.clone()),
+                    })
+                }
+                Some(Event::Token { .. }) => {}
+                None => return Err(Error::Aborted(r.request_id.clone())),
+            }
+        };
+        let transfer = match &r.target {
+            Some(target) => {
+                let first = target.first_page_index as usize;
+                let end = first + target.page_count as usize;
+                if end != pages.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "target: pages {first}..{end} do not end at the prompt's {} pages",
+                        pages.len()
+                    )));
+                }
+                let summary = transfer::push_pages(
+                    &self.engine,
+                    &r.request_id,
+                    target,
+                    &pages[first..],
+                    &self.counters,
+                )
+                .await?;
+                Some(v1::TransferSummary {
+                    pages: summary.pages as u32,
+                    bytes: summary.bytes,
+                    duration_us: summary.duration.as_micros() as u64,
+                })
+            }
+            None => None,
+        };
+        drop(guard);
+        Ok(v1::PrefillResponse {
+            first_token: token,
+            logprob: convert::logprob(token, logprob),
+            cached_tokens: usage.cached_tokens as u32,
+            transfer,
+        })
+    }
+
+    async fn decode(self: &Arc<Self>, r: v1::DecodeRequest) -> Result<DecodeStream> {
+        let room = self.room(r.token_ids.len());
+        let params = convert::sampling_params(
+            r.sampling.as_ref(),
+            r.stopping.as_ref(),
+            r.logprobs.as_ref(),
+            room,
+        )?;
+        let mut stop_tokens = params.stop_token_ids.clone();
+        stop_tokens.extend(&self.engine.info().eos);
+        let (id, events) = match &r.handoff {
+            Some(h) => {
+                self.reservations
+                    .take_complete(h.reservation_id, &r.request_id)?;
+                let id = SeqId(h.reservation_id);
+                match self.engine.start_decode(id, h.first_token, params).await {
+                    Ok(events) => (id, events),
+                    Err(e) => {
+                        self.forget(&r.request_id, id);
+                        self.engine.abort_now(id);
+                        return Err(e);
+                    }
+                }
+            }
+            None => {
+                let id = self.track(&r.request_id)?;
+                match self.engine.submit(id, r.token_ids, params).await {
+                    Ok(events) => (id, events),
+                    Err(e) => {
+                        self.forget(&r.request_id, id);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let tracked = Tracked {
+            state: Arc::clone(self),
+            request_id: r.request_id,
+            id,
+        };
+        let mut last_token = None;
+        let stream = UnboundedReceiverStream::new(events).map(move |event| {
+            let _keep = &tracked; // forgets the request id when the stream is dropped
+            match event {
+                Event::Token {
+                    token,
+                    logprob,
+                    text,
+                    ..
+                } => {
+                    last_token = Some(token);
+                    Ok(v1::DecodeResponse {
+                        token_ids: vec![token],
+                        text,
+                        logprobs: convert::logprob(token, logprob).into_iter().collect(),
+                        ..Default::default()
+                    })
+                }
+                Event::Finished {
+                    reason,
+                    text,
+                    usage,
+                    error,
+                    ..
+                } => {
+                    if let Some(e) = error {
+                        return Err(Error::Failed(e).into());
+                    }
+                    if reason == nibble_engine::scheduler::FinishReason::Aborted {
+                        return Err(Error::Aborted(tracked.request_id.clone()).into());
+                    }
+                    let stop_token = last_token.is_some_and(|t| stop_tokens.contains(&t));
+                    Ok(v1::DecodeResponse {
+                        text,
+                        finish_reason: convert::finish_reason(reason, stop_token) as i32,
+                        usage: Some(convert::usage(&usage)),
+                        ..Default::default()
+                    })
+                }
+                Event::Prefilled { .. } => Err(Status::internal("unexpected prefill event")),
+            }
+        });
+        Ok(Box::pin(stream))
+    }
+
+    async fn abort(&self, request_id: &str) -> Result<v1::AbortResponse> {
+        let Some(id) = self.requests().remove(request_id) else {
+            return Ok(v1::AbortResponse {
+                found: false,
+                freed_pages: 0,
+            });
+        };
+        self.reservations.remove(id.0);
+        let before = self.engine.load().await?.free_pages;
+        let found = self.engine.abort(id).await?;
+        let after = self.engine.load().await?.free_pages;
+        Ok(v1::AbortResponse {
+            found,
+            freed_pages: after.saturating_sub(before) as u32,
+        })
+    }
+
+    async fn load(&self) -> Result<v1::LoadResponse> {
+        let l = self.engine.load().await?;
+        Ok(v1::LoadResponse {
+            free_pages: l.free_pages as u64,
+            total_pages: l.total_pages as u64,
+            evictable_pages: l.cached_pages as u64,
+            running_requests: l.running as u32,
+            waiting_requests: l.waiting as u32,
+            pending_reservations: self.reservations.len() as u32,
+        })
+    }
+
+    fn info(&self) -> v1::InfoResponse {
+        let info = self.engine.info();
+        v1::InfoResponse {
+            worker_id: self.identity.worker_id.clone(),
+            role: self.identity.role as i32,
+            model: self.identity.model.clone(),
+            kv_format: Some(info.kv_format.clone()),
+            kv_format_fingerprint: info.fingerprint,
+            max_context: info.max_context as u32,
+            transfer_address: self.identity.transfer_address.clone(),
+        }
+    }
+
+    async fn receive(
+        &self,
+        mut stream: Streaming<v1::PushPagesRequest>,
+    ) -> Result<v1::PushPagesResponse> {
+        let start = Instant::now();
+        let Some(first) = stream.message().await.map_err(push_status)? else {
+            return Err(Error::InvalidArgument(
+                "the stream carried no message".into(),
+            ));
+        };
+        let theirs = first.kv_format_fingerprint.ok_or_else(|| {
+            Error::InvalidArgument("kv_format_fingerprint is required on the first message".into())
+        })?;
+        self.check_fingerprint(theirs)?;
+        let reservation = first.reservation_id;
+        let request_id = self
+            .reservations
+            .request_id(reservation)
+            .ok_or(Error::UnknownReservation(reservation))?;
+        let page_bytes = self.engine.info().page_bytes;
+        let (mut pages, mut bytes, mut complete) = (0usize, 0u64, false);
+        let mut next = Some(first);
+        while let Some(message) = next {
+            if message.reservation_id != 0 && message.reservation_id != reservation {
+                return Err(Error::InvalidArgument(format!(
+                    "reservation_id changed from {reservation} to {} mid-stream",
+                    message.reservation_id
+                )));
+            }
+            let targets = self
+                .reservations
+                .targets(reservation, &message.page_indices)?;
+            let len = message.data.len() as u64;
+            if message.data.len() != targets.len() * page_bytes {
+                return Err(Error::InvalidArgument(format!(
+                    "data must be {} pages of {page_bytes} bytes, got {len} bytes",
+                    targets.len()
+                )));
+            }
+            self.engine.import_pages(targets, message.data).await?;
+            complete = self.reservations.mark(reservation, &message.page_indices)?;
+            pages += message.page_indices.len();
+            bytes += len;
+            self.counters
+                .pages_received
+                .fetch_add(message.page_indices.len() as u64, Ordering::Relaxed);
+            self.counters
+                .bytes_received
+                .fetch_add(len, Ordering::Relaxed);
+            next = stream.message().await.map_err(push_status)?;
+        }
+        tracing::info!(
+            request_id,
+            reservation,
+            pages,
+            bytes,
+            complete,
+            micros = start.elapsed().as_micros() as u64,
+            "received pages"
+        );
+        Ok(v1::PushPagesResponse {
+            pages: pages as u32,
+            bytes,
+            complete,
+        })
+    }
+}
+
+fn push_status(status: Status) -> Error {
+    Error::Aborted(format!("page stream broke: {status}"))
+}
+
+/// Releases a prefilled request's held pages and forgets its id when the call ends, however it
+/// ends (a cancelled call drops the future).
+struct Held<'a> {
+    state: &'a WorkerState,
+    request_id: &'a str,
+    id: SeqId,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.state.engine.abort_now(self.id);
+        self.state.forget(self.request_id, self.id);
+    }
+}
+
+/// Forgets a decoding request's id when its stream is dropped.
+struct Tracked {
+    state: Arc<WorkerState>,
+    request_id: String,
+    id: SeqId,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.state.forget(&self.request_id, self.id);
+    }
+}
+
+type DecodeStream = Pin<Box<dyn Stream<Item = Result<v1::DecodeResponse, Status>> + Send>>;
+type KvEventStream = Pin<Box<dyn Stream<Item = Result<v1::KvEventBatch, Status>> + Send>>;
+
+/// The `Worker` gRPC service.
+#[derive(Clone)]
+pub struct WorkerService(pub Arc<WorkerState>);
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(
+        &self,
+        _: Request<v1::InfoRequest>,
+    ) -> Result<Response<v1::InfoResponse>, Status> {
+        Ok(Response::new(self.0.info()))
+    }
+
+    async fn reserve(
+        &self,
+        request: Request<v1::ReserveRequest>,
+    ) -> Result<Response<v1::ReserveResponse>, Status> {
+        Ok(Response::new(self.0.reserve(request.into_inner()).await?))
+    }
+
+    async fn prefill(
+        &self,
+        request: Request<v1::PrefillRequest>,
+    ) -> Result<Response<v1::PrefillResponse>, Status> {
+        Ok(Response::new(self.0.prefill(request.into_inner()).await?))
+    }
+
+    type DecodeStream = DecodeStream;
+
+    async fn decode(
+        &self,
+        request: Request<v1::DecodeRequest>,
+    ) -> Result<Response<Self::DecodeStream>, Status> {
+        Ok(Response::new(self.0.decode(request.into_inner()).await?))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<v1::AbortRequest>,
+    ) -> Result<Response<v1::AbortResponse>, Status> {
+        Ok(Response::new(
+            self.0.abort(&request.into_inner().request_id).await?,
+        ))
+    }
+
+    async fn load(
+        &self,
+        _: Request<v1::LoadRequest>,
+    ) -> Result<Response<v1::LoadResponse>, Status> {
+        Ok(Response::new(self.0.load().await?))
+    }
+
+    type SubscribeKvEventsStream = KvEventStream;
+
+    async fn subscribe_kv_events(
+        &self,
+        _: Request<v1::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        // A lagging subscriber skips batches: it sees the gap in ids and resyncs.
+        let stream = BroadcastStream::new(self.0.engine.subscribe_kv_events())
+            .filter_map(|batch| batch.ok().map(Ok));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn kv_snapshot(
+        &self,
+        _: Request<v1::KvSnapshotRequest>,
+    ) -> Result<Response<v1::KvSnapshotResponse>, Status> {
+        Ok(Response::new(self.0.engine.kv_snapshot().await?))
+    }
+}
+
+/// The `KvTransfer` gRPC service of a decode worker.
+#[derive(Clone)]
+pub struct TransferService(pub Arc<WorkerState>);
+
+#[tonic::async_trait]
+impl KvTransfer for TransferService {
+    async fn push_pages(
+        &self,
+        request: Request<Streaming<v1::PushPagesRequest>>,
+    ) -> Result<Response<v1::PushPagesResponse>, Status> {
+        Ok(Response::new(self.0.receive(request.into_inner()).await?))
+    }
+}

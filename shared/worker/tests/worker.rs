@@ -1,0 +1,612 @@
+//! The worker end to end on loopback with the real model: the engine actor, and prefill and
+//! decode workers as in-process gRPC servers handing pages off through `KvTransfer`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use nibble_engine::sampling::SamplingParams;
+use nibble_engine::scheduler::{SchedulerConfig, SeqId};
+use nibble_engine::{CpuBackend, EngineConfig, Event, KvConfig, Model, ModelSource, Tokenizer};
+use nibble_kvfmt::KvDtype;
+use nibble_proto::v1;
+use nibble_proto::v1::kv_transfer_client::KvTransferClient;
+use nibble_proto::v1::worker_client::WorkerClient;
+use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const PROMPT: &str =
+    "It is a truth universally acknowledged, that a single man in possession of a good \
+     fortune, must be in want of a wife. However little known the feelings";
+const PAGES: usize = 64;
+const NEW_TOKENS: u32 = 8;
+
+/// `$NIBBLE_MODEL`, else `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; fails (never
+/// skips) without it.
+fn model_path() -> PathBuf {
+    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    assert!(path.is_file(), "model file {} not found", path.display());
+    path
+}
+
+/// The model and tokenizer, loaded once per test binary.
+fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
+    static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let source = ModelSource::open(model_path()).unwrap();
+        let model = source
+            .load_model(Arc::new(CpuBackend::new(2).unwrap()))
+            .unwrap();
+        (model, Arc::new(source.load_tokenizer().unwrap()))
+    })
+}
+
+fn prompt() -> Vec<u32> {
+    model().1.encode(PROMPT, false).unwrap()
+}
+
+fn engine(dtype: KvDtype) -> EngineHandle {
+    let (model, tokenizer) = model();
+    let kv = KvConfig::new(dtype);
+    let page_bytes = kv.layout(model).unwrap().page_bytes();
+    let config = EngineConfig {
+        kv,
+        kv_budget_bytes: PAGES * page_bytes,
+        scheduler: SchedulerConfig::default(),
+    };
+    EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
+}
+
+/// A worker served on 127.0.0.1:0 until dropped.
+struct Server {
+    address: String,
+    state: Arc<WorkerState>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Server {
+    async fn start(role: v1::WorkerRole, dtype: KvDtype) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let state = WorkerState::new(
+            engine(dtype),
+            WorkerIdentity {
+                worker_id: format!("{}-{dtype}", role.as_str_name()),
+                role,
+                model: "smollm2".into(),
+                transfer_address: if role == v1::WorkerRole::Decode {
+                    address.clone()
+                } else {
+                    String::new()
+                },
+                reservation_ttl: Duration::from_secs(30),
+            },
+        );
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(nibble_worker::serve(
+            Arc::clone(&state),
+            listener,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            address,
+            state,
+            _stop: stop,
+        }
+    }
+
+    async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::connect(format!("http://{}", self.address))
+            .await
+            .unwrap()
+    }
+
+    async fn load(&self) -> v1::LoadResponse {
+        self.client()
+            .await
+            .load(v1::LoadRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Waits until no request holds a page: every page is free or cached.
+    async fn pages_back(&self) -> v1::LoadResponse {
+        for _ in 0..200 {
+            let load = self.load().await;
+            if load.free_pages + load.evictable_pages == load.total_pages
+                && load.running_requests == 0
+                && load.pending_reservations == 0
+            {
+                return load;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("pages not returned: {:?}", self.load().await);
+    }
+}
+
+fn greedy() -> v1::SamplingParams {
+    v1::SamplingParams {
+        temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+/// The engine's own tokens for the prompt, through the actor: with a cold cache, then again
+/// with the prompt's pages cached (the extend path reads them back, so the tokens may differ).
+async fn reference(dtype: KvDtype) -> (Vec<u32>, Vec<u32>) {
+    let e = engine(dtype);
+    let mut runs = Vec::new();
+    for id in [1, 2] {
+        let mut events = e
+            .submit(SeqId(id), prompt(), SamplingParams::greedy(NEW_TOKENS))
+            .await
+            .unwrap();
+        let mut tokens = Vec::new();
+        while let Some(event) = events.recv().await {
+            if let Event::Token { token, .. } = event {
+                tokens.push(token);
+            }
+        }
+        runs.push(tokens);
+    }
+    let warm = runs.pop().unwrap();
+    (runs.pop().unwrap(), warm)
+}
+
+/// Reserve on D, Prefill on P (pushing to D), Decode on D: the tokens and the transfer.
+async fn handoff(
+    p: &Server,
+    d: &Server,
+    request_id: &str,
+) -> (Vec<u32>, v1::ReserveResponse, v1::TransferSummary) {
+    let fingerprint = p.state.engine().info().fingerprint;
+    let reservation = d
+        .client()
+        .await
+        .reserve(v1::ReserveRequest {
+            request_id: request_id.into(),
+            token_ids: prompt(),
+            kv_format_fingerprint: fingerprint,
+            ttl_ms: None,
+            max_tokens: Some(NEW_TOKENS),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let prefilled = p
+        .client()
+        .await
+        .prefill(v1::PrefillRequest {
+            request_id: request_id.into(),
+            token_ids: prompt(),
+            sampling: Some(greedy()),
+            logprobs: None,
+            target: Some(v1::TransferTarget {
+                address: d.address.clone(),
+                reservation_id: reservation.reservation_id,
+                first_page_index: reservation.first_page_index,
+                page_count: reservation.page_count,
+                page_ids: reservation.page_ids.clone(),
+                kv_format_fingerprint: reservation.kv_format_fingerprint,
+                backend: v1::TransferBackend::Grpc as i32,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut stream = d
+        .client()
+        .await
+        .decode(v1::DecodeRequest {
+            request_id: request_id.into(),
+            token_ids: prompt(),
+            handoff: Some(v1::Handoff {
+                reservation_id: reservation.reservation_id,
+                first_token: prefilled.first_token,
+                first_logprob: None,
+            }),
+            sampling: Some(greedy()),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(NEW_TOKENS),
+                ..Default::default()
+            }),
+            logprobs: None,
+            skip_special_tokens: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = Vec::new();
+    let mut finished = false;
+    while let Some(chunk) = stream.message().await.unwrap() {
+        tokens.extend(chunk.token_ids);
+        finished |= chunk.usage.is_some();
+    }
+    assert!(finished, "the last chunk carries usage");
+    (
+        tokens,
+        reservation,
+        prefilled.transfer.expect("pages were pushed"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
+    let mut moved = Vec::new();
+    for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
+        let (expected, expected_warm) = reference(dtype).await;
+        assert_eq!(expected.len(), NEW_TOKENS as usize);
+        let p = Server::start(v1::WorkerRole::Prefill, dtype).await;
+        let d = Server::start(v1::WorkerRole::Decode, dtype).await;
+
+        let (tokens, reservation, transfer) = handoff(&p, &d, "cold").await;
+        assert_eq!(tokens, expected, "{dtype}, cold decode cache");
+        assert_eq!(reservation.cached_tokens, 0);
+        let page_bytes = p.state.engine().info().page_bytes as u64;
+        assert_eq!(transfer.pages, reservation.page_count);
+        assert_eq!(transfer.bytes, u64::from(transfer.pages) * page_bytes);
+        let sent = p.state.counters().totals();
+        let received = d.state.counters().totals();
+        assert_eq!(
+            (sent.pages_sent, sent.bytes_sent),
+            (received.pages_received, received.bytes_received)
+        );
+        assert_eq!(sent.bytes_sent, transfer.bytes);
+        moved.push((dtype, transfer.pages, transfer.bytes));
+
+        // Both caches now hold the prompt's full pages: D reserves only the partial last page.
+        let (tokens, reservation, warm) = handoff(&p, &d, "warm").await;
+        assert_eq!(tokens, expected_warm, "{dtype}, warm caches");
+        assert!(
+            reservation.cached_tokens > 0,
+            "{dtype}: D reuses its prefix"
+        );
+        assert!(warm.pages < transfer.pages);
+
+        for w in [&p, &d] {
+            let load = w.pages_back().await;
+            assert_eq!(load.total_pages, PAGES as u64);
+        }
+    }
+    let (_, nvfp4_pages, nvfp4) = moved[0];
+    let (_, fp8_pages, fp8) = moved[1];
+    let (_, _, bf16) = moved[2];
+    assert_eq!(nvfp4_pages, fp8_pages, "the same pages move");
+    assert_eq!(
+        nvfp4 * 10_000,
+        fp8 * 5_625,
+        "nvfp4 moves 0.5625x fp8's bytes"
+    );
+    assert_eq!(bf16, 2 * fp8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_decode_and_expired_reservations_free_pages() {
+    let d = Server::start(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    // Local prefill (no hand-off), cancelled after the first chunk.
+    let mut stream = d
+        .client()
+        .await
+        .decode(v1::DecodeRequest {
+            request_id: "cancelled".into(),
+            token_ids: prompt(),
+            sampling: Some(greedy()),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(500),
+                ignore_eos: false,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.token_ids.len(), 1);
+    drop(stream);
+    let load = d.pages_back().await;
+    assert_eq!(load.free_pages, load.total_pages - load.evictable_pages);
+
+    // Abort ends a running stream with ABORTED.
+    let mut stream = d
+        .client()
+        .await
+        .decode(v1::DecodeRequest {
+            request_id: "stopped".into(),
+            token_ids: prompt(),
+            sampling: Some(greedy()),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(500),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().unwrap();
+    let aborted = d
+        .client()
+        .await
+        .abort(v1::AbortRequest {
+            request_id: "stopped".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(aborted.found);
+    let err = loop {
+        match stream.message().await {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("an aborted stream ends with an error"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(err.code(), Code::Aborted, "{err}");
+    d.pages_back().await;
+
+    // An unfilled reservation is freed when its TTL passes, and Abort frees another at once.
+    let reserve = |id: &str, ttl_ms| v1::ReserveRequest {
+        request_id: id.into(),
+        token_ids: prompt(),
+        kv_format_fingerprint: d.state.engine().info().fingerprint,
+        ttl_ms,
+        max_tokens: None,
+    };
+    let mut client = d.client().await;
+    let expires = client
+        .reserve(reserve("expires", Some(50)))
+        .await
+        .unwrap()
+        .into_inner();
+    let kept = client
+        .reserve(reserve("aborted", Some(60_000)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(kept.page_count > 0);
+    let aborted = client
+        .abort(v1::AbortRequest {
+            request_id: "aborted".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(aborted.found);
+    assert!(aborted.freed_pages > 0);
+    d.pages_back().await;
+    // Decoding an expired reservation is NOT_FOUND.
+    let err = client
+        .decode(v1::DecodeRequest {
+            request_id: "expires".into(),
+            token_ids: prompt(),
+            handoff: Some(v1::Handoff {
+                reservation_id: expires.reservation_id,
+                first_token: 1,
+                first_logprob: None,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_formats_and_unknown_reservations_are_refused() {
+    let d = Server::start(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let p = Server::start(v1::WorkerRole::Prefill, KvDtype::Fp8).await;
+    let ours = d.state.engine().info().fingerprint;
+    let theirs = p.state.engine().info().fingerprint;
+    assert_ne!(ours, theirs);
+    let info = d
+        .client()
+        .await
+        .info(v1::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.kv_format_fingerprint, ours);
+    assert_eq!(info.kv_format.unwrap().fingerprint(), ours);
+
+    let mut client = d.client().await;
+    let err = client
+        .reserve(v1::ReserveRequest {
+            request_id: "r".into(),
+            token_ids: prompt(),
+            kv_format_fingerprint: theirs,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    let reservation = client
+        .reserve(v1::ReserveRequest {
+            request_id: "r".into(),
+            token_ids: prompt(),
+            kv_format_fingerprint: ours,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+
+    // The prefill worker refuses to push to a worker of another format.
+    let err = p
+        .client()
+        .await
+        .prefill(v1::PrefillRequest {
+            request_id: "r".into(),
+            token_ids: prompt(),
+            sampling: Some(greedy()),
+            target: Some(v1::TransferTarget {
+                address: d.address.clone(),
+                reservation_id: reservation.reservation_id,
+                first_page_index: reservation.first_page_index,
+                page_count: reservation.page_count,
+                kv_format_fingerprint: ours,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+
+    // The decode worker refuses pages of another format, and pages for unknown reservations.
+    let page_bytes = d.state.engine().info().page_bytes;
+    let mut transfer = KvTransferClient::connect(format!("http://{}", d.address))
+        .await
+        .unwrap();
+    let push = |reservation_id, fingerprint| {
+        tokio_stream::iter(vec![v1::PushPagesRequest {
+            reservation_id,
+            page_indices: vec![0],
+            data: vec![0u8; page_bytes].into(),
+            kv_format_fingerprint: Some(fingerprint),
+            request_id: "r".into(),
+        }])
+    };
+    let err = transfer
+        .push_pages(push(reservation.reservation_id, theirs))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    let err = transfer
+        .push_pages(push(reservation.reservation_id + 1000, ours))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    assert_eq!(d.state.counters().totals().pages_received, 0);
+    // A prefill worker does not accept pages at all.
+    let mut to_prefill = KvTransferClient::connect(format!("http://{}", p.address))
+        .await
+        .unwrap();
+    let err = to_prefill.push_pages(push(1, theirs)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented, "{err}");
+
+    client
+        .abort(v1::AbortRequest {
+            request_id: "r".into(),
+        })
+        .await
+        .unwrap();
+    d.pages_back().await;
+    p.pages_back().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_actor_publishes_kv_events_and_aborts_dropped_requests() {
+    let e = engine(KvDtype::Nvfp4);
+    let mut kv = e.subscribe_kv_events();
+    let mut events = e
+        .submit(SeqId(1), prompt(), SamplingParams::greedy(2))
+        .await
+        .unwrap();
+    while events.recv().await.is_some() {}
+    // The snapshot publishes pending changes first, so every batch is queued once it returns.
+    let snapshot = e.kv_snapshot().await.unwrap();
+    let mut ids = Vec::new();
+    let mut stored = 0;
+    while let Ok(batch) = kv.try_recv() {
+        assert_eq!(batch.instance_id, snapshot.instance_id);
+        for event in batch.events {
+            ids.push(event.id);
+            if let Some(v1::kv_event::Data::Stored(s)) = event.data {
+                stored += s.blocks.len();
+            }
+        }
+    }
+    assert_eq!(
+        ids,
+        (1..=ids.len() as u64).collect::<Vec<_>>(),
+        "ids without gaps"
+    );
+    assert_eq!(snapshot.blocks.len(), stored);
+    assert!(snapshot.blocks.len() >= prompt().len() / 16);
+    assert_eq!(
+        snapshot.last_event_id,
+        *ids.last().unwrap(),
+        "the snapshot reflects every published event"
+    );
+
+    // A dropped receiver aborts its request.
+    let events = e
+        .submit(SeqId(2), prompt(), SamplingParams::greedy(500))
+        .await
+        .unwrap();
+    drop(events);
+    for _ in 0..200 {
+        let load = e.load().await.unwrap();
+        if load.running + load.waiting == 0 {
+            assert_eq!(load.free_pages + load.cached_pages, load.total_pages);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the dropped request still runs: {:?}", e.load().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_register_and_refresh_their_capacity() {
+    use nibble_discovery::{Discovery, Role, StaticRegistry};
+
+    let d = Server::start(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let registry = StaticRegistry::new();
+    let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
+    let task = nibble_worker::registration::register(
+        Arc::clone(&discovery),
+        Arc::clone(&d.state),
+        Role::Decode,
+        &d.address,
+        Duration::from_millis(20),
+    )
+    .await
+    .unwrap();
+    let listed = registry.session().list(Some(Role::Decode)).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    let info = &listed[0];
+    assert_eq!(info.addresses.grpc, d.address);
+    assert_eq!(info.addresses.transfer.as_deref(), Some(d.address.as_str()));
+    assert_eq!(info.kv_fingerprint, d.state.engine().info().fingerprint);
+    assert_eq!(info.page_size, 16);
+    assert_eq!(info.capacity.total_pages, PAGES as u64);
+    assert_eq!(info.capacity.free_pages, PAGES as u64);
+
+    // A reservation lowers the registered free capacity.
+    d.client()
+        .await
+        .reserve(v1::ReserveRequest {
+            request_id: "held".into(),
+            token_ids: prompt(),
+            kv_format_fingerprint: info.kv_fingerprint,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut free = PAGES as u64;
+    for _ in 0..200 {
+        free = registry.session().list(Some(Role::Decode)).await.unwrap()[0]
+            .capacity
+            .free_pages;
+        if free < PAGES as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(free < PAGES as u64, "capacity refreshed");
+    task.abort();
+}
