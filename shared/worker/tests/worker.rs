@@ -17,6 +17,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
@@ -412,6 +415,35 @@ async fn mismatched_formats_and_unknown_reservations_are_refused() {
     let ours = d.state.engine().info().fingerprint;
     let theirs = p.state.engine().info().fingerprint;
     assert_ne!(ours, theirs);
+    // Health: the decode worker serves Worker and KvTransfer, the prefill worker only Worker.
+    for (server, service, serving) in [
+        (&d, "nibble.v1.Worker", true),
+        (&d, "nibble.v1.KvTransfer", true),
+        (&p, "nibble.v1.Worker", true),
+        (&p, "nibble.v1.KvTransfer", false),
+    ] {
+        let channel = Channel::from_shared(format!("http://{}", server.address))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut health = HealthClient::new(channel);
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await;
+        match status {
+            Ok(r) => {
+                assert!(serving, "{service}");
+                assert_eq!(r.into_inner().status, ServingStatus::Serving as i32);
+            }
+            Err(e) => {
+                assert!(!serving, "{service}: {e}");
+                assert_eq!(e.code(), Code::NotFound);
+            }
+        }
+    }
     let info = d
         .client()
         .await
