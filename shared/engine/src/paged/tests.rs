@@ -64,6 +64,14 @@ fn round_bf16(x: &[f32]) -> Vec<f32> {
     x.iter().map(|v| bf16::decode(bf16::encode(*v))).collect()
 }
 
+/// The FP8 work scale of a cache: its global scale, times 6 for nvfp4 (see `work_scales`).
+fn work_scale(dtype: KvDtype, g: f32) -> f32 {
+    match dtype {
+        KvDtype::Nvfp4 => g * 6.0,
+        _ => g,
+    }
+}
+
 fn round_fp8(x: &[f32], g: f32) -> Vec<f32> {
     x.iter()
         .map(|v| e4m3::decode(e4m3::encode(v / g)) * g)
@@ -147,7 +155,10 @@ fn prefill_attends_over_work_dtype_kv_and_writes_pages() {
             .unwrap();
         let (kw, vw) = match dtype {
             KvDtype::Bf16 => (round_bf16(&k), round_bf16(&v)),
-            _ => (round_fp8(&k, 2.0), round_fp8(&v, 0.25)),
+            _ => (
+                round_fp8(&k, work_scale(dtype, 2.0)),
+                round_fp8(&v, work_scale(dtype, 0.25)),
+            ),
         };
         let expected = reference(&round_bf16(&q), &kw, &vw, 0);
         assert_close(&out, &expected, 1e-5, dtype.name());
@@ -220,7 +231,7 @@ fn extend_gathers_the_prefix_into_the_workspace() {
         // Expected: prefix from the pages rounded to the work dtype, chunk rounded directly.
         let work = |x: &[f32], g: f32| match dtype {
             KvDtype::Bf16 => round_bf16(x),
-            _ => round_fp8(x, g),
+            _ => round_fp8(x, work_scale(dtype, g)),
         };
         let mut kw = work(&cached(&store, 0, table.pages(), p, KvPart::K), 0.5);
         kw.extend(work(&k[p * ks..], 0.5));
