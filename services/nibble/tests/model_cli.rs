@@ -182,6 +182,35 @@ fn chat_template_and_logprobs() {
     }
 }
 
+#[test]
+fn hugging_face_directories_load_too() {
+    // Tiny random checkpoints (the engine's fixtures): the text is noise, the plumbing is real.
+    let fixtures = workspace().join("shared/engine/tests/fixtures/hf");
+    for (name, chat) in [("llama", false), ("qwen2", true), ("qwen3", false)] {
+        let dir = fixtures.join(name);
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "4",
+        ];
+        if chat {
+            args.push("--chat");
+        }
+        args.push("Elizabeth");
+        let out = nibble(&args);
+        assert_success(&out);
+        let summary = text(&out.stderr);
+        assert!(
+            count_after(&summary, "completion") >= 1,
+            "{name}: {summary}"
+        );
+    }
+}
+
 fn ppl(rest: &[&str]) -> Value {
     let fixture = austen();
     let mut args = vec!["--text", fixture.to_str().expect("utf-8 path"), "--json"];
