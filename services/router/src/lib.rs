@@ -17,7 +17,10 @@
 //! * [`router`]: [`Router`], the plain state a service's actor owns, tying them together;
 //! * [`metrics`]: metric names.
 //!
-//! Everything is synchronous and needs no runtime; the gRPC service is built on top.
+//! * [`service`], [`server`]: the gRPC `Inference` service on top of a shared [`Router`], and
+//!   [`serve`] (the `nibble-router` binary's core).
+//!
+//! The core is synchronous and needs no runtime; the gRPC service is built on top.
 
 mod error;
 
@@ -28,6 +31,8 @@ pub mod metrics;
 pub mod policy;
 pub mod prompt;
 pub mod router;
+pub mod server;
+pub mod service;
 pub mod slots;
 
 pub use decision::{Decision, Placement, Reason, Routed, Ticket};
@@ -38,6 +43,8 @@ pub use load::{Load, LoadReport};
 pub use policy::PolicyConfig;
 pub use prompt::Prompt;
 pub use router::{Router, RouterConfig, RouterStats, WorkerStatus};
+pub use server::{serve, serve_shared, ServeError};
+pub use service::{InferenceService, ServiceConfig, Shared};
 pub use slots::{WorkerSet, WorkerSlot, MAX_WORKERS};
 
 /// Types of the crates this API speaks, re-exported so callers need not depend on them.

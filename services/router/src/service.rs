@@ -1,0 +1,540 @@
+//! The router's gRPC `Inference` service (inference.proto) over a shared [`Router`]: it
+//! validates and tokenizes requests, hashes them in pages, routes them to a decode worker D
+//! and maybe a prefill worker P, drives `Reserve` on D → `Prefill` on P (which pushes pages to
+//! D) → `Decode` on D, and streams D's tokens back. Membership comes from a discovery watch;
+//! each worker's KV-event stream feeds the prefix index (a gap triggers a snapshot).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use nibble_discovery::{Discovery, Role, WorkerEvent, WorkerId, WorkerInfo};
+use nibble_engine::{ChatMessage, Tokenizer};
+use nibble_proto::v1;
+use nibble_proto::v1::worker_client::WorkerClient;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use crate::{Error, Prompt, Router, RouterConfig, SyncStatus, WorkerSet};
+
+/// Largest gRPC message the router's worker clients accept.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Pause before a worker's KV-event subscription is retried.
+const RESUBSCRIBE_DELAY: Duration = Duration::from_millis(200);
+/// Prefill workers tried per request before it fails.
+const PREFILL_ATTEMPTS: usize = 3;
+
+/// What the router serves.
+#[derive(Clone)]
+pub struct ServiceConfig {
+    /// The routing core's configuration (its `model` is the name clients use).
+    pub router: RouterConfig,
+    /// The model's tokenizer (and chat template).
+    pub tokenizer: Arc<Tokenizer>,
+    /// Longest prompt plus completion, in tokens (0: unknown, not checked).
+    pub max_context: u32,
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig")
+            .field("router", &self.router)
+            .field("max_context", &self.max_context)
+            .finish_non_exhaustive()
+    }
+}
+
+/// State shared by the service, the membership task and the KV-event tasks.
+#[derive(Debug)]
+pub struct Shared {
+    router: Mutex<Router>,
+    config: ServiceConfig,
+    clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
+    next_request: AtomicU64,
+}
+
+impl Shared {
+    /// Shared state over a new [`Router`].
+    pub fn new(config: ServiceConfig) -> crate::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            router: Mutex::new(Router::new(config.router.clone())?),
+            config,
+            clients: Mutex::new(HashMap::new()),
+            next_request: AtomicU64::new(1),
+        }))
+    }
+
+    /// The routing core (locked).
+    pub fn router(&self) -> MutexGuard<'_, Router> {
+        self.router.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A client of the worker at `address` (`host:port`), cached per address.
+    pub fn client(&self, address: &str) -> Result<WorkerClient<Channel>, Status> {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(address) {
+            return Ok(client.clone());
+        }
+        let channel = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| Status::internal(format!("worker address {address:?}: {e}")))?
+            .connect_lazy();
+        let client = WorkerClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        clients.insert(address.to_string(), client.clone());
+        Ok(client)
+    }
+}
+
+/// Follows `discovery`'s membership until the watch ends: applies every event to the router
+/// and keeps one KV-event subscription task per tracked worker.
+pub async fn follow_membership(shared: Arc<Shared>, discovery: Arc<dyn Discovery>) {
+    let mut watch = match discovery.watch(None).await {
+        Ok(watch) => watch,
+        Err(err) => {
+            tracing::error!(%err, "cannot watch workers");
+            return;
+        }
+    };
+    let mut tasks: HashMap<(Role, WorkerId), (String, JoinHandle<()>)> = HashMap::new();
+    while let Some(event) = watch.next().await {
+        let key = match &event {
+            WorkerEvent::Added(info) | WorkerEvent::Updated(info) => (info.role, info.id.clone()),
+            WorkerEvent::Removed { role, id } => (*role, id.clone()),
+        };
+        let info = match &event {
+            WorkerEvent::Added(info) | WorkerEvent::Updated(info) => Some(info.clone()),
+            WorkerEvent::Removed { .. } => None,
+        };
+        if let Err(err) = shared.router().apply_worker_event(event) {
+            tracing::warn!(%err, "worker refused");
+        }
+        let tracked = shared.router().slot(key.0, &key.1).is_ok();
+        match info.filter(|_| tracked) {
+            Some(info) => {
+                let same = tasks.get(&key).is_some_and(|(address, task)| {
+                    *address == info.addresses.grpc && !task.is_finished()
+                });
+                if !same {
+                    let task = tokio::spawn(follow_kv_events(Arc::clone(&shared), info.clone()));
+                    if let Some((_, old)) = tasks.insert(key, (info.addresses.grpc.clone(), task)) {
+                        old.abort();
+                    }
+                }
+            }
+            None => {
+                if let Some((_, task)) = tasks.remove(&key) {
+                    task.abort();
+                }
+            }
+        }
+    }
+    for (_, (_, task)) in tasks {
+        task.abort();
+    }
+}
+
+/// Feeds one worker's KV events into the router until the task is aborted, resubscribing
+/// after errors and asking for a snapshot whenever the router reports a gap.
+async fn follow_kv_events(shared: Arc<Shared>, info: WorkerInfo) {
+    let (role, id) = (info.role, info.id.clone());
+    loop {
+        if let Err(err) = subscribe_once(&shared, &info).await {
+            tracing::debug!(%role, %id, %err, "KV-event stream ended");
+        }
+        if shared.router().slot(role, &id).is_err() {
+            return;
+        }
+        tokio::time::sleep(RESUBSCRIBE_DELAY).await;
+    }
+}
+
+async fn subscribe_once(shared: &Shared, info: &WorkerInfo) -> Result<(), Status> {
+    let mut client = shared.client(&info.addresses.grpc)?;
+    let mut stream = client
+        .subscribe_kv_events(v1::SubscribeKvEventsRequest {})
+        .await?
+        .into_inner();
+    while let Some(batch) = stream.message().await? {
+        let report = shared
+            .router()
+            .apply_kv_batch(info.role, &info.id, batch)
+            .map_err(|e| Status::internal(e.to_string()))?;
+        if matches!(report.status, SyncStatus::SnapshotNeeded(_)) {
+            let snapshot = client
+                .kv_snapshot(v1::KvSnapshotRequest {})
+                .await?
+                .into_inner();
+            shared
+                .router()
+                .apply_kv_snapshot_response(info.role, &info.id, &snapshot)
+                .map_err(|e| Status::internal(e.to_string()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The `Inference` service.
+#[derive(Debug, Clone)]
+pub struct InferenceService(pub Arc<Shared>);
+
+fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {reason}"))
+}
+
+fn route_error(err: Error) -> Status {
+    match err {
+        Error::NoDecodeWorkers => Status::unavailable(err.to_string()),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+impl InferenceService {
+    fn check_model(&self, model: &str) -> Result<(), Status> {
+        let ours = &self.0.config.router.model;
+        if !model.is_empty() && model != ours {
+            return Err(invalid(
+                "model",
+                format!("unknown model {model:?} (this router serves {ours:?})"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Validates a request and returns its prompt's token ids.
+    fn prompt_tokens(&self, req: &v1::GenerateRequest) -> Result<Vec<u32>, Status> {
+        use v1::generate_request::Prompt as P;
+        self.check_model(&req.model)?;
+        if let Some(s) = &req.sampling {
+            if let Some(p) = s.top_p {
+                if !(p > 0.0 && p <= 1.0) {
+                    return Err(invalid("sampling.top_p", format!("{p} is outside (0, 1]")));
+                }
+            }
+            if let Some(t) = s.temperature {
+                if !(t >= 0.0 && t.is_finite()) {
+                    return Err(invalid("sampling.temperature", format!("{t} must be >= 0")));
+                }
+            }
+        }
+        let max_tokens = req.stopping.as_ref().and_then(|s| s.max_tokens);
+        if max_tokens == Some(0) {
+            return Err(invalid("stopping.max_tokens", "must be positive"));
+        }
+        let tokenizer = &self.0.config.tokenizer;
+        let internal = |e: nibble_engine::Error| Status::internal(format!("tokenizer: {e}"));
+        let ids = match &req.prompt {
+            None => return Err(invalid("prompt", "is required (text, tokens or chat)")),
+            Some(P::Text(text)) => {
+                if text.is_empty() {
+                    return Err(invalid("prompt", "text must not be empty"));
+                }
+                tokenizer
+                    .encode(text, req.add_special_tokens.unwrap_or(true))
+                    .map_err(internal)?
+            }
+            Some(P::Tokens(tokens)) => {
+                let vocab = tokenizer.vocab_size();
+                if let Some(bad) = tokens.ids.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(invalid(
+                        "prompt.tokens",
+                        format!("token id {bad} is outside the vocabulary of {vocab}"),
+                    ));
+                }
+                tokens.ids.clone()
+            }
+            Some(P::Chat(chat)) => {
+                if chat.messages.is_empty() {
+                    return Err(invalid("prompt.chat", "needs at least one message"));
+                }
+                let messages: Vec<ChatMessage> = chat
+                    .messages
+                    .iter()
+                    .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+                    .collect();
+                let text = tokenizer
+                    .render_chat(&messages, chat.add_generation_prompt.unwrap_or(true))
+                    .map_err(|e| invalid("prompt.chat", e))?;
+                tokenizer.encode(&text, false).map_err(internal)?
+            }
+        };
+        if ids.is_empty() {
+            return Err(invalid("prompt", "must not be empty"));
+        }
+        let context = self.0.config.max_context as usize;
+        if context > 0 && ids.len() + max_tokens.unwrap_or(1) as usize > context {
+            return Err(invalid(
+                "prompt",
+                format!(
+                    "{} prompt tokens plus max_tokens exceed the context of {context}",
+                    ids.len()
+                ),
+            ));
+        }
+        Ok(ids)
+    }
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl v1::inference_server::Inference for InferenceService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<v1::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        let mut req = request.into_inner();
+        let tokens = self.prompt_tokens(&req)?;
+        if req.request_id.is_empty() {
+            let n = self.0.next_request.fetch_add(1, Ordering::Relaxed);
+            req.request_id = format!("router-{n}");
+        }
+        let prompt = Prompt::new(&tokens, self.0.config.router.page_size)
+            .map_err(|e| invalid("prompt", e))?;
+        let routed = self
+            .0
+            .router()
+            .route(&prompt, WorkerSet::EMPTY)
+            .map_err(route_error)?;
+        tracing::debug!(
+            request_id = %req.request_id,
+            ticket = %routed.ticket,
+            decode = %routed.decision.decode.worker.id,
+            prefill = ?routed.decision.prefill.as_ref().map(|p| p.worker.id.to_string()),
+            reason = %routed.decision.reason,
+            "routed"
+        );
+        let (tx, rx) = mpsc::channel(16);
+        let flow = Flow {
+            shared: Arc::clone(&self.0),
+            req,
+            tokens,
+            prompt,
+            routed,
+        };
+        tokio::spawn(flow.run(tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<v1::TokenizeRequest>,
+    ) -> Result<Response<v1::TokenizeResponse>, Status> {
+        let req = request.into_inner();
+        self.check_model(&req.model)?;
+        let tokenizer = &self.0.config.tokenizer;
+        let token_ids = tokenizer
+            .encode(&req.text, req.add_special_tokens.unwrap_or(true))
+            .map_err(|e| Status::internal(format!("tokenizer: {e}")))?;
+        let tokens = token_ids
+            .iter()
+            .map(|&id| tokenizer.inner().id_to_token(id).unwrap_or_default())
+            .collect();
+        Ok(Response::new(v1::TokenizeResponse { token_ids, tokens }))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<v1::ListModelsRequest>,
+    ) -> Result<Response<v1::ListModelsResponse>, Status> {
+        let stats = self.0.router().stats();
+        Ok(Response::new(v1::ListModelsResponse {
+            models: vec![v1::ModelInfo {
+                name: self.0.config.router.model.clone(),
+                max_context: self.0.config.max_context,
+                kv_format: None,
+                prefill_workers: stats.prefill_workers as u32,
+                decode_workers: stats.decode_workers as u32,
+                is_default: true,
+            }],
+        }))
+    }
+}
+
+/// One dispatched request, driven on its own task.
+struct Flow {
+    shared: Arc<Shared>,
+    req: v1::GenerateRequest,
+    tokens: Vec<u32>,
+    prompt: Prompt,
+    routed: crate::Routed,
+}
+
+/// Why a flow stopped early.
+enum Stop {
+    Cancelled,
+    Failed(Status),
+}
+
+impl From<Status> for Stop {
+    fn from(status: Status) -> Self {
+        Stop::Failed(status)
+    }
+}
+
+impl Flow {
+    async fn run(mut self, tx: mpsc::Sender<Result<v1::GenerateResponse, Status>>) {
+        let ticket = self.routed.ticket;
+        let mut prefill_address = None;
+        let outcome = tokio::select! {
+            outcome = self.drive(&tx, &mut prefill_address) => outcome,
+            () = tx.closed() => Err(Stop::Cancelled),
+        };
+        if let Err(stop) = outcome {
+            // Free whatever the workers hold for the request.
+            let abort = v1::AbortRequest {
+                request_id: self.req.request_id.clone(),
+            };
+            let decode = self.routed.decision.decode.worker.addresses.grpc.clone();
+            for address in std::iter::once(decode).chain(prefill_address) {
+                if let Ok(mut client) = self.shared.client(&address) {
+                    let _ = client.abort(abort.clone()).await;
+                }
+            }
+            match stop {
+                Stop::Cancelled => {
+                    tracing::debug!(request_id = %self.req.request_id, "cancelled by the client")
+                }
+                Stop::Failed(status) => {
+                    tracing::warn!(request_id = %self.req.request_id, %status, "request failed");
+                    let _ = tx.send(Err(status)).await;
+                }
+            }
+        }
+        self.shared.router().finish(ticket);
+    }
+
+    async fn drive(
+        &mut self,
+        tx: &mpsc::Sender<Result<v1::GenerateResponse, Status>>,
+        prefill_address: &mut Option<String>,
+    ) -> Result<(), Stop> {
+        let decision = &self.routed.decision;
+        let decode_worker = Arc::clone(&decision.decode.worker);
+        let mut decode = self.shared.client(&decode_worker.addresses.grpc)?;
+        let request_id = self.req.request_id.clone();
+        let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
+        let mut reserved_cached = 0;
+        let handoff = match decision.prefill.clone() {
+            None => None,
+            Some(mut prefill) => {
+                let reservation = decode
+                    .reserve(v1::ReserveRequest {
+                        request_id: request_id.clone(),
+                        token_ids: self.tokens.clone(),
+                        kv_format_fingerprint: decode_worker.kv_fingerprint,
+                        ttl_ms: None,
+                        max_tokens,
+                    })
+                    .await?
+                    .into_inner();
+                reserved_cached = reservation.cached_tokens;
+                let target = v1::TransferTarget {
+                    address: decode_worker
+                        .addresses
+                        .transfer
+                        .clone()
+                        .unwrap_or_else(|| decode_worker.addresses.grpc.clone()),
+                    reservation_id: reservation.reservation_id,
+                    first_page_index: reservation.first_page_index,
+                    page_count: reservation.page_count,
+                    page_ids: reservation.page_ids.clone(),
+                    kv_format_fingerprint: reservation.kv_format_fingerprint,
+                    backend: v1::TransferBackend::Grpc as i32,
+                };
+                let mut attempt = 0;
+                let prefilled = loop {
+                    attempt += 1;
+                    *prefill_address = Some(prefill.worker.addresses.grpc.clone());
+                    let mut client = self.shared.client(&prefill.worker.addresses.grpc)?;
+                    let result = client
+                        .prefill(v1::PrefillRequest {
+                            request_id: request_id.clone(),
+                            token_ids: self.tokens.clone(),
+                            sampling: self.req.sampling,
+                            logprobs: self.req.logprobs,
+                            target: Some(target.clone()),
+                        })
+                        .await;
+                    match result {
+                        Ok(response) => break response.into_inner(),
+                        Err(status) if retryable(&status) && attempt < PREFILL_ATTEMPTS => {
+                            tracing::warn!(%request_id, worker = %prefill.worker.id, %status, "prefill failed; retrying");
+                            let next = self
+                                .shared
+                                .router()
+                                .retry_prefill(self.routed.ticket, &self.prompt)
+                                .map_err(|e| Status::internal(e.to_string()))?;
+                            match next {
+                                Some(next) => prefill = next,
+                                None => {
+                                    return Err(Status::unavailable(format!(
+                                    "prefill failed and no other prefill worker is left: {status}"
+                                ))
+                                    .into())
+                                }
+                            }
+                        }
+                        Err(status) => return Err(status.into()),
+                    }
+                };
+                self.shared.router().prefill_done(self.routed.ticket);
+                *prefill_address = None;
+                Some(v1::Handoff {
+                    reservation_id: reservation.reservation_id,
+                    first_token: prefilled.first_token,
+                    first_logprob: prefilled.logprob,
+                })
+            }
+        };
+        let mut stream = decode
+            .decode(v1::DecodeRequest {
+                request_id: request_id.clone(),
+                token_ids: self.tokens.clone(),
+                handoff,
+                sampling: self.req.sampling,
+                stopping: self.req.stopping.clone(),
+                logprobs: self.req.logprobs,
+                skip_special_tokens: self.req.skip_special_tokens,
+            })
+            .await?
+            .into_inner();
+        while let Some(chunk) = stream.message().await? {
+            let usage = chunk.usage.map(|mut u| {
+                u.cached_tokens = u.cached_tokens.max(reserved_cached);
+                u
+            });
+            let response = v1::GenerateResponse {
+                request_id: request_id.clone(),
+                text: chunk.text,
+                token_ids: chunk.token_ids,
+                logprobs: chunk.logprobs,
+                finish_reason: chunk.finish_reason,
+                usage,
+            };
+            if tx.send(Ok(response)).await.is_err() {
+                return Err(Stop::Cancelled);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Internal
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+    )
+}
