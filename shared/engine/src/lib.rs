@@ -7,7 +7,7 @@
 //! * [`hf`], [`safetensors`]: Hugging Face model directories (config.json, safetensors
 //!   checkpoints, tokenizer.json).
 //! * [`config`]: [`ModelConfig`] from model metadata; [`Architecture`], [`RopeStyle`].
-//! * [`weights`]: f32 weights uploaded to a backend once and shared.
+//! * [`weights`]: weights uploaded to a backend once (matrices may stay quantized) and shared.
 //! * [`tokenizer`], [`chat`]: BPE tokenizer rebuilt from GGUF metadata or read from
 //!   tokenizer.json; chat templates.
 //! * [`backend`]: the [`Backend`] trait and [`CpuBackend`].

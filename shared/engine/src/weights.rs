@@ -1,6 +1,7 @@
-//! Model weights: dequantized to f32 once at load, uploaded to the backend, and shared (the
-//! model holds them in an `Arc`) by every request. Matrices are row-major with one row per
-//! output feature (GGUF dims `[in, out]`), which is what [`Backend::matmul_t`] takes.
+//! Model weights: uploaded to the backend once (matrices in their file type, which the backend
+//! may keep quantized; vectors as f32) and shared (the model holds them in an `Arc`) by every
+//! request. Matrices are row-major with one row per output feature (GGUF dims `[in, out]`),
+//! which is what [`Backend::matmul_t`] takes.
 
 use crate::backend::Backend;
 use crate::config::ModelConfig;
@@ -59,10 +60,14 @@ impl<B: Backend> Weights<B> {
             config.kv_dim(),
             config.intermediate_size,
         );
-        // `rows × cols` in our terms is GGUF dims [cols, rows]; a vector is [len].
+        // `rows × cols` in our terms is GGUF dims [cols, rows]; a vector is [len]. Matrices go
+        // to the backend in their file type (it may keep quantized blocks; see
+        // `Backend::upload_weight`).
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<B::Tensor> {
-            let data = file.dequantize_shaped(name, &[cols as u64, rows as u64])?;
-            backend.upload_vec(rows, cols, data)
+            let ty = file
+                .tensor_shaped(name, &[cols as u64, rows as u64])?
+                .ggml_type;
+            backend.upload_weight(rows, cols, ty, file.tensor_bytes(name)?)
         };
         let vector = |name: &str, len: usize| -> Result<B::Tensor> {
             let data = file.dequantize_shaped(name, &[len as u64])?;

@@ -10,7 +10,8 @@
 pub mod cpu;
 
 use crate::config::RopeStyle;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::gguf::{dequant, GgmlType};
 use crate::kv::StepTokens;
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
 use std::ops::Range;
@@ -83,6 +84,28 @@ pub trait Backend: Send + Sync + 'static {
     /// the vector without copying.
     fn upload_vec(&self, rows: usize, cols: usize, data: Vec<f32>) -> Result<Self::Tensor> {
         self.upload(rows, cols, &data)
+    }
+
+    /// A weight matrix, `rows × cols` with one row per output feature, from GGML data: `bytes`
+    /// holds the rows in order as values of type `ty`. Such a tensor is only read as the `w` of
+    /// [`Backend::matmul_t`] and the table of [`Backend::embed`], so a backend may keep quantized
+    /// blocks as they are and decode them inside those kernels (the CPU backend does), provided
+    /// every value equals what [`dequant::dequantize`] gives. The default dequantizes to f32.
+    fn upload_weight(
+        &self,
+        rows: usize,
+        cols: usize,
+        ty: GgmlType,
+        bytes: &[u8],
+    ) -> Result<Self::Tensor> {
+        let mut data = vec![0.0f32; rows * cols];
+        if !dequant::dequantize(ty, bytes, &mut data) {
+            return Err(Error::InvalidInput(format!(
+                "{} bytes of {ty} do not make a {rows}x{cols} matrix",
+                bytes.len()
+            )));
+        }
+        self.upload_vec(rows, cols, data)
     }
 
     /// A new zero-filled tensor.

@@ -44,8 +44,28 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> bool {
     true
 }
 
+#[inline(always)]
 fn half_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// A block format: `B` bytes decode to `L` values. The decoders are the single definition of
+/// each format's values; the CPU backend's quantized kernels inline them too (compiled with
+/// wider vector features there), so both paths produce bit-identical weights.
+pub(crate) trait Block<const B: usize, const L: usize> {
+    /// Decodes one block.
+    fn decode(blk: &[u8; B], out: &mut [f32; L]);
+}
+
+/// Decodes every whole block of `bytes` into consecutive `L`-value runs of `out`.
+#[inline(always)]
+pub(crate) fn each_block<const B: usize, const L: usize, F: Block<B, L>>(
+    bytes: &[u8],
+    out: &mut [f32],
+) {
+    for (blk, o) in bytes.chunks_exact(B).zip(out.chunks_exact_mut(L)) {
+        F::decode(blk.try_into().unwrap(), o.try_into().unwrap());
+    }
 }
 
 fn f32_to_f32(bytes: &[u8], out: &mut [f32]) {
@@ -67,7 +87,31 @@ fn bf16_to_f32(bytes: &[u8], out: &mut [f32]) {
 }
 
 fn q8_0(bytes: &[u8], out: &mut [f32]) {
-    for (blk, o) in bytes.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+    each_block::<34, 32, Q8_0>(bytes, out);
+}
+
+fn q4_0(bytes: &[u8], out: &mut [f32]) {
+    each_block::<18, 32, Q4_0>(bytes, out);
+}
+
+fn q4_1(bytes: &[u8], out: &mut [f32]) {
+    each_block::<20, 32, Q4_1>(bytes, out);
+}
+
+fn q4_k(bytes: &[u8], out: &mut [f32]) {
+    each_block::<144, 256, Q4K>(bytes, out);
+}
+
+fn q6_k(bytes: &[u8], out: &mut [f32]) {
+    each_block::<210, 256, Q6K>(bytes, out);
+}
+
+/// The Q8_0 block format.
+pub(crate) struct Q8_0;
+
+impl Block<34, 32> for Q8_0 {
+    #[inline(always)]
+    fn decode(blk: &[u8; 34], o: &mut [f32; 32]) {
         let d = half_at(blk, 0);
         for (x, &q) in o.iter_mut().zip(&blk[2..]) {
             *x = d * f32::from(q as i8);
@@ -75,25 +119,33 @@ fn q8_0(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-fn q4_0(bytes: &[u8], out: &mut [f32]) {
-    for (blk, o) in bytes.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+/// The Q4_0 block format.
+pub(crate) struct Q4_0;
+
+impl Block<18, 32> for Q4_0 {
+    #[inline(always)]
+    fn decode(blk: &[u8; 18], o: &mut [f32; 32]) {
         let d = half_at(blk, 0);
         let (lo, hi) = o.split_at_mut(16);
-        for (j, &q) in blk[2..].iter().enumerate() {
-            lo[j] = d * (f32::from(q & 0x0f) - 8.0);
-            hi[j] = d * (f32::from(q >> 4) - 8.0);
+        for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&blk[2..]) {
+            *l = d * (f32::from(q & 0x0f) - 8.0);
+            *h = d * (f32::from(q >> 4) - 8.0);
         }
     }
 }
 
-fn q4_1(bytes: &[u8], out: &mut [f32]) {
-    for (blk, o) in bytes.chunks_exact(20).zip(out.chunks_exact_mut(32)) {
+/// The Q4_1 block format.
+pub(crate) struct Q4_1;
+
+impl Block<20, 32> for Q4_1 {
+    #[inline(always)]
+    fn decode(blk: &[u8; 20], o: &mut [f32; 32]) {
         let d = half_at(blk, 0);
         let m = half_at(blk, 2);
         let (lo, hi) = o.split_at_mut(16);
-        for (j, &q) in blk[4..].iter().enumerate() {
-            lo[j] = d * f32::from(q & 0x0f) + m;
-            hi[j] = d * f32::from(q >> 4) + m;
+        for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&blk[4..]) {
+            *l = d * f32::from(q & 0x0f) + m;
+            *h = d * f32::from(q >> 4) + m;
         }
     }
 }
@@ -101,6 +153,7 @@ fn q4_1(bytes: &[u8], out: &mut [f32]) {
 /// The 6-bit (scale, min) of sub-block `j` (0..8) from Q4_K's 12 packed bytes: sub-blocks 0..4
 /// use the low 6 bits of bytes j and j+4; sub-blocks 4..8 take their low 4 bits from byte j+4
 /// and their top 2 bits from the spare top bits of bytes j−4 (scale) and j (min).
+#[inline(always)]
 fn q4_k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
@@ -112,8 +165,12 @@ fn q4_k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
-fn q4_k(bytes: &[u8], out: &mut [f32]) {
-    for (blk, o) in bytes.chunks_exact(144).zip(out.chunks_exact_mut(256)) {
+/// The Q4_K block format.
+pub(crate) struct Q4K;
+
+impl Block<144, 256> for Q4K {
+    #[inline(always)]
+    fn decode(blk: &[u8; 144], o: &mut [f32; 256]) {
         let d = half_at(blk, 0);
         let dmin = half_at(blk, 2);
         let scales = &blk[4..16];
@@ -133,8 +190,12 @@ fn q4_k(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-fn q6_k(bytes: &[u8], out: &mut [f32]) {
-    for (blk, o) in bytes.chunks_exact(210).zip(out.chunks_exact_mut(256)) {
+/// The Q6_K block format.
+pub(crate) struct Q6K;
+
+impl Block<210, 256> for Q6K {
+    #[inline(always)]
+    fn decode(blk: &[u8; 210], o: &mut [f32; 256]) {
         let d = half_at(blk, 208);
         for half in 0..2 {
             let ql = &blk[64 * half..64 * half + 64];

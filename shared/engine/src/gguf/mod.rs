@@ -326,8 +326,8 @@ impl GgufFile {
         Ok(out)
     }
 
-    /// Dequantizes a named tensor after checking its dims (GGUF order) equal `expected`.
-    pub fn dequantize_shaped(&self, name: &str, expected: &[u64]) -> Result<Vec<f32>> {
+    /// The info of a named tensor after checking its dims (GGUF order) equal `expected`.
+    pub fn tensor_shaped(&self, name: &str, expected: &[u64]) -> Result<&TensorInfo> {
         let t = self.tensor(name)?;
         if t.dims != expected {
             return Err(Error::ShapeMismatch {
@@ -336,6 +336,12 @@ impl GgufFile {
                 found: t.dims.clone(),
             });
         }
+        Ok(t)
+    }
+
+    /// Dequantizes a named tensor after checking its dims (GGUF order) equal `expected`.
+    pub fn dequantize_shaped(&self, name: &str, expected: &[u64]) -> Result<Vec<f32>> {
+        self.tensor_shaped(name, expected)?;
         self.dequantize(name)
     }
 }

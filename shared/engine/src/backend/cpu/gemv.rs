@@ -8,20 +8,20 @@ use rayon::prelude::*;
 pub(super) const MAX_ROWS: usize = 16;
 
 /// Parallel tasks per pool thread: enough to balance load on small matrices.
-const TASKS_PER_THREAD: usize = 8;
+pub(super) const TASKS_PER_THREAD: usize = 8;
 
 /// Fewest output features per task (keeps per-task overhead small).
-const MIN_FEATURES_PER_TASK: usize = 8;
+pub(super) const MIN_FEATURES_PER_TASK: usize = 8;
 
 /// A raw output pointer shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: each task writes only its own range of output columns.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }
