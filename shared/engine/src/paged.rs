@@ -14,8 +14,8 @@
 //! Shapes are token-major: q is `[token][q_head][head_dim]`, k and v `[token][kv_head][head_dim]`,
 //! the output like q. Query head `h` attends with KV head `h / (q_heads / kv_heads)` (GQA).
 
-use nibble_kvcache::{HostPages, PageId, PagePool, SlotId};
-use nibble_kvfmt::{bf16, e2m1, e4m3, fp8, nvfp4, KvDtype, KvPart, PageLayout};
+use nibble_kvcache::{HostPages, PageBytes, PageId, PagePool, SlotId};
+use nibble_kvfmt::{bf16, e2m1, e4m3, fp8, KvDtype, KvPart, PageLayout};
 use rayon::prelude::*;
 
 /// Errors of the attention paths: shape mismatches and cache errors.
@@ -113,11 +113,7 @@ impl Workspace {
         let dst = &mut buf[at * per_token..at * per_token + x.len() * dtype.bytes()];
         match dtype {
             WorkDtype::Fp8 => fp8::quantize_unchecked(x, g, dst),
-            WorkDtype::Bf16 => {
-                for (pair, value) in dst.chunks_exact_mut(2).zip(x) {
-                    pair.copy_from_slice(&bf16::encode(*value).to_le_bytes());
-                }
-            }
+            WorkDtype::Bf16 => bf16::encode_le(x, dst),
         }
     }
 
@@ -138,11 +134,7 @@ impl Workspace {
                         *o = e4m3::decode(*b) * g;
                     }
                 }
-                WorkDtype::Bf16 => {
-                    for (o, p) in tile.iter_mut().zip(bytes.chunks_exact(2)) {
-                        *o = bf16::decode(u16::from_le_bytes([p[0], p[1]]));
-                    }
-                }
+                WorkDtype::Bf16 => bf16::decode_le(bytes, tile),
             }
         }
     }
@@ -242,7 +234,7 @@ impl Step<'_> {
 /// Rounds q to BF16 (the precision the attention paths take Q in) into the workspace.
 fn bf16_q(ws: &mut Workspace, q: &[f32]) {
     ws.q.clear();
-    ws.q.extend(q.iter().map(|x| bf16::decode(bf16::encode(*x))));
+    ws.q.extend(q.iter().map(|x| bf16::round(*x)));
 }
 
 /// Causal attention of `n` queries at positions `start..start + n` over the workspace's first
@@ -317,35 +309,6 @@ fn slot_of(pages: &[PageId], t: usize, page_size: usize) -> Result<SlotId> {
         actual: pages.len(),
     })?;
     Ok(SlotId::new(*page, t % page_size, page_size))
-}
-
-/// One page's bytes seen as one layer's K and V.
-struct PageView<'a> {
-    bytes: &'a [u8],
-    layout: &'a PageLayout,
-    layer: usize,
-}
-
-impl PageView<'_> {
-    /// Dequantizes the `head` vector of `part` at `offset` into `out`.
-    fn head(&self, part: KvPart, head: usize, offset: usize, g: f32, out: &mut [f32]) {
-        let layout = self.layout;
-        let d = layout.data_offset(self.layer, part, head, offset);
-        let data = &self.bytes[d..d + layout.data_bytes()];
-        match layout.dtype() {
-            KvDtype::Nvfp4 => {
-                let s = layout.scale_offset(self.layer, part, head, offset);
-                let scales = &self.bytes[s..s + layout.scale_bytes()];
-                nvfp4::dequantize_unchecked(data, scales, g, out);
-            }
-            KvDtype::Fp8 => fp8::dequantize_unchecked(data, g, out),
-            KvDtype::Bf16 => {
-                for (o, p) in out.iter_mut().zip(data.chunks_exact(2)) {
-                    *o = bf16::decode(u16::from_le_bytes([p[0], p[1]]));
-                }
-            }
-        }
-    }
 }
 
 /// The page pool, the page bytes and the workspace one attention call works with.
@@ -504,7 +467,7 @@ impl DecodeScratch {
         )?;
         let mut q = std::mem::take(&mut self.q);
         q.clear();
-        q.extend(args.q.iter().map(|x| bf16::decode(bf16::encode(*x))));
+        q.extend(args.q.iter().map(|x| bf16::round(*x)));
         let query = DecodeQuery {
             layer: args.layer,
             heads,
@@ -551,16 +514,15 @@ impl DecodeScratch {
             max.fill(f32::NEG_INFINITY);
             sum.fill(0.0);
             for (p, page) in pages.iter().enumerate() {
-                let view = PageView {
+                let view = PageBytes {
                     bytes: store.page(*page)?,
                     layout: &layout,
-                    layer,
                 };
                 let tokens = (context - p * page_size).min(page_size);
                 // Scores of this page's tokens for every query head of the group: each K vector is
                 // dequantized once for the whole group.
                 for t in 0..tokens {
-                    view.head(KvPart::K, kv_head, t, g.0, head);
+                    view.head(layer, KvPart::K, kv_head, t, g.0, head);
                     for j in 0..group {
                         scores[j * page_size + t] = dot(&q[j * dim..(j + 1) * dim], head) * scale;
                     }
@@ -581,7 +543,7 @@ impl DecodeScratch {
                     max[j] = new_max;
                 }
                 for t in 0..tokens {
-                    view.head(KvPart::V, kv_head, t, g.1, head);
+                    view.head(layer, KvPart::V, kv_head, t, g.1, head);
                     for j in 0..group {
                         axpy(
                             &mut acc[j * dim..(j + 1) * dim],

@@ -183,11 +183,7 @@ impl HostPages {
                     nvfp4::quantize_unchecked(hx, g, &mut lo[data], &mut hi[..scale_bytes]);
                 }
                 KvDtype::Fp8 => fp8::quantize_unchecked(hx, g, &mut self.storage[data]),
-                KvDtype::Bf16 => {
-                    for (pair, value) in self.storage[data].chunks_exact_mut(2).zip(hx) {
-                        pair.copy_from_slice(&bf16::encode(*value).to_le_bytes());
-                    }
-                }
+                KvDtype::Bf16 => bf16::encode_le(hx, &mut self.storage[data]),
             }
         }
     }
@@ -210,25 +206,54 @@ impl HostPages {
                 actual: out.len(),
             });
         }
-        let page = slot.page(page_size);
-        let bytes = self.page(page)?;
-        let offset = slot.offset(page_size);
-        let g = self.scales.get(layer, part);
+        let view = PageBytes {
+            bytes: self.page(slot.page(page_size))?,
+            layout: &self.layout,
+        };
+        view.head(
+            layer,
+            part,
+            head,
+            slot.offset(page_size),
+            self.scales.get(layer, part),
+            out,
+        );
+        Ok(())
+    }
+}
+
+/// One page's bytes read through its layout: dequantizes head vectors in place, without copying
+/// the page. The decode attention path reads pages through this.
+#[derive(Debug, Clone, Copy)]
+pub struct PageBytes<'a> {
+    pub bytes: &'a [u8],
+    pub layout: &'a PageLayout,
+}
+
+impl PageBytes<'_> {
+    /// Dequantizes the `head` vector of (layer, part) at token `offset` with global scale `g`
+    /// into `out` (`head_dim` values).
+    pub fn head(
+        &self,
+        layer: usize,
+        part: KvPart,
+        head: usize,
+        offset: usize,
+        g: f32,
+        out: &mut [f32],
+    ) {
+        let layout = self.layout;
         let d = layout.data_offset(layer, part, head, offset);
-        let data = &bytes[d..d + layout.data_bytes()];
+        let data = &self.bytes[d..d + layout.data_bytes()];
         match layout.dtype() {
             KvDtype::Nvfp4 => {
                 let s = layout.scale_offset(layer, part, head, offset);
-                nvfp4::dequantize_unchecked(data, &bytes[s..s + layout.scale_bytes()], g, out);
+                let scales = &self.bytes[s..s + layout.scale_bytes()];
+                nvfp4::dequantize_unchecked(data, scales, g, out);
             }
             KvDtype::Fp8 => fp8::dequantize_unchecked(data, g, out),
-            KvDtype::Bf16 => {
-                for (value, pair) in out.iter_mut().zip(data.chunks_exact(2)) {
-                    *value = bf16::decode(u16::from_le_bytes([pair[0], pair[1]]));
-                }
-            }
+            KvDtype::Bf16 => bf16::decode_le(data, out),
         }
-        Ok(())
     }
 }
 

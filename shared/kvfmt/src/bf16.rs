@@ -20,6 +20,34 @@ pub fn decode(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
+/// Rounds `x` to BF16, as f32 (what a BF16 operand holds).
+#[inline]
+pub fn round(x: f32) -> f32 {
+    decode(encode(x))
+}
+
+/// Encodes `values` into `bytes` as little-endian BF16 (2 bytes each).
+///
+/// # Panics
+/// If `bytes` is not twice as long as `values`.
+pub fn encode_le(values: &[f32], bytes: &mut [u8]) {
+    assert_eq!(bytes.len(), 2 * values.len(), "BF16 byte length");
+    for (pair, v) in bytes.chunks_exact_mut(2).zip(values) {
+        pair.copy_from_slice(&encode(*v).to_le_bytes());
+    }
+}
+
+/// Decodes little-endian BF16 `bytes` into `out`.
+///
+/// # Panics
+/// If `bytes` is not twice as long as `out`.
+pub fn decode_le(bytes: &[u8], out: &mut [f32]) {
+    assert_eq!(bytes.len(), 2 * out.len(), "BF16 byte length");
+    for (o, pair) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = decode(u16::from_le_bytes([pair[0], pair[1]]));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

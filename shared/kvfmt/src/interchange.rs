@@ -58,11 +58,7 @@ pub fn encode(dtype: KvDtype, head_dim: usize, g: f32, values: &[f32]) -> Result
                 nvfp4::quantize_unchecked(x, g, packed, scales);
             }
             KvDtype::Fp8 => fp8::quantize_unchecked(x, g, bytes),
-            KvDtype::Bf16 => {
-                for (pair, v) in bytes.chunks_exact_mut(2).zip(x) {
-                    pair.copy_from_slice(&bf16::encode(*v).to_le_bytes());
-                }
-            }
+            KvDtype::Bf16 => bf16::encode_le(x, bytes),
         }
     }
     Ok(out)
@@ -110,11 +106,7 @@ pub fn decode(dtype: KvDtype, head_dim: usize, g: f32, bytes: &[u8]) -> Result<V
                 })?;
             }
             KvDtype::Fp8 => fp8::dequantize(chunk, g, x).map_err(at)?,
-            KvDtype::Bf16 => {
-                for (value, pair) in x.iter_mut().zip(chunk.chunks_exact(2)) {
-                    *value = bf16::decode(u16::from_le_bytes([pair[0], pair[1]]));
-                }
-            }
+            KvDtype::Bf16 => bf16::decode_le(chunk, x),
         }
     }
     Ok(out)
