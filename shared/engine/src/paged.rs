@@ -14,9 +14,10 @@
 //! Shapes are token-major: q is `[token][q_head][head_dim]`, k and v `[token][kv_head][head_dim]`,
 //! the output like q. Query head `h` attends with KV head `h / (q_heads / kv_heads)` (GQA).
 
+use crate::backend::cpu::{causal_gqa, CpuTensor};
+use crate::backend::{AttentionArgs, AttnGeometry};
 use nibble_kvcache::{HostPages, PageBytes, PageId, PagePool, SlotId};
 use nibble_kvfmt::{bf16, e2m1, e4m3, fp8, KvDtype, KvPart, PageLayout};
-use rayon::prelude::*;
 
 /// Errors of the attention paths: shape mismatches and cache errors.
 #[derive(Debug, thiserror::Error)]
@@ -68,12 +69,14 @@ pub struct Workspace {
     /// K then V bytes of `[token][kv_head][head_dim]` in the work dtype.
     k: Vec<u8>,
     v: Vec<u8>,
-    /// One KV head of K and V decoded to f32 `[token][head_dim]`, the tile attention reads.
-    k_tile: Vec<f32>,
-    v_tile: Vec<f32>,
+    /// The workspace's K and V decoded to f32 `[token][kv_head · head_dim]`, what attention reads.
+    k_tile: CpuTensor,
+    v_tile: CpuTensor,
     /// One token of every KV head, for gathering the prefix.
     token: Vec<f32>,
-    q: Vec<f32>,
+    /// The new tokens' queries rounded to BF16, and attention's output.
+    q: CpuTensor,
+    out: CpuTensor,
     decode: DecodeScratch,
 }
 
@@ -83,10 +86,11 @@ impl Workspace {
             dtype: WorkDtype::for_cache(cache),
             k: Vec::new(),
             v: Vec::new(),
-            k_tile: Vec::new(),
-            v_tile: Vec::new(),
+            k_tile: CpuTensor::default(),
+            v_tile: CpuTensor::default(),
             token: Vec::new(),
-            q: Vec::new(),
+            q: CpuTensor::default(),
+            out: CpuTensor::default(),
             decode: DecodeScratch::default(),
         }
     }
@@ -121,11 +125,12 @@ impl Workspace {
     fn load_tiles(&mut self, tokens: usize, layout: &PageLayout, g: (f32, f32)) {
         let values = tokens * layout.kv_heads() * layout.head_dim();
         let width = self.dtype.bytes();
-        self.k_tile.resize(values, 0.0);
-        self.v_tile.resize(values, 0.0);
+        let kv_row = layout.kv_heads() * layout.head_dim();
+        self.k_tile.resize(tokens, kv_row);
+        self.v_tile.resize(tokens, kv_row);
         for (src, tile, g) in [
-            (&self.k, &mut self.k_tile, g.0),
-            (&self.v, &mut self.v_tile, g.1),
+            (&self.k, self.k_tile.as_mut_slice(), g.0),
+            (&self.v, self.v_tile.as_mut_slice(), g.1),
         ] {
             let bytes = &src[..values * width];
             match self.dtype {
@@ -232,13 +237,16 @@ impl Step<'_> {
 }
 
 /// Rounds q to BF16 (the precision the attention paths take Q in) into the workspace.
-fn bf16_q(ws: &mut Workspace, q: &[f32]) {
-    ws.q.clear();
-    ws.q.extend(q.iter().map(|x| bf16::round(*x)));
+fn bf16_q(ws: &mut Workspace, q: &[f32], heads: Heads) {
+    let row = heads.q_heads * heads.head_dim;
+    ws.q.resize(q.len() / row, row);
+    for (r, x) in ws.q.as_mut_slice().iter_mut().zip(q) {
+        *r = bf16::round(*x);
+    }
 }
 
 /// Causal attention of `n` queries at positions `start..start + n` over the workspace's first
-/// `start + n` tokens. Query rows run in parallel on the current rayon pool.
+/// `start + n` tokens, decoded to f32 and handed to the CPU backend's attention kernel.
 fn attend_workspace(
     ws: &mut Workspace,
     layout: &PageLayout,
@@ -247,40 +255,25 @@ fn attend_workspace(
     start: usize,
     out: &mut [f32],
 ) {
-    let (dim, group) = (heads.head_dim, heads.group());
-    let row = heads.q_heads * dim;
+    let row = heads.q_heads * heads.head_dim;
     let n = out.len() / row;
-    let context = start + n;
-    ws.load_tiles(context, layout, g);
-    let scale = 1.0 / (dim as f32).sqrt();
-    let (q, k_tile, v_tile) = (&ws.q, &ws.k_tile, &ws.v_tile);
-    let kv_row = heads.kv_heads * dim;
-    out.par_chunks_mut(row).enumerate().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, (i, out_row)| {
-            let visible = start + i + 1;
-            for h in 0..heads.q_heads {
-                let kv_head = h / group;
-                let qi = &q[i * row + h * dim..][..dim];
-                scores.clear();
-                scores.extend(
-                    (0..visible)
-                        .map(|j| dot(qi, &k_tile[j * kv_row + kv_head * dim..][..dim]) * scale),
-                );
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, s| m.max(*s));
-                let mut sum = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out_row[h * dim..(h + 1) * dim];
-                o.fill(0.0);
-                for (j, p) in scores.iter().enumerate() {
-                    axpy(o, p / sum, &v_tile[j * kv_row + kv_head * dim..][..dim]);
-                }
-            }
+    ws.load_tiles(start + n, layout, g);
+    ws.out.resize(n, row);
+    let args = AttentionArgs {
+        q: &ws.q,
+        q_rows: 0..n,
+        k: &ws.k_tile,
+        v: &ws.v_tile,
+        kv_len: start + n,
+        geometry: AttnGeometry {
+            num_heads: heads.q_heads,
+            num_kv_heads: heads.kv_heads,
+            head_dim: heads.head_dim,
+            scale: 1.0 / (heads.head_dim as f32).sqrt(),
         },
-    );
+    };
+    causal_gqa(&args, &mut ws.out);
+    out.copy_from_slice(ws.out.as_slice());
 }
 
 fn global_scales(store: &HostPages, layer: usize) -> (f32, f32) {
@@ -334,7 +327,7 @@ impl PagedCache<'_> {
         ws.reserve(n, &layout);
         ws.store(KvPart::K, 0, &layout, g.0, step.k);
         ws.store(KvPart::V, 0, &layout, g.1, step.v);
-        bf16_q(ws, step.q);
+        bf16_q(ws, step.q, heads);
         attend_workspace(ws, &layout, heads, g, 0, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
         Ok(())
@@ -372,7 +365,7 @@ impl PagedCache<'_> {
         ws.token = token;
         ws.store(KvPart::K, prefix, &layout, g.0, step.k);
         ws.store(KvPart::V, prefix, &layout, g.1, step.v);
-        bf16_q(ws, step.q);
+        bf16_q(ws, step.q, heads);
         attend_workspace(ws, &layout, heads, g, prefix, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
         Ok(())
@@ -402,16 +395,13 @@ impl PagedCache<'_> {
             });
         }
         store.write_kv(pool, step.layer, step.k, step.v, &[Some(slot)])?;
-        bf16_q(ws, step.q);
-        let q = std::mem::take(&mut ws.q);
+        let q: Vec<f32> = step.q.iter().map(|x| bf16::round(*x)).collect();
         let query = DecodeQuery {
             layer: step.layer,
             heads,
             q: &q,
         };
-        let result = ws.decode.attend(store, query, pages, context, out);
-        ws.q = q;
-        result
+        ws.decode.attend(store, query, pages, context, out)
     }
 }
 

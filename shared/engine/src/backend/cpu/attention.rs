@@ -40,7 +40,7 @@ impl OutPtr {
     }
 }
 
-pub(super) fn causal_gqa(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
+pub(crate) fn causal_gqa(args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
     let g = args.geometry;
     let d = g.head_dim;
     let n = args.q_rows.len();

@@ -19,6 +19,7 @@ use crate::config::RopeStyle;
 use crate::error::{Error, Result};
 use crate::gguf::{dequant, GgmlType};
 use crate::kv::StepTokens;
+pub(crate) use attention::causal_gqa;
 use blocks::{BlockMatrix, Isa};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan};
 pub use paged::CpuPages;
@@ -51,6 +52,13 @@ impl CpuTensor {
             cols,
             blocks: None,
         })
+    }
+
+    /// Changes the shape, reusing the storage; new values are zero, kept ones unspecified.
+    pub fn resize(&mut self, rows: usize, cols: usize) {
+        self.data.resize(rows * cols, 0.0);
+        self.rows = rows;
+        self.cols = cols;
     }
 
     /// The values, row-major (empty for a weight kept as blocks: see [`Self::block_type`]).
@@ -184,9 +192,7 @@ impl Backend for CpuBackend {
     }
 
     fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
-        t.data.resize(rows * cols, 0.0);
-        t.rows = rows;
-        t.cols = cols;
+        t.resize(rows, cols);
     }
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
