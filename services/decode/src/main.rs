@@ -13,6 +13,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    nibble_worker::logging::init();
     let cli = Cli::parse();
     nibble_worker::run(nibble_worker::Role::Decode, cli.worker).await?;
     Ok(())

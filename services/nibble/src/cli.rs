@@ -47,6 +47,15 @@ pub enum Command {
     /// Measure per-layer K/V amax on a text and write the calibration JSON (global scales).
     #[command(arg_required_else_help = true)]
     Calibrate(CalibrateArgs),
+    /// Run a whole cluster on this machine: a router, a prefill and a decode worker on
+    /// loopback, without etcd, on the default model (fetched on first use).
+    Up(crate::cluster::UpArgs),
+    /// Run the router (as `nibble-router`): the Inference API over workers found in etcd.
+    Router(nibble_router::cli::RouterArgs),
+    /// Run a prefill worker (as `nibble-prefill`).
+    Prefill(nibble_worker::WorkerArgs),
+    /// Run a decode worker (as `nibble-decode`).
+    Decode(nibble_worker::WorkerArgs),
 }
 
 /// `nibble eval ...`.
@@ -122,7 +131,7 @@ pub struct LayoutArgs {
     pub dtype: KvDtype,
 }
 
-fn parse_dtype(s: &str) -> Result<KvDtype, nibble_kvfmt::Error> {
+pub(crate) fn parse_dtype(s: &str) -> Result<KvDtype, nibble_kvfmt::Error> {
     s.parse()
 }
 

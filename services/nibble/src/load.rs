@@ -28,9 +28,7 @@ impl Opened {
     /// Opens `--model`, reading its config and tokenizer.
     pub fn open(args: &ModelArgs) -> Result<Self> {
         let path = args.model.clone();
-        if !path.exists() {
-            return Err(Error::ModelMissing { path });
-        }
+        crate::fetch::ensure_default_model(&path)?;
         let fail = |source| Error::Model {
             path: path.clone(),
             source,

@@ -10,7 +10,8 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(err) => return cli::report_parse_error(&err),
     };
-    match nibble::run(&cli, &mut std::io::stdout().lock()) {
+    // Not a held lock: `nibble up` runs workers that print from other threads.
+    match nibble::run(&cli, &mut std::io::stdout()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err}");

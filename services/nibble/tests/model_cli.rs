@@ -384,17 +384,32 @@ fn a_missing_model_says_how_to_fetch_it() {
     for args in runs {
         let out = nibble(args);
         assert_one_line_error(&out, missing);
-        assert!(text(&out.stderr).contains("scripts/fetch-model.sh"));
+        assert!(text(&out.stderr).contains("fetched on first use"));
     }
     assert!(!out_path.exists());
-    // Without --model, the default is relative to the current directory.
+    // Without --model, the default is relative to the current directory and fetched on first
+    // use; with no python3 to fetch it, that fails with one line and leaves nothing behind.
     let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
         .args(["generate", "hello"])
         .env_remove("NIBBLE_MODEL")
+        .env("PATH", dir.path())
         .current_dir(dir.path())
         .output()
         .expect("nibble runs");
-    assert_one_line_error(&out, "models/SmolLM2-135M-Instruct.Q4_1.gguf not found");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert!(out.stdout.is_empty());
+    // A progress line ("fetching ..."), then the one-line error.
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with(
+            "error: cannot fetch the default model to models/SmolLM2-135M-Instruct.Q4_1.gguf"
+        ) && last.contains("python3"),
+        "{err:?}"
+    );
+    let models = dir.path().join("models");
+    let left: Vec<_> = fs::read_dir(&models).map_or(Vec::new(), |d| d.collect());
+    assert!(left.is_empty(), "a failed fetch left {left:?}");
 }
 
 #[test]

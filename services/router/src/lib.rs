@@ -18,12 +18,15 @@
 //! * [`metrics`]: metric names.
 //!
 //! * [`service`], [`server`]: the gRPC `Inference` service on top of a shared [`Router`], and
-//!   [`serve`] (the `nibble-router` binary's core).
+//!   [`serve`]; [`admission`]: the bounded queue in front of it;
+//! * [`cli`]: the `nibble-router` (and `nibble router`) command line and [`cli::run`].
 //!
 //! The core is synchronous and needs no runtime; the gRPC service is built on top.
 
 mod error;
 
+pub mod admission;
+pub mod cli;
 pub mod decision;
 pub mod index;
 pub mod load;
@@ -35,6 +38,7 @@ pub mod server;
 pub mod service;
 pub mod slots;
 
+pub use admission::{Admission, AdmissionConfig};
 pub use decision::{Decision, Placement, Reason, Routed, Ticket};
 pub use error::{Error, Result};
 pub use index::sync::{self, Gap, SyncReport, SyncStatus};

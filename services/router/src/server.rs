@@ -47,12 +47,16 @@ pub async fn serve_shared(
         .await;
     let reflection =
         nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
-    let result = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(InferenceServer::new(InferenceService(shared)))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await;
+        .add_service(InferenceServer::new(InferenceService(shared)));
+    let result = nibble_proto::serving::serve_with_drain(
+        |stop| router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop),
+        shutdown,
+        nibble_proto::serving::DRAIN_GRACE,
+    )
+    .await;
     membership.abort();
     result.map_err(Into::into)
 }

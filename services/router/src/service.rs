@@ -21,7 +21,8 @@ use tokio_stream::Stream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
-use crate::{Error, Prompt, Router, RouterConfig, SyncStatus, WorkerSet};
+use crate::admission::{Admission, AdmissionConfig, Place};
+use crate::{Error, LoadReport, Prompt, Router, RouterConfig, SyncStatus, WorkerSet};
 
 /// Largest gRPC message the router's worker clients accept.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -29,6 +30,8 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 const RESUBSCRIBE_DELAY: Duration = Duration::from_millis(200);
 /// Prefill workers tried per request before it fails.
 const PREFILL_ATTEMPTS: usize = 3;
+/// How often each worker's load is polled, by default.
+pub const DEFAULT_LOAD_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What the router serves.
 #[derive(Clone)]
@@ -39,6 +42,23 @@ pub struct ServiceConfig {
     pub tokenizer: Arc<Tokenizer>,
     /// Longest prompt plus completion, in tokens (0: unknown, not checked).
     pub max_context: u32,
+    /// How many requests run at once and wait (see [`Admission`]).
+    pub admission: AdmissionConfig,
+    /// How often each worker's `Load` is polled.
+    pub load_interval: Duration,
+}
+
+impl ServiceConfig {
+    /// The defaults for routing with `router` and `tokenizer`, prompts up to `max_context`.
+    pub fn new(router: RouterConfig, tokenizer: Arc<Tokenizer>, max_context: u32) -> Self {
+        Self {
+            router,
+            tokenizer,
+            max_context,
+            admission: AdmissionConfig::default(),
+            load_interval: DEFAULT_LOAD_INTERVAL,
+        }
+    }
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -46,6 +66,8 @@ impl std::fmt::Debug for ServiceConfig {
         f.debug_struct("ServiceConfig")
             .field("router", &self.router)
             .field("max_context", &self.max_context)
+            .field("admission", &self.admission)
+            .field("load_interval", &self.load_interval)
             .finish_non_exhaustive()
     }
 }
@@ -57,6 +79,7 @@ pub struct Shared {
     config: ServiceConfig,
     clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
     next_request: AtomicU64,
+    admission: Admission,
 }
 
 impl Shared {
@@ -64,6 +87,7 @@ impl Shared {
     pub fn new(config: ServiceConfig) -> crate::Result<Arc<Self>> {
         Ok(Arc::new(Self {
             router: Mutex::new(Router::new(config.router.clone())?),
+            admission: Admission::new(config.admission),
             config,
             clients: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
@@ -73,6 +97,11 @@ impl Shared {
     /// The routing core (locked).
     pub fn router(&self) -> MutexGuard<'_, Router> {
         self.router.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The admission queue (requests running and waiting).
+    pub fn admission(&self) -> &Admission {
+        &self.admission
     }
 
     /// A client of the worker at `address` (`host:port`), cached per address.
@@ -122,7 +151,7 @@ pub async fn follow_membership(shared: Arc<Shared>, discovery: Arc<dyn Discovery
                     *address == info.addresses.grpc && !task.is_finished()
                 });
                 if !same {
-                    let task = tokio::spawn(follow_kv_events(Arc::clone(&shared), info.clone()));
+                    let task = tokio::spawn(follow_worker(Arc::clone(&shared), info.clone()));
                     if let Some((_, old)) = tasks.insert(key, (info.addresses.grpc.clone(), task)) {
                         old.abort();
                     }
@@ -137,6 +166,42 @@ pub async fn follow_membership(shared: Arc<Shared>, discovery: Arc<dyn Discovery
     }
     for (_, (_, task)) in tasks {
         task.abort();
+    }
+}
+
+/// Follows one worker until the task is aborted: its KV events ([`follow_kv_events`]) and its
+/// load ([`poll_load`]).
+async fn follow_worker(shared: Arc<Shared>, info: WorkerInfo) {
+    tokio::join!(
+        follow_kv_events(Arc::clone(&shared), info.clone()),
+        poll_load(shared, info)
+    );
+}
+
+/// Reports the worker's `Load` to the router every `load_interval` while it is tracked. A failed
+/// poll is skipped: the router's own accounting carries the estimate until the next report.
+async fn poll_load(shared: Arc<Shared>, info: WorkerInfo) {
+    let mut ticks = tokio::time::interval(shared.config.load_interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Ok(mut client) = shared.client(&info.addresses.grpc) else {
+            return;
+        };
+        let load = match client.load(v1::LoadRequest {}).await {
+            Ok(load) => load.into_inner(),
+            Err(status) => {
+                tracing::debug!(role = %info.role, id = %info.id, %status, "load poll failed");
+                continue;
+            }
+        };
+        if shared
+            .router()
+            .report_load(info.role, &info.id, LoadReport::from(&load))
+            .is_err()
+        {
+            return; // no longer tracked
+        }
     }
 }
 
@@ -293,6 +358,7 @@ impl v1::inference_server::Inference for InferenceService {
     ) -> Result<Response<GenerateStream>, Status> {
         let mut req = request.into_inner();
         let tokens = self.prompt_tokens(&req)?;
+        let place = self.0.admission.admit().await?;
         if req.request_id.is_empty() {
             let n = self.0.next_request.fetch_add(1, Ordering::Relaxed);
             req.request_id = format!("router-{n}");
@@ -319,6 +385,7 @@ impl v1::inference_server::Inference for InferenceService {
             tokens,
             prompt,
             routed,
+            _place: place,
         };
         tokio::spawn(flow.run(tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -366,6 +433,8 @@ struct Flow {
     tokens: Vec<u32>,
     prompt: Prompt,
     routed: crate::Routed,
+    /// The running place, held until the flow ends.
+    _place: Place,
 }
 
 /// Why a flow stopped early.

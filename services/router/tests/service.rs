@@ -184,11 +184,7 @@ impl RouterServer {
         let mut router = RouterConfig::new(MODEL, page_size);
         // Every uncached token goes to a prefill worker, so the hand-off path is exercised.
         router.policy.local_prefill_threshold_tokens = 1;
-        let config = ServiceConfig {
-            router,
-            tokenizer: Arc::clone(&model().1),
-            max_context: 2048,
-        };
+        let config = ServiceConfig::new(router, Arc::clone(&model().1), 2048);
         let shared = Shared::new(config).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();

@@ -33,6 +33,19 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
+    /// The name a model at `path` is served under when none is given: its file or directory
+    /// name without a `.gguf` extension (`models/SmolLM2-135M-Instruct.Q4_1.gguf` is
+    /// `SmolLM2-135M-Instruct.Q4_1`). Workers and the router agree on it by default.
+    pub fn default_name(path: &Path) -> String {
+        let name = path
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+        match name.strip_suffix(".gguf") {
+            Some(stem) if !stem.is_empty() => stem.to_string(),
+            _ => name,
+        }
+    }
+
     /// Opens `path`: a directory as a Hugging Face model, anything else as a GGUF file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
@@ -65,5 +78,22 @@ impl ModelSource {
             Self::Gguf(file) => Tokenizer::from_gguf(file),
             Self::HuggingFace(dir) => dir.tokenizer(),
         }
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    #[test]
+    fn default_name_drops_the_gguf_extension_only() {
+        let name = |p: &str| ModelSource::default_name(Path::new(p));
+        assert_eq!(
+            name("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            "SmolLM2-135M-Instruct.Q4_1"
+        );
+        assert_eq!(name("/srv/Qwen3-0.6B"), "Qwen3-0.6B");
+        assert_eq!(name(".gguf"), ".gguf");
+        assert_eq!(name("/"), "model");
     }
 }

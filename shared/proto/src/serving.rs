@@ -1,5 +1,10 @@
 //! What every nibble gRPC server serves next to its own API: `grpc.health.v1` and server
-//! reflection (v1) covering the `nibble.v1` services and the health service.
+//! reflection (v1) covering the `nibble.v1` services and the health service; and how every
+//! server stops ([`serve_with_drain`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
 
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
@@ -18,4 +23,87 @@ pub fn reflection(
 /// SERVING; a service marks itself with [`HealthReporter::set_serving`] once it is ready.
 pub fn health() -> (HealthReporter, HealthServer<impl Health>) {
     tonic_health::server::health_reporter()
+}
+
+/// Completes when the process is asked to stop: Ctrl-C (SIGINT) or SIGTERM (what Kubernetes and
+/// `docker stop` send).
+pub async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// How long a stopping server waits for open calls (token streams, KV-event subscriptions) to
+/// end before it closes them.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
+
+/// The signal a server built by [`serve_with_drain`] stops accepting on.
+pub type StopSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Runs the server `serve` builds until `shutdown` completes, then lets open calls finish for at
+/// most `grace` before returning (dropping whatever is still open). Long-lived streams, such as
+/// a router's KV-event subscription, would otherwise keep a graceful shutdown waiting forever.
+pub async fn serve_with_drain<F, E>(
+    serve: impl FnOnce(StopSignal) -> F,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) -> Result<(), E>
+where
+    F: Future<Output = Result<(), E>>,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = serve(Box::pin(async move {
+        let _ = stopped.await;
+    }));
+    tokio::pin!(serving, shutdown);
+    tokio::select! {
+        result = &mut serving => return result,
+        () = &mut shutdown => {}
+    }
+    let _ = stop.send(());
+    match tokio::time::timeout(grace, serving).await {
+        Ok(result) => result,
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod drain_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_server_that_never_drains_is_stopped_after_the_grace() {
+        let started = std::time::Instant::now();
+        let result: Result<(), ()> = serve_with_drain(
+            |_stop| std::future::pending(),
+            async {},
+            Duration::from_millis(50),
+        )
+        .await;
+        assert!(result.is_ok());
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_server_that_drains_returns_its_result() {
+        let result: Result<(), &str> = serve_with_drain(
+            |stop| async move {
+                stop.await;
+                Err("drained")
+            },
+            async {},
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(result, Err("drained"));
+    }
 }

@@ -81,11 +81,10 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
             scheduler: SchedulerConfig::default(),
         },
     )?;
-    let model_name = args.model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_name()
-            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
-    });
+    let model_name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| ModelSource::default_name(&args.model));
     Ok(WorkerState::new(
         engine,
         WorkerIdentity {
@@ -105,14 +104,45 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
     ))
 }
 
-/// Runs a worker of `role` until Ctrl-C.
+/// Runs a worker of `role` until Ctrl-C, registered in etcd when `--etcd-endpoints` names it.
 pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
+    let listener = TcpListener::bind(args.listen).await?;
+    // An empty value (`NIBBLE_ETCD_ENDPOINTS=`) means none.
+    let endpoints: Vec<&String> = args
+        .etcd_endpoints
+        .iter()
+        .filter(|e| !e.trim().is_empty())
+        .collect();
+    let discovery: Option<Arc<dyn Discovery>> = if endpoints.is_empty() {
+        None
+    } else {
+        Some(Arc::new(
+            EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?,
+        ))
+    };
+    let shutdown = nibble_proto::serving::interrupted();
+    let result = run_on(role, args, listener, discovery.clone(), shutdown).await;
+    if let Some(discovery) = discovery {
+        let _ = discovery.close().await;
+    }
+    result
+}
+
+/// Runs a worker of `role` on a bound `listener` until `shutdown` completes, registered in
+/// `discovery` when one is given. Prints `nibble-ROLE listening on ADDRESS` once the engine is
+/// loaded and the worker registered.
+pub async fn run_on(
+    role: Role,
+    args: WorkerArgs,
+    listener: TcpListener,
+    discovery: Option<Arc<dyn Discovery>>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     if role == Role::Router {
         return Err(Error::InvalidArgument(
             "a worker is prefill or decode".into(),
         ));
     }
-    let listener = TcpListener::bind(args.listen).await?;
     let local = listener.local_addr()?;
     let address = args.advertise.clone().unwrap_or_else(|| local.to_string());
     let state = {
@@ -129,35 +159,23 @@ pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
     } else {
         state
     };
-    // An empty value (`NIBBLE_ETCD_ENDPOINTS=`) means none.
-    let endpoints: Vec<&String> = args
-        .etcd_endpoints
-        .iter()
-        .filter(|e| !e.trim().is_empty())
-        .collect();
-    let registration = if endpoints.is_empty() {
-        None
-    } else {
-        let discovery: Arc<dyn Discovery> =
-            Arc::new(EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?);
-        let task = crate::registration::register(
-            Arc::clone(&discovery),
-            Arc::clone(&state),
-            role,
-            &address,
-            Duration::from_millis(args.capacity_interval_ms),
-        )
-        .await?;
-        Some((discovery, task))
+    let registration = match discovery {
+        None => None,
+        Some(discovery) => Some(
+            crate::registration::register(
+                discovery,
+                Arc::clone(&state),
+                role,
+                &address,
+                Duration::from_millis(args.capacity_interval_ms),
+            )
+            .await?,
+        ),
     };
     println!("nibble-{role} listening on {address}");
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
     let served = crate::server::serve(state, listener, shutdown).await;
-    if let Some((discovery, task)) = registration {
+    if let Some(task) = registration {
         task.abort();
-        let _ = discovery.close().await;
     }
     served
 }

@@ -27,9 +27,10 @@ pub mod service;
 pub mod transfer;
 
 pub use actor::{EngineHandle, EngineInfo, EventStream, LoadSnapshot};
-pub use cli::{run, WorkerArgs};
+pub use cli::{run, run_on, WorkerArgs};
 pub use error::{Error, Result};
 pub use nibble_discovery::Role;
+pub use nibble_proto::logging;
 pub use server::serve;
 pub use service::{TransferService, WorkerIdentity, WorkerService, WorkerState};
 pub use transfer::{TransferCounters, TransferTotals};

@@ -16,7 +16,8 @@ use crate::service::{TransferService, WorkerService, WorkerState};
 /// Largest gRPC message accepted or sent: page pushes carry several pages per message.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-/// Serves `state` on `listener` until `shutdown` completes. Decode workers (role decode) also
+/// Serves `state` on `listener` until `shutdown` completes (then open calls get
+/// [`DRAIN_GRACE`](nibble_proto::serving::DRAIN_GRACE) to end). Decode workers (role decode) also
 /// serve `KvTransfer` on the same listener.
 pub async fn serve(
     state: Arc<WorkerState>,
@@ -40,12 +41,16 @@ pub async fn serve(
     let worker = WorkerServer::new(WorkerService(state))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection)
         .add_service(worker)
-        .add_optional_service(transfer)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .add_optional_service(transfer);
+    nibble_proto::serving::serve_with_drain(
+        |stop| router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop),
+        shutdown,
+        nibble_proto::serving::DRAIN_GRACE,
+    )
+    .await?;
     Ok(())
 }

@@ -78,6 +78,11 @@ pub struct GenerateArgs {
     /// A system message before the user's (needs --chat).
     #[arg(long, value_name = "TEXT", requires = "chat")]
     pub system: Option<String>,
+    /// Send the request to the router of a running cluster at this address (`nibble up`
+    /// prints it) instead of running the model here; the model and KV flags are then the
+    /// cluster's, not these.
+    #[arg(long, value_name = "ADDR", env = "NIBBLE_URL")]
+    pub url: Option<String>,
     /// The prompt.
     #[arg(value_name = "PROMPT")]
     pub prompt: String,

@@ -1,0 +1,377 @@
+//! The cluster from the `nibble` binary: `nibble router|prefill|decode` run one service each
+//! (the same code as `nibble-router`, `nibble-prefill` and `nibble-decode`), `nibble up` runs a
+//! whole cluster in this process, and `nibble generate --url` is a client of a running router.
+//!
+//! `nibble up` starts one prefill and one decode worker and a router on loopback, joined by an
+//! in-process registry (the same `Discovery` trait etcd serves; no etcd is needed), prints each
+//! address, and once both workers are registered prints the line
+//! `nibble up: ready on ADDR` and serves until Ctrl-C.
+
+use std::future::Future;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nibble_discovery::{Discovery, Role, StaticRegistry};
+use nibble_engine::ModelSource;
+use nibble_kvfmt::KvDtype;
+use nibble_proto::v1;
+use nibble_proto::v1::inference_client::InferenceClient;
+use nibble_router::cli::ServingArgs;
+use nibble_worker::WorkerArgs;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::cli::{parse_dtype, GenerateArgs, DEFAULT_MODEL};
+use crate::{Error, Result};
+
+/// Flags of `nibble up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Model: a GGUF file or a Hugging Face model directory (the default is fetched on first
+    /// use).
+    #[arg(long, value_name = "PATH", env = "NIBBLE_MODEL", default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Address of the router's Inference API.
+    #[arg(long, env = "NIBBLE_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Address of the prefill worker (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub prefill_listen: SocketAddr,
+    /// Address of the decode worker (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub decode_listen: SocketAddr,
+    /// KV cache dtype of both workers: bf16, fp8 or nvfp4.
+    #[arg(long, value_name = "DTYPE", env = "NIBBLE_KV_DTYPE", default_value = "nvfp4",
+          value_parser = parse_dtype)]
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV page.
+    #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: usize,
+    /// MiB of KV pages each worker allocates.
+    #[arg(long, env = "NIBBLE_KV_BUDGET_MIB", default_value_t = 256)]
+    pub kv_budget_mib: usize,
+    /// CPU threads of each worker's engine [default: half the available cores, at least 1].
+    #[arg(long, env = "NIBBLE_THREADS")]
+    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub serving: ServingArgs,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Cluster(format!("cannot start the async runtime: {e}")))
+}
+
+/// `nibble prefill` / `nibble decode`.
+pub fn run_worker(role: Role, args: &WorkerArgs) -> Result<()> {
+    nibble_proto::logging::init();
+    runtime()?
+        .block_on(nibble_worker::run(role, args.clone()))
+        .map_err(|e| Error::Cluster(format!("nibble {role}: {e}")))
+}
+
+/// `nibble router`.
+pub fn run_router(args: &nibble_router::cli::RouterArgs) -> Result<()> {
+    nibble_proto::logging::init();
+    runtime()?
+        .block_on(nibble_router::cli::run(args.clone()))
+        .map_err(|e| Error::Cluster(format!("nibble router: {e:#}")))
+}
+
+/// `nibble up`: serves until Ctrl-C; `out` gets the addresses and the ready line.
+pub fn up(args: &UpArgs, out: &mut (impl Write + Send)) -> Result<()> {
+    nibble_proto::logging::init();
+    crate::fetch::ensure_default_model(&args.model)?;
+    runtime()?.block_on(up_until(args, out, nibble_proto::serving::interrupted()))
+}
+
+/// [`up`] until `shutdown` completes.
+pub async fn up_until(
+    args: &UpArgs,
+    out: &mut (impl Write + Send),
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<()> {
+    let fail = |what: &str, e: &dyn std::fmt::Display| Error::Cluster(format!("{what}: {e}"));
+    let source = ModelSource::open(&args.model).map_err(|source| Error::Model {
+        path: args.model.clone(),
+        source,
+    })?;
+    let model_name = ModelSource::default_name(&args.model);
+    let config = args
+        .serving
+        .service_config(&source, model_name.clone(), args.page_size as u32)
+        .map_err(|e| fail("router", &e))?;
+    drop(source);
+    let registry = StaticRegistry::new();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+    let threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+    });
+    let mut workers = Vec::new();
+    for (role, listen) in [
+        (Role::Prefill, args.prefill_listen),
+        (Role::Decode, args.decode_listen),
+    ] {
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|e| fail(&format!("--{role}-listen {listen}"), &e))?;
+        let worker = WorkerArgs {
+            model: args.model.clone(),
+            model_name: Some(model_name.clone()),
+            listen,
+            advertise: None,
+            worker_id: None,
+            kv_dtype: args.kv_dtype,
+            page_size: args.page_size,
+            kv_budget_mib: args.kv_budget_mib,
+            threads,
+            reservation_ttl_ms: 30_000,
+            etcd_endpoints: Vec::new(),
+            capacity_interval_ms: 1_000,
+        };
+        let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
+        workers.push(tokio::spawn(nibble_worker::run_on(
+            role,
+            worker,
+            listener,
+            Some(discovery),
+            stopped(),
+        )));
+    }
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| fail(&format!("--listen {}", args.listen), &e))?;
+    let address = listener.local_addr().map_err(|e| fail("router", &e))?;
+    writeln!(out, "nibble-router listening on {address}").map_err(Error::Stdout)?;
+    let shared = nibble_router::Shared::new(config).map_err(|e| fail("router", &e))?;
+    let router_discovery: Arc<dyn Discovery> = Arc::new(registry.session());
+    let mut router = tokio::spawn(nibble_router::serve_shared(
+        listener,
+        Arc::clone(&shared),
+        router_discovery,
+        stopped(),
+    ));
+    let started = Instant::now();
+    let ready = async {
+        loop {
+            let stats = shared.router().stats();
+            if stats.prefill_workers >= 1 && stats.decode_workers >= 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let workers = first_to_end(workers);
+    tokio::pin!(workers, shutdown);
+    tokio::select! {
+        () = ready => {
+            writeln!(
+                out,
+                "nibble up: ready on {address} ({model_name}, {} KV, loaded in {:.1} s); try: \
+                 nibble generate --url {address} \"Hello\"",
+                args.kv_dtype,
+                started.elapsed().as_secs_f64()
+            )
+            .map_err(Error::Stdout)?;
+            out.flush().map_err(Error::Stdout)?;
+        }
+        failed = &mut workers => return Err(worker_failure(failed)),
+        served = &mut router => return Err(router_failure(served)),
+        () = &mut shutdown => {}
+    }
+    let outcome = tokio::select! {
+        failed = &mut workers => Err(worker_failure(failed)),
+        served = &mut router => Err(router_failure(served)),
+        () = &mut shutdown => Ok(()),
+    };
+    let _ = stop_tx.send(true);
+    outcome
+}
+
+/// Completes when the first of `tasks` ends, with its result.
+async fn first_to_end(
+    tasks: Vec<tokio::task::JoinHandle<nibble_worker::Result<()>>>,
+) -> std::result::Result<nibble_worker::Result<()>, tokio::task::JoinError> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(tasks.len().max(1));
+    for task in tasks {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let _ = tx.send(task.await).await;
+        });
+    }
+    drop(tx);
+    rx.recv().await.unwrap_or(Ok(Ok(())))
+}
+
+fn worker_failure(
+    ended: std::result::Result<nibble_worker::Result<()>, tokio::task::JoinError>,
+) -> Error {
+    match ended {
+        Ok(Ok(())) => Error::Cluster("a worker stopped".into()),
+        Ok(Err(e)) => Error::Cluster(format!("worker: {e}")),
+        Err(e) => Error::Cluster(format!("worker: {e}")),
+    }
+}
+
+fn router_failure(
+    ended: std::result::Result<
+        std::result::Result<(), nibble_router::ServeError>,
+        tokio::task::JoinError,
+    >,
+) -> Error {
+    match ended {
+        Ok(Ok(())) => Error::Cluster("the router stopped".into()),
+        Ok(Err(e)) => Error::Cluster(format!("router: {e}")),
+        Err(e) => Error::Cluster(format!("router: {e}")),
+    }
+}
+
+/// The request `nibble generate` sends to a router.
+pub fn generate_request(args: &GenerateArgs) -> Result<v1::GenerateRequest> {
+    let params = args.sampling.params()?;
+    let prompt = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(v1::ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+            });
+        }
+        messages.push(v1::ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        });
+        v1::generate_request::Prompt::Chat(v1::ChatPrompt {
+            messages,
+            add_generation_prompt: Some(true),
+        })
+    } else {
+        v1::generate_request::Prompt::Text(args.prompt.clone())
+    };
+    Ok(v1::GenerateRequest {
+        request_id: String::new(),
+        model: String::new(),
+        prompt: Some(prompt),
+        add_special_tokens: None,
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(params.temperature),
+            top_k: params.top_k,
+            top_p: Some(params.top_p),
+            min_p: Some(params.min_p),
+            repetition_penalty: Some(params.repetition_penalty),
+            seed: params.seed,
+        }),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: Some(params.max_tokens),
+            stop: params.stop.clone(),
+            stop_token_ids: params.stop_token_ids.clone(),
+            ignore_eos: false,
+        }),
+        logprobs: Some(v1::LogprobsOptions {
+            enabled: params.logprobs,
+            top_logprobs: 0,
+        }),
+        skip_special_tokens: None,
+    })
+}
+
+/// `nibble generate --url ADDR`: streams the router's text to `out`, a summary line (and, with
+/// `--logprobs`, a JSON line) to `diag`.
+pub fn generate_remote(
+    url: &str,
+    args: &GenerateArgs,
+    out: &mut impl Write,
+    diag: &mut impl Write,
+) -> Result<()> {
+    let request = generate_request(args)?;
+    let endpoint = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("http://{url}")
+    };
+    let remote = |status: tonic::Status| Error::Remote {
+        url: url.to_string(),
+        code: status.code(),
+        message: status.message().to_string(),
+    };
+    runtime()?.block_on(async {
+        let start = Instant::now();
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .map_err(|e| Error::Flag {
+                flag: "--url",
+                reason: format!("{url:?} is not an address: {e}"),
+            })?
+            .connect_timeout(Duration::from_secs(10))
+            .connect()
+            .await
+            .map_err(|e| Error::Remote {
+                url: url.to_string(),
+                code: tonic::Code::Unavailable,
+                message: format!("cannot connect: {e}"),
+            })?;
+        let mut client = InferenceClient::new(channel);
+        let mut stream = client.generate(request).await.map_err(remote)?.into_inner();
+        let mut first_token = None;
+        let mut logprobs = Vec::new();
+        let mut finish = v1::FinishReason::Unspecified;
+        let mut usage = None;
+        while let Some(chunk) = stream.message().await.map_err(remote)? {
+            if !chunk.token_ids.is_empty() {
+                first_token.get_or_insert_with(Instant::now);
+            }
+            out.write_all(chunk.text.as_bytes())
+                .and_then(|()| out.flush())
+                .map_err(Error::Stdout)?;
+            logprobs.extend(
+                chunk
+                    .logprobs
+                    .iter()
+                    .map(|l| serde_json::json!({ "token": l.token_id, "logprob": l.logprob })),
+            );
+            if chunk.finish_reason != v1::FinishReason::Unspecified as i32 {
+                finish = v1::FinishReason::try_from(chunk.finish_reason)
+                    .unwrap_or(v1::FinishReason::Unspecified);
+            }
+            usage = chunk.usage.or(usage);
+        }
+        writeln!(out).map_err(Error::Stdout)?;
+        let end = Instant::now();
+        let first = first_token.unwrap_or(end);
+        let u = usage.unwrap_or_default();
+        writeln!(
+            diag,
+            "prompt {} tokens ({} cached), completion {} tokens, finish {}; first token after \
+             {:.0} ms, {:.1} tok/s after it (through {url})",
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.completion_tokens,
+            finish
+                .as_str_name()
+                .trim_start_matches("FINISH_REASON_")
+                .to_lowercase(),
+            (first - start).as_secs_f64() * 1e3,
+            if end > first && u.completion_tokens > 1 {
+                f64::from(u.completion_tokens - 1) / (end - first).as_secs_f64()
+            } else {
+                0.0
+            }
+        )
+        .map_err(Error::Stderr)?;
+        if args.sampling.logprobs {
+            let json = serde_json::json!({ "logprobs": logprobs });
+            writeln!(diag, "{json}").map_err(Error::Stderr)?;
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,125 @@
+//! The command line of `nibble-router` (and `nibble router`): [`RouterArgs`], every flag also an
+//! environment variable, and [`run`], which serves the router from them until Ctrl-C.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery};
+use nibble_engine::ModelSource;
+
+use crate::{AdmissionConfig, RouterConfig, ServiceConfig};
+
+/// The router's configuration.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RouterArgs {
+    /// Address the Inference API listens on.
+    #[arg(long, env = "NIBBLE_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// The model (GGUF file or Hugging Face directory) whose tokenizer and chat template the
+    /// router uses.
+    #[arg(long, env = "NIBBLE_MODEL")]
+    pub model: PathBuf,
+    /// The model's name, as workers register it and clients ask for it (default: the model's
+    /// file name without `.gguf`, as workers default to).
+    #[arg(long, env = "NIBBLE_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// Tokens per KV page (the workers' page size).
+    #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
+    pub page_size: u32,
+    /// etcd client URLs (comma-separated).
+    #[arg(
+        long,
+        env = "NIBBLE_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub etcd_endpoints: Vec<String>,
+    #[command(flatten)]
+    pub serving: ServingArgs,
+}
+
+/// How the router places and admits requests (shared by `nibble router` and `nibble up`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServingArgs {
+    /// The decode worker prefills a prompt itself (no prefill worker, no page transfer) when it
+    /// lacks fewer than this many of its tokens.
+    #[arg(long, env = "NIBBLE_LOCAL_PREFILL_THRESHOLD", default_value_t = 512)]
+    pub local_prefill_threshold: usize,
+    /// Requests dispatched to workers at once; more wait in the queue.
+    #[arg(long, env = "NIBBLE_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Requests waiting for a running place; more are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "NIBBLE_MAX_QUEUED", default_value_t = 256)]
+    pub max_queued: usize,
+    /// How long a request waits in the queue before RESOURCE_EXHAUSTED, in milliseconds.
+    #[arg(long, env = "NIBBLE_QUEUE_TIMEOUT_MS", default_value_t = 30_000)]
+    pub queue_timeout_ms: u64,
+    /// How often each worker's load is polled, in milliseconds.
+    #[arg(long, env = "NIBBLE_LOAD_INTERVAL_MS", default_value_t = 250)]
+    pub load_interval_ms: u64,
+}
+
+impl ServingArgs {
+    /// The service configuration for `model` (served as `model_name`) with pages of `page_size`.
+    pub fn service_config(
+        &self,
+        source: &ModelSource,
+        model_name: String,
+        page_size: u32,
+    ) -> anyhow::Result<ServiceConfig> {
+        let tokenizer = Arc::new(source.load_tokenizer()?);
+        let max_context = source.config()?.max_context as u32;
+        let mut router = RouterConfig::new(model_name, page_size);
+        router.policy.local_prefill_threshold_tokens = self.local_prefill_threshold;
+        let mut config = ServiceConfig::new(router, tokenizer, max_context);
+        config.admission = AdmissionConfig {
+            max_running: self.max_running,
+            max_queued: self.max_queued,
+            queue_timeout: Duration::from_millis(self.queue_timeout_ms),
+        };
+        config.load_interval = Duration::from_millis(self.load_interval_ms.max(1));
+        Ok(config)
+    }
+}
+
+/// Serves the router described by `args` until Ctrl-C, following membership in etcd.
+pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let source = ModelSource::open(&args.model)
+        .with_context(|| format!("opening {}", args.model.display()))?;
+    let model_name = args
+        .model_name
+        .clone()
+        .unwrap_or_else(|| ModelSource::default_name(&args.model));
+    let config = args
+        .serving
+        .service_config(&source, model_name, args.page_size)?;
+    let endpoints: Vec<&String> = args
+        .etcd_endpoints
+        .iter()
+        .filter(|e| !e.trim().is_empty())
+        .collect();
+    anyhow::ensure!(
+        !endpoints.is_empty(),
+        "--etcd-endpoints: the router needs etcd to find its workers (`nibble up` runs a \
+         cluster without etcd)"
+    );
+    let discovery: Arc<dyn Discovery> =
+        Arc::new(EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}", args.listen))?;
+    println!("nibble-router listening on {}", listener.local_addr()?);
+    let served = crate::serve(
+        listener,
+        config,
+        Arc::clone(&discovery),
+        nibble_proto::serving::interrupted(),
+    )
+    .await;
+    let _ = discovery.close().await;
+    served?;
+    Ok(())
+}
