@@ -58,8 +58,10 @@ ARG CUDA_MAJOR=12
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# tini is PID 1: it forwards the stop signal to the service and reaps children. The services
-# shut down gracefully on SIGINT, so that is the image's stop signal.
+# tini is PID 1: it forwards signals to the service and reaps children. A PID 1 without a SIGTERM
+# handler ignores SIGTERM, and the services install none today (they drain on SIGINT, and that
+# drain waits for open streams, such as the router's KV-event subscription, to end): under tini a
+# `docker stop` or a pod deletion ends them at once, and their etcd leases expire.
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         tini=0.19.* \
@@ -104,6 +106,5 @@ WORKDIR /home/nibble
 # gRPC: router 50051, workers 50061; OpenAI HTTP on the router 8000; Prometheus metrics 9090.
 EXPOSE 50051 50061 8000 9090
 
-STOPSIGNAL SIGINT
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["nibble", "--help"]
