@@ -10,8 +10,8 @@
 #    kubernetes-validate --strict (unknown fields are errors; a kind without a schema is an error);
 #    ServiceMonitors (a CRD) against the prometheus-operator CRD schema instead.
 # 4. The checks bite: each ci/invalid/*.yaml renders but must FAIL validation with the error its
-#    `# expect:` line names, and each
-#    ci/refused/*.yaml must make `helm template` fail.
+#    `# expect:` line names, and each ci/refused/*.yaml must make `helm template` fail (the
+#    chart's own checks or values.schema.json) with the error its `# expect:` line names.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -108,10 +108,16 @@ for values in "$CHART"/ci/invalid/*.yaml; do
     fi
 done
 for values in "$CHART"/ci/refused/*.yaml; do
-    if "$HELM" template nibble "$CHART" -f "$values" >/dev/null 2>"$work/log"; then
+    expect=$(sed -n 's/^# expect: //p' "$values")
+    if [[ -z "$expect" ]]; then
+        fail "$values has no '# expect: ERROR' line"
+    elif "$HELM" template nibble "$CHART" -f "$values" >/dev/null 2>"$work/log"; then
         fail "expected the chart to refuse $values; it rendered"
+    elif grep -qF -- "$expect" "$work/log"; then
+        pass "refused by the chart: $values ($expect)"
     else
-        pass "refused by the chart: $values"
+        fail "expected the chart to refuse $values with '$expect'; it failed otherwise"
+        cat "$work/log"
     fi
 done
 

@@ -219,12 +219,16 @@ app.kubernetes.io/component: {{ index . 1 }}
         hostport="${endpoint#*://}"; hostport="${hostport%%/*}"
         host="${hostport%:*}"; port="${hostport##*:}"
         if [[ "${hostport}" != *:* ]]; then host="${hostport}"; port=2379; fi
+        ready=""
         for _ in $(seq 300); do
-          if (exec 3<>"/dev/tcp/${host}/${port}") 2>/dev/null; then
-            echo "etcd at ${hostport} accepts connections"; break
-          fi
+          if (exec 3<>"/dev/tcp/${host}/${port}") 2>/dev/null; then ready=1; break; fi
           sleep 2
         done
+        if [[ -n "${ready}" ]]; then
+          echo "etcd at ${hostport} accepts connections"
+        else
+          echo "etcd at ${hostport} still unreachable after 10 minutes; starting anyway" >&2
+        fi
       done
   env:
     - name: NIBBLE_ETCD_ENDPOINTS
@@ -259,6 +263,8 @@ app.kubernetes.io/component: {{ index . 1 }}
       echo "fetched $target"
   {{- end }}
   env:
+    - name: HOME
+      value: /tmp
     - name: MODEL_URL
       value: {{ .Values.model.download.url | quote }}
     - name: MODEL_PATH
