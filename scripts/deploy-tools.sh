@@ -37,7 +37,11 @@ if [[ "$(uname -sm)" != "Linux x86_64" ]]; then
 fi
 
 missing=()
-command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-venv)
+if ! command -v python3 >/dev/null 2>&1; then
+    missing+=(python3 python3-venv)
+elif ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    missing+=(python3-venv)
+fi
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
 if ((${#missing[@]} > 0)); then
