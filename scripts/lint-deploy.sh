@@ -8,7 +8,8 @@
 # 3. helm template + schema validation, for the default values, each ci/*-values.yaml and each file
 #    in deploy/examples/: every object against the Kubernetes JSON schemas of $KUBE_VERSIONS with
 #    kubernetes-validate --strict (unknown fields are errors; a kind without a schema is an error);
-#    ServiceMonitors (a CRD) against the prometheus-operator CRD schema instead.
+#    ServiceMonitors (a CRD) against the prometheus-operator CRD schema instead. Every NIBBLE_*
+#    variable the chart sets must be declared by a flag of the workspace (deploy/ci/check-env.py).
 # 4. The checks bite: each ci/invalid/*.yaml renders but must FAIL validation with the error its
 #    `# expect:` line names, and each ci/refused/*.yaml must make `helm template` fail (the
 #    chart's own checks or values.schema.json) with the error its `# expect:` line names.
@@ -79,14 +80,26 @@ for values in "" "$CHART"/ci/*-values.yaml; do
 done
 
 # 3. Render and validate.
+mkdir "$work/valid"
+n=0
 for values in "" "$CHART"/ci/*-values.yaml deploy/examples/*.yaml; do
     if validate "$values"; then
         pass "valid: ${values:-(default values)}"
+        n=$((n + 1))
+        cp "$work/rendered.yaml" "$work/valid/$n.yaml"
     else
         fail "invalid: ${values:-(default values)}"
         cat "$work/log"
     fi
 done
+# Every NIBBLE_* variable the chart sets must be one a flag declares (or one still landing).
+if "$PYTHON" deploy/ci/check-env.py . "$work"/valid/*.yaml >"$work/log" 2>&1; then
+    pass "environment: $(tail -n 1 "$work/log")"
+    grep '^note:' "$work/log" || true
+else
+    fail "environment: the chart sets variables no flag declares"
+    cat "$work/log"
+fi
 
 # 4. The checks must reject what is broken.
 for values in "$CHART"/ci/invalid/*.yaml; do
