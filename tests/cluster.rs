@@ -1,0 +1,386 @@
+//! The cluster end to end: etcd, a router and prefill/decode workers as separate `nibble`
+//! processes on loopback with the real model, driven through the router's gRPC Inference API.
+//!
+//! Each test checks that afterwards every live worker runs nothing and holds no page for a
+//! request (pages are free or only in the prefix cache). The tests run one at a time: each
+//! starts several processes on a small machine.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nibble_engine::sampling::SamplingParams;
+use nibble_engine::scheduler::{SchedulerConfig, SeqId};
+use nibble_engine::{CpuBackend, Engine, EngineConfig, Event, KvConfig, ModelSource, Tokenizer};
+use nibble_kvfmt::KvDtype;
+use nibble_proto::v1;
+use support::cluster::{generate, greedy, model_path, Cluster, Spec};
+use tonic::Code;
+
+const AUSTEN: &str =
+    include_str!("../shared/engine/tests/fixtures/austen_pride_and_prejudice_8000_20000.txt");
+const NEW_TOKENS: u32 = 8;
+
+/// One cluster test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn tokenizer() -> Tokenizer {
+    ModelSource::open(model_path())
+        .unwrap()
+        .load_tokenizer()
+        .unwrap()
+}
+
+/// The first `n` tokens of the Austen fixture (with the model's BOS).
+fn austen_tokens(n: usize) -> Vec<u32> {
+    let ids = tokenizer().encode(AUSTEN, true).unwrap();
+    assert!(ids.len() >= n, "the fixture has {} tokens", ids.len());
+    ids[..n].to_vec()
+}
+
+fn tokens_request(ids: &[u32], max_tokens: u32) -> v1::GenerateRequest {
+    let mut request = greedy("", max_tokens);
+    request.prompt = Some(v1::generate_request::Prompt::Tokens(v1::TokenIds {
+        ids: ids.to_vec(),
+    }));
+    request
+}
+
+/// The greedy tokens one engine in this process gives each prompt in turn (later prompts reuse
+/// the pages of earlier ones, as a worker's prefix cache does).
+fn reference(dtype: KvDtype, prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>> {
+    let source = ModelSource::open(model_path()).unwrap();
+    let model = source
+        .load_model(Arc::new(CpuBackend::new(2).unwrap()))
+        .unwrap();
+    let tokenizer = Arc::new(source.load_tokenizer().unwrap());
+    let config = EngineConfig {
+        kv: KvConfig::new(dtype),
+        kv_budget_bytes: 32 << 20,
+        scheduler: SchedulerConfig::default(),
+    };
+    let mut engine = Engine::new(model, tokenizer, config).unwrap();
+    let mut out = Vec::new();
+    for (n, prompt) in prompts.iter().enumerate() {
+        engine
+            .submit(
+                SeqId(n as u64),
+                prompt.clone(),
+                SamplingParams::greedy(max_tokens),
+            )
+            .unwrap();
+        let mut tokens = Vec::new();
+        while engine.has_work() {
+            for event in engine.step() {
+                if let Event::Token { token, .. } = event {
+                    tokens.push(token);
+                }
+            }
+        }
+        out.push(tokens);
+    }
+    out
+}
+
+/// `(pages, bytes)` of every "pushed pages" line in a prefill worker's log, in order.
+fn pushes(log: &str) -> Vec<(u64, u64)> {
+    let field = |line: &str, name: &str| -> u64 {
+        let at = line
+            .find(&format!(" {name}="))
+            .unwrap_or_else(|| panic!("no {name}= in {line:?}"));
+        line[at + name.len() + 2..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap()
+    };
+    log.lines()
+        .filter(|l| l.contains("pushed pages"))
+        .map(|l| (field(l, "pages"), field(l, "bytes")))
+        .collect()
+}
+
+/// For bf16, fp8 and nvfp4: the tokens through router → prefill → transfer → decode equal one
+/// engine's, cold and then with the prefix cached on both workers; and the bytes moved for the
+/// same prompt are in the ratio of the formats (nvfp4 = 0.5625 × fp8 = 0.28125 × bf16).
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_through_the_cluster_match_one_engine_for_every_kv_dtype() {
+    let _serial = SERIAL.lock().await;
+    let cold = austen_tokens(120);
+    let mut warm = cold.clone();
+    warm.extend(austen_tokens(200)[120..].iter());
+    let mut moved = Vec::new();
+    for dtype in KvDtype::ALL {
+        let expected = reference(dtype, &[cold.clone(), warm.clone()], NEW_TOKENS);
+        let cluster = Cluster::start(Spec::new(dtype.name())).await;
+        let mut client = cluster.client().await;
+        for (prompt, want) in [&cold, &warm].into_iter().zip(&expected) {
+            let got = generate(&mut client, tokens_request(prompt, NEW_TOKENS))
+                .await
+                .unwrap_or_else(|s| panic!("{dtype}: {s}; logs:\n{}", cluster.logs()));
+            assert_eq!(&got.tokens, want, "{dtype}, {} prompt tokens", prompt.len());
+            let usage = got.usage.expect("usage");
+            assert_eq!(usage.prompt_tokens as usize, prompt.len());
+            assert_eq!(usage.completion_tokens, NEW_TOKENS);
+        }
+        let usage_of_warm = {
+            // The second prompt found the first one's pages on the decode worker.
+            let again = generate(&mut client, tokens_request(&warm, 1))
+                .await
+                .unwrap();
+            again.usage.unwrap().cached_tokens
+        };
+        assert!(
+            usage_of_warm >= 192,
+            "{dtype}: {usage_of_warm} cached tokens"
+        );
+        cluster.assert_pages_back().await;
+        let log = cluster.prefills[0].log();
+        let pushes = pushes(&log);
+        assert!(!pushes.is_empty(), "{dtype}: no transfer logged:\n{log}");
+        // The cold prompt's 120 tokens: 7 full pages of 16 and one partial page.
+        assert_eq!(pushes[0].0, 8, "{dtype}: {pushes:?}");
+        moved.push((dtype, pushes[0].1));
+    }
+    let bytes = |d: KvDtype| moved.iter().find(|(m, _)| *m == d).unwrap().1;
+    let (bf16, fp8, nvfp4) = (
+        bytes(KvDtype::Bf16),
+        bytes(KvDtype::Fp8),
+        bytes(KvDtype::Nvfp4),
+    );
+    assert_eq!(nvfp4 * 16, fp8 * 9, "nvfp4 moves 0.5625x fp8: {moved:?}");
+    assert_eq!(fp8 * 2, bf16, "fp8 moves half of bf16: {moved:?}");
+}
+
+/// Cancelling frees the request's pages on both workers; invalid requests are refused naming
+/// the field; more requests than the router admits wait in its queue, then are refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn cancel_invalid_requests_and_a_full_queue() {
+    let _serial = SERIAL.lock().await;
+    let mut spec = Spec::new("nvfp4");
+    spec.router_args.extend(
+        ["--max-running", "1", "--max-queued", "1"]
+            .into_iter()
+            .map(String::from),
+    );
+    let cluster = Cluster::start(spec).await;
+    let mut client = cluster.client().await;
+
+    // Cancel mid-stream.
+    let mut stream = client
+        .generate(tokens_request(&austen_tokens(100), 500))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..2 {
+        stream.message().await.unwrap().expect("a chunk");
+    }
+    drop(stream);
+    cluster.assert_pages_back().await;
+
+    // Invalid requests name the field.
+    let context = 8192; // SmolLM2's
+    let too_long = tokens_request(&vec![1; context], 16);
+    let mut zero = greedy("hello", 1);
+    zero.stopping.as_mut().unwrap().max_tokens = Some(0);
+    let mut top_p = greedy("hello", 4);
+    top_p.sampling.as_mut().unwrap().top_p = Some(1.5);
+    let mut model = greedy("hello", 4);
+    model.model = "no-such-model".into();
+    for (request, field) in [
+        (greedy("", 4), "prompt"),
+        (too_long, "prompt"),
+        (zero, "stopping.max_tokens"),
+        (top_p, "sampling.top_p"),
+        (model, "model"),
+    ] {
+        let status = generate(&mut client, request).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().starts_with(field), "{field}: {status:?}");
+    }
+
+    // One running, one queued, the third refused; the first two finish.
+    let long = tokens_request(&austen_tokens(40), 48);
+    let mut first = client.generate(long.clone()).await.unwrap().into_inner();
+    first
+        .message()
+        .await
+        .unwrap()
+        .expect("the first request runs");
+    let queued = tokio::spawn({
+        let mut client = cluster.client().await;
+        let long = long.clone();
+        async move { generate(&mut client, long).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = generate(&mut client, long.clone()).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    while first.message().await.unwrap().is_some() {}
+    let queued = queued
+        .await
+        .unwrap()
+        .expect("the queued request runs once the first ends");
+    assert_eq!(queued.tokens.len(), 48);
+    cluster.assert_pages_back().await;
+}
+
+/// A prefill worker killed while it serves a request: with another prefill worker the router
+/// retries there and the request gets the right tokens; with none left it ends with
+/// UNAVAILABLE in bounded time and the decode worker's reservation is freed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_prefill_worker_is_retried_elsewhere_or_unavailable() {
+    let _serial = SERIAL.lock().await;
+    let prompt = austen_tokens(1500);
+    let expected = reference(KvDtype::Nvfp4, std::slice::from_ref(&prompt), 4).remove(0);
+    let mut spec = Spec::new("nvfp4");
+    spec.prefills = 2;
+    let mut cluster = Cluster::start(spec).await;
+
+    // The second round's prompt shares nothing with the first (which the workers now cache).
+    let other = austen_tokens(3000)[1500..].to_vec();
+    for (round, prompt) in [&prompt, &other].into_iter().enumerate() {
+        let mut client = cluster.client().await;
+        let mut request = tokio::spawn({
+            let request = tokens_request(prompt, 4);
+            async move { generate(&mut client, request).await }
+        });
+        // Kill the prefill worker that is prefilling it.
+        let start = Instant::now();
+        let busy = loop {
+            let loads = cluster.loads().await;
+            if let Some((name, _)) = loads
+                .iter()
+                .find(|(n, l)| n.starts_with("prefill") && l.running_requests > 0)
+            {
+                break name.clone();
+            }
+            if request.is_finished() {
+                let result = (&mut request).await.unwrap();
+                panic!("the request ended before a prefill worker ran it: {result:?}");
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no prefill started"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        cluster
+            .prefills
+            .iter_mut()
+            .find(|p| p.name == busy)
+            .unwrap()
+            .kill();
+        let killed = Instant::now();
+        let result = tokio::time::timeout(Duration::from_secs(60), request)
+            .await
+            .expect("the request ends in bounded time")
+            .unwrap();
+        match round {
+            0 => {
+                let got = result.unwrap_or_else(|s| panic!("{s}; logs:\n{}", cluster.logs()));
+                assert_eq!(got.tokens, expected, "retried on the other prefill worker");
+            }
+            _ => {
+                let status = result.unwrap_err();
+                assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+                assert!(
+                    killed.elapsed() < Duration::from_secs(15),
+                    "UNAVAILABLE after {:?}",
+                    killed.elapsed()
+                );
+            }
+        }
+        cluster.assert_pages_back().await;
+    }
+}
+
+/// A decode worker killed mid-stream ends the client's stream with an error, promptly.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_decode_worker_ends_the_stream_with_an_error() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Spec::new("nvfp4")).await;
+    let mut client = cluster.client().await;
+    let mut stream = client
+        .generate(tokens_request(&austen_tokens(64), 1000))
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().expect("a first chunk");
+    cluster.decodes[0].kill();
+    let killed = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return Ok(()),
+                Err(status) => return Err(status),
+            }
+        }
+    })
+    .await
+    .expect("the stream ends in bounded time");
+    let status = ended.expect_err("the stream ends with an error, not a clean end");
+    assert_ne!(status.code(), Code::Ok);
+    assert!(killed.elapsed() < Duration::from_secs(15));
+    cluster.assert_pages_back().await;
+}
+
+/// Membership through etcd survives an etcd restart (the same data) and a lost lease (etcd
+/// restarted empty): workers register again and requests go through.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cluster_survives_an_etcd_restart_and_lost_leases() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Spec::new("nvfp4")).await;
+    let prompt = austen_tokens(40);
+    // The first round prefills the prompt; later rounds find it cached.
+    let expected = reference(
+        KvDtype::Nvfp4,
+        &[prompt.clone(), prompt.clone()],
+        NEW_TOKENS,
+    );
+    for (round, wipe) in [false, true].into_iter().enumerate() {
+        let expected = &expected[round.min(1)];
+        cluster.etcd.restart(wipe);
+        let start = Instant::now();
+        loop {
+            let mut client = cluster.client().await;
+            match generate(&mut client, tokens_request(&prompt, NEW_TOKENS)).await {
+                Ok(got) => {
+                    assert_eq!(&got.tokens, expected, "round {round}");
+                    break;
+                }
+                Err(status) => assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "after an etcd restart (wipe {wipe}): {status:?}; logs:\n{}",
+                    cluster.logs()
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // The workers are registered in etcd again.
+        let discovery =
+            nibble_discovery::EtcdDiscovery::connect(nibble_discovery::EtcdConfig::new(vec![
+                cluster.etcd.endpoint(),
+            ]))
+            .await
+            .unwrap();
+        let start = Instant::now();
+        loop {
+            use nibble_discovery::Discovery;
+            let listed = discovery.list(None).await.unwrap();
+            if listed.len() == 2 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "registered after restart (wipe {wipe}): {listed:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let _ = nibble_discovery::Discovery::close(&discovery).await;
+        cluster.wait_for_workers(1, 1).await;
+    }
+    cluster.assert_pages_back().await;
+}

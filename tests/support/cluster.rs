@@ -1,0 +1,358 @@
+//! A real cluster for tests: etcd (Debian's etcd-server) and the `nibble` binary's `router`,
+//! `prefill` and `decode` commands as separate processes on loopback ports, with the real
+//! model. Every process is killed when the [`Cluster`] drops; each one's stderr (its logs) is
+//! kept in a temporary directory and shown when something fails.
+
+#![allow(dead_code)] // each test binary uses its own part of the harness
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use nibble_proto::v1;
+use nibble_proto::v1::inference_client::InferenceClient;
+use nibble_proto::v1::worker_client::WorkerClient;
+use tempfile::TempDir;
+use tonic::transport::Channel;
+use tonic::Status;
+
+#[path = "../../shared/discovery/tests/support/etcd_server.rs"]
+mod etcd_server;
+pub use etcd_server::EtcdServer;
+
+/// How long a process may take to load the model and listen.
+const START_WAIT: Duration = Duration::from_secs(120);
+
+/// The model every process serves: `$NIBBLE_MODEL` or the repository's default model file.
+pub fn model_path() -> PathBuf {
+    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    assert!(
+        path.is_file(),
+        "model file {} not found: run `bash scripts/fetch-model.sh` or set NIBBLE_MODEL",
+        path.display()
+    );
+    path
+}
+
+/// One `nibble` process.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    log: PathBuf,
+    /// The address it printed (`... listening on ADDR`).
+    pub address: String,
+}
+
+impl Proc {
+    /// Starts `nibble ARGS` and waits for its `listening on` line.
+    pub fn start(name: &str, args: &[String], dir: &Path) -> Self {
+        let log = dir.join(format!("{name}.log"));
+        let stderr = File::create(&log).expect("log file");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("NIBBLE_LOG_FORMAT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("start nibble");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if let Some((_, address)) = line.split_once(" listening on ") {
+                    let _ = tx.send(address.trim().to_string());
+                }
+            }
+        });
+        let mut proc = Self {
+            name: name.into(),
+            child: Some(child),
+            log,
+            address: String::new(),
+        };
+        let start = Instant::now();
+        loop {
+            if let Ok(address) = rx.recv_timeout(Duration::from_millis(100)) {
+                proc.address = address;
+                return proc;
+            }
+            if let Some(status) = proc
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("{name} exited with {status}; its log:\n{}", proc.log());
+            }
+            assert!(
+                start.elapsed() < START_WAIT,
+                "{name} did not listen within {START_WAIT:?}; its log:\n{}",
+                proc.log()
+            );
+        }
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Kills it (SIGKILL: no clean shutdown, as a crash) and waits for it to exit.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub kv_dtype: &'static str,
+    pub prefills: usize,
+    pub decodes: usize,
+    /// Extra flags of the router.
+    pub router_args: Vec<String>,
+    /// MiB of KV pages per worker.
+    pub kv_budget_mib: usize,
+}
+
+impl Spec {
+    /// One prefill and one decode worker of `kv_dtype`, every prompt prefilled by the prefill
+    /// worker (no local prefill threshold).
+    pub fn new(kv_dtype: &'static str) -> Self {
+        Self {
+            kv_dtype,
+            prefills: 1,
+            decodes: 1,
+            router_args: vec!["--local-prefill-threshold".into(), "0".into()],
+            kv_budget_mib: 32,
+        }
+    }
+}
+
+/// etcd, workers and a router, as processes.
+pub struct Cluster {
+    pub etcd: EtcdServer,
+    pub prefills: Vec<Proc>,
+    pub decodes: Vec<Proc>,
+    pub router: Proc,
+    pub spec: Spec,
+    dir: TempDir,
+}
+
+impl Cluster {
+    /// Starts everything and waits until the router tracks every worker.
+    pub async fn start(spec: Spec) -> Self {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let etcd = EtcdServer::start();
+        let model = model_path().display().to_string();
+        let worker_args = |role: &str| -> Vec<String> {
+            [
+                role,
+                "--model",
+                &model,
+                "--listen",
+                "127.0.0.1:0",
+                "--etcd-endpoints",
+                &etcd.endpoint(),
+                "--kv-dtype",
+                spec.kv_dtype,
+                "--kv-budget-mib",
+                &spec.kv_budget_mib.to_string(),
+                "--threads",
+                "1",
+                "--capacity-interval-ms",
+                "200",
+            ]
+            .map(String::from)
+            .to_vec()
+        };
+        let prefills = (0..spec.prefills)
+            .map(|i| Proc::start(&format!("prefill-{i}"), &worker_args("prefill"), dir.path()))
+            .collect();
+        let decodes = (0..spec.decodes)
+            .map(|i| Proc::start(&format!("decode-{i}"), &worker_args("decode"), dir.path()))
+            .collect();
+        let mut router_args: Vec<String> = [
+            "router",
+            "--model",
+            &model,
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd-endpoints",
+            &etcd.endpoint(),
+            "--load-interval-ms",
+            "100",
+        ]
+        .map(String::from)
+        .to_vec();
+        router_args.extend(spec.router_args.iter().cloned());
+        let router = Proc::start("router", &router_args, dir.path());
+        let cluster = Self {
+            etcd,
+            prefills,
+            decodes,
+            router,
+            spec,
+            dir,
+        };
+        cluster
+            .wait_for_workers(cluster.spec.prefills, cluster.spec.decodes)
+            .await;
+        cluster
+    }
+
+    /// Every process's log, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut all = String::new();
+        for p in self
+            .prefills
+            .iter()
+            .chain(&self.decodes)
+            .chain([&self.router])
+        {
+            all.push_str(&format!("--- {} ---\n{}\n", p.name, p.log()));
+        }
+        all
+    }
+
+    pub async fn client(&self) -> InferenceClient<Channel> {
+        InferenceClient::connect(format!("http://{}", self.router.address))
+            .await
+            .expect("connect to the router")
+    }
+
+    /// Waits until the router tracks `prefills` prefill and `decodes` decode workers.
+    pub async fn wait_for_workers(&self, prefills: usize, decodes: usize) {
+        let mut client = self.client().await;
+        let start = Instant::now();
+        loop {
+            let models = client
+                .list_models(v1::ListModelsRequest {})
+                .await
+                .expect("ListModels")
+                .into_inner();
+            let m = &models.models[0];
+            if m.prefill_workers as usize == prefills && m.decode_workers as usize == decodes {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the router tracks {} prefill and {} decode workers, not {prefills} and \
+                 {decodes}; logs:\n{}",
+                m.prefill_workers,
+                m.decode_workers,
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every live worker's `Load`.
+    pub async fn loads(&self) -> Vec<(String, v1::LoadResponse)> {
+        let mut loads = Vec::new();
+        for p in self.prefills.iter().chain(&self.decodes) {
+            if !p.is_running() {
+                continue;
+            }
+            let mut client = WorkerClient::connect(format!("http://{}", p.address))
+                .await
+                .expect("connect to a worker");
+            let load = client.load(v1::LoadRequest {}).await.expect("Load");
+            loads.push((p.name.clone(), load.into_inner()));
+        }
+        loads
+    }
+
+    /// Waits until every live worker runs nothing and holds no page for a request: each page
+    /// is free or only in the prefix cache (evictable). Fails after 20 s.
+    pub async fn assert_pages_back(&self) {
+        let start = Instant::now();
+        loop {
+            let loads = self.loads().await;
+            let busy: Vec<_> = loads
+                .iter()
+                .filter(|(_, l)| {
+                    l.running_requests != 0
+                        || l.waiting_requests != 0
+                        || l.free_pages + l.evictable_pages != l.total_pages
+                })
+                .collect();
+            if busy.is_empty() {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "pages still held: {busy:?}; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// A greedy request for `prompt` (text), `max_tokens` long.
+pub fn greedy(prompt: &str, max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::Text(prompt.into())),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: Some(max_tokens),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// What a finished stream carried.
+#[derive(Debug, Default)]
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub usage: Option<v1::Usage>,
+    pub finish_reason: i32,
+}
+
+/// Sends `request` and reads its whole stream.
+pub async fn generate(
+    client: &mut InferenceClient<Channel>,
+    request: v1::GenerateRequest,
+) -> Result<Generated, Status> {
+    let mut stream = client.generate(request).await?.into_inner();
+    let mut out = Generated::default();
+    while let Some(chunk) = stream.message().await? {
+        out.tokens.extend(chunk.token_ids);
+        out.text.push_str(&chunk.text);
+        out.usage = chunk.usage.or(out.usage);
+        if chunk.finish_reason != 0 {
+            out.finish_reason = chunk.finish_reason;
+        }
+    }
+    Ok(out)
+}
