@@ -18,13 +18,15 @@
 //! * [`metrics`]: metric names.
 //!
 //! * [`service`], [`server`]: the gRPC `Inference` service on top of a shared [`Router`], and
-//!   [`serve`] (the `nibble-router` binary's core).
+//!   [`serve`] (the `nibble-router` binary's core);
+//! * [`http`]: the OpenAI-compatible HTTP API over the same shared state and generate path.
 //!
 //! The core is synchronous and needs no runtime; the gRPC service is built on top.
 
 mod error;
 
 pub mod decision;
+pub mod http;
 pub mod index;
 pub mod load;
 pub mod metrics;
@@ -37,13 +39,14 @@ pub mod slots;
 
 pub use decision::{Decision, Placement, Reason, Routed, Ticket};
 pub use error::{Error, Result};
+pub use http::HttpConfig;
 pub use index::sync::{self, Gap, SyncReport, SyncStatus};
 pub use index::{PrefixDepths, PrefixIndex, UnknownSlot};
 pub use load::{Load, LoadReport};
 pub use policy::PolicyConfig;
 pub use prompt::Prompt;
 pub use router::{Router, RouterConfig, RouterStats, WorkerStatus};
-pub use server::{serve, serve_shared, ServeError};
+pub use server::{serve, serve_shared, serve_shared_with_http, HttpListener, ServeError};
 pub use service::{InferenceService, ServiceConfig, Shared};
 pub use slots::{WorkerSet, WorkerSlot, MAX_WORKERS};
 

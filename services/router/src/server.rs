@@ -1,5 +1,6 @@
 //! Serving the router: the `Inference` service, `grpc.health.v1` and server reflection on a
-//! listener the caller bound, with membership followed from a [`Discovery`] watch.
+//! listener the caller bound, and optionally the OpenAI-compatible HTTP API on a second one,
+//! with membership followed from a [`Discovery`] watch.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use nibble_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
+use crate::http::HttpConfig;
 use crate::service::{follow_membership, InferenceService, ServiceConfig, Shared};
 
 /// Why serving failed.
@@ -20,6 +22,8 @@ pub enum ServeError {
     Reflection(String),
     #[error(transparent)]
     Transport(#[from] tonic::transport::Error),
+    #[error("HTTP API: {0}")]
+    Http(std::io::Error),
 }
 
 /// Serves the router on `listener` until `shutdown` completes, following worker membership
@@ -40,6 +44,40 @@ pub async fn serve_shared(
     discovery: Arc<dyn Discovery>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_shared_with_http(listener, None, shared, discovery, shutdown).await
+}
+
+/// The OpenAI-compatible HTTP API's listener and settings.
+#[derive(Debug)]
+pub struct HttpListener {
+    pub listener: TcpListener,
+    pub config: HttpConfig,
+}
+
+/// [`serve_shared`], and the HTTP API on `http`'s listener when given, until `shutdown`.
+pub async fn serve_shared_with_http(
+    listener: TcpListener,
+    http: Option<HttpListener>,
+    shared: Arc<Shared>,
+    discovery: Arc<dyn Discovery>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signal = move |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|&s| s).await;
+    };
+    let http = http.map(|HttpListener { listener, config }| {
+        tokio::spawn(crate::http::serve(
+            listener,
+            Arc::clone(&shared),
+            config,
+            signal(stopped.clone()),
+        ))
+    });
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
     let membership = tokio::spawn(follow_membership(Arc::clone(&shared), discovery));
     let (health, health_service) = nibble_proto::serving::health();
     health
@@ -51,8 +89,15 @@ pub async fn serve_shared(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(InferenceServer::new(InferenceService(shared)))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal(stopped))
         .await;
     membership.abort();
+    if let Some(http) = http {
+        match http.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(ServeError::Http(e)),
+            Err(e) => return Err(ServeError::Http(std::io::Error::other(e))),
+        }
+    }
     result.map_err(Into::into)
 }
