@@ -555,3 +555,37 @@ async fn the_openai_python_client_works_against_the_api() {
     assert!(stdout.contains("all checks passed"), "{stdout}");
     cluster.pages_back().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_before_a_whole_answer_frees_the_requests_pages() {
+    let cluster = Cluster::start(HttpConfig::default()).await;
+    let body = json!({
+        "prompt": support::PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": true,
+    })
+    .to_string();
+    let stream = http_client::send(
+        cluster.http(),
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(body.as_bytes()),
+    )
+    .await;
+    // Wait until the decode worker generates.
+    for _ in 0..400 {
+        if cluster.decode.load().await.running_requests == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(cluster.decode.load().await.running_requests, 1);
+    let dropped = std::time::Instant::now();
+    drop(stream);
+    cluster.pages_back().await;
+    // 2,000 tokens take the CPU engine far longer than this: the request was cut short.
+    assert!(
+        dropped.elapsed() < Duration::from_secs(5),
+        "pages came back {:?} after the hang-up",
+        dropped.elapsed()
+    );
+}
