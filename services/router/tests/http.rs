@@ -490,9 +490,11 @@ async fn errors_have_openais_shape_and_status() {
         .await;
         assert_error(&r, 401, None);
     }
-    let auth = [("Authorization", "Bearer sesame")];
-    let r = http_client::request(http, "GET", "/v1/models", &auth, None).await;
-    assert_eq!(r.status, 200);
+    for auth in ["Bearer sesame", "bearer sesame"] {
+        let r =
+            http_client::request(http, "GET", "/v1/models", &[("Authorization", auth)], None).await;
+        assert_eq!(r.status, 200, "{auth}");
+    }
     assert_eq!(get(http, "/health").await.status, 200);
 }
 

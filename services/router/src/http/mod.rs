@@ -169,9 +169,9 @@ async fn authorize(State(state): State<HttpState>, request: Request, next: Next)
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .unwrap_or("");
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map_or("", |(_, key)| key.trim());
         // Constant time in the key's bytes (a length mismatch fails at once: lengths are not
         // secret enough to matter for random keys).
         if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
