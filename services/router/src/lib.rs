@@ -46,7 +46,9 @@ pub use load::{Load, LoadReport};
 pub use policy::PolicyConfig;
 pub use prompt::Prompt;
 pub use router::{Router, RouterConfig, RouterStats, WorkerStatus};
-pub use server::{serve, serve_shared, serve_shared_with_http, HttpListener, ServeError};
+pub use server::{
+    serve, serve_shared, serve_shared_with_http, serve_with_http, HttpListener, ServeError,
+};
 pub use service::{InferenceService, ServiceConfig, Shared};
 pub use slots::{WorkerSet, WorkerSlot, MAX_WORKERS};
 

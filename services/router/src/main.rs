@@ -1,4 +1,4 @@
-//! `nibble-router`: the router. Parses the command line and runs [`nibble_router::serve`].
+//! `nibble-router`: the router. Parses the command line and runs [`nibble_router::serve_with_http`].
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,7 +7,8 @@ use anyhow::Context;
 use clap::Parser;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use nibble_engine::ModelSource;
-use nibble_router::{HttpConfig, HttpListener, RouterConfig, ServiceConfig, Shared};
+use nibble_router::http::HttpArgs;
+use nibble_router::{RouterConfig, ServiceConfig};
 
 /// nibble's router: the public Inference API, placing requests on prefill and decode workers.
 #[derive(Debug, Parser)]
@@ -16,18 +17,6 @@ struct Cli {
     /// Address the Inference API listens on.
     #[arg(long, env = "NIBBLE_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
     listen: String,
-    /// Address the OpenAI-compatible HTTP API listens on.
-    #[arg(long, env = "NIBBLE_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
-    http_listen: String,
-    /// Serve no HTTP API (only gRPC).
-    #[arg(long, env = "NIBBLE_NO_HTTP")]
-    no_http: bool,
-    /// Bearer key the HTTP API requires on every /v1 request; unset leaves it open.
-    #[arg(long, env = "NIBBLE_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
-    /// Largest HTTP request body, in bytes (413 above).
-    #[arg(long, env = "NIBBLE_HTTP_MAX_BODY_BYTES", default_value_t = nibble_router::http::DEFAULT_MAX_BODY_BYTES)]
-    http_max_body_bytes: usize,
     /// The model file (GGUF) whose tokenizer and chat template the router uses.
     #[arg(long, env = "NIBBLE_MODEL")]
     model: PathBuf,
@@ -45,6 +34,8 @@ struct Cli {
         required = true
     )]
     etcd_endpoints: Vec<String>,
+    #[command(flatten)]
+    http: HttpArgs,
 }
 
 #[tokio::main]
@@ -63,31 +54,16 @@ async fn main() -> anyhow::Result<()> {
         tokenizer,
         max_context,
     };
-    let http = if cli.no_http {
-        None
-    } else {
-        let listener = tokio::net::TcpListener::bind(&cli.http_listen).await?;
+    let http = cli.http.bind().await?;
+    if let Some(http) = &http {
         eprintln!(
             "nibble-router HTTP API on http://{}",
-            listener.local_addr()?
+            http.listener.local_addr()?
         );
-        Some(HttpListener {
-            listener,
-            config: HttpConfig {
-                api_key: cli.api_key,
-                max_body_bytes: cli.http_max_body_bytes,
-            },
-        })
-    };
-    nibble_router::serve_shared_with_http(
-        listener,
-        http,
-        Shared::new(config)?,
-        Arc::clone(&discovery),
-        async {
-            let _ = tokio::signal::ctrl_c().await;
-        },
-    )
+    }
+    nibble_router::serve_with_http(listener, http, config, Arc::clone(&discovery), async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
     .await?;
     let _ = discovery.close().await;
     Ok(())

@@ -37,6 +37,17 @@ pub async fn serve(
     serve_shared(listener, Shared::new(config)?, discovery, shutdown).await
 }
 
+/// [`serve`], and the HTTP API on `http`'s listener when given.
+pub async fn serve_with_http(
+    listener: TcpListener,
+    http: Option<HttpListener>,
+    config: ServiceConfig,
+    discovery: Arc<dyn Discovery>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    serve_shared_with_http(listener, http, Shared::new(config)?, discovery, shutdown).await
+}
+
 /// [`serve`] over state the caller made (and may inspect: the router, its index).
 pub async fn serve_shared(
     listener: TcpListener,

@@ -165,6 +165,7 @@ async fn completions_and_chat_give_the_grpc_paths_greedy_output() {
     assert_eq!(j["object"], "text_completion");
     assert_eq!(j["model"], MODEL);
     assert!(j["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(r.header("x-request-id"), j["id"].as_str());
     assert_eq!(j["choices"][0]["text"], text.as_str(), "HTTP = gRPC");
     assert_eq!(j["choices"][0]["finish_reason"], "length");
     assert_eq!(j["usage"]["prompt_tokens"], prompt_tokens.len());

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use super::error::ApiError;
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
-use super::{read_body, HttpState};
+use super::{read_body, with_request_id, HttpState};
 
 /// OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -125,15 +125,19 @@ pub async fn completions(
     State(state): State<HttpState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match run(state, body).await {
-        Ok(response) => response,
-        Err(error) => error.into_response(),
-    }
+    let id = state.next_id("cmpl");
+    let response = run(state, body, id.clone())
+        .await
+        .unwrap_or_else(IntoResponse::into_response);
+    with_request_id(response, &id)
 }
 
-async fn run(state: HttpState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn run(
+    state: HttpState,
+    body: Result<Bytes, BytesRejection>,
+    id: String,
+) -> Result<Response, ApiError> {
     let body: CompletionRequest = params::parse_body(&read_body(&state, body)?)?;
-    let id = state.next_id("cmpl");
     let served = state.model().to_string();
     let parsed = parse(body, &served, id.clone())?;
     let started = generate::start(&state.service, parsed.request, "prompt").await?;

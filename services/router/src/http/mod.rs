@@ -13,6 +13,7 @@
 //! configured, every `/v1` route wants `Authorization: Bearer <key>` (compared in constant
 //! time); `/health` and `/ready` stay open for probes.
 
+pub mod args;
 pub mod chat;
 pub mod completions;
 pub mod error;
@@ -35,6 +36,7 @@ use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 
 use crate::{InferenceService, Shared};
+pub use args::HttpArgs;
 pub use error::ApiError;
 
 /// Default largest request body, in bytes.
@@ -156,6 +158,18 @@ fn read_body(state: &HttpState, body: Result<Bytes, BytesRejection>) -> Result<B
         }
     })
 }
+
+/// Marks a generating request's response with its id (`x-request-id`), which the router and
+/// the workers log, whether it succeeded or not.
+fn with_request_id(mut response: Response, id: &str) -> Response {
+    if let Ok(value) = header::HeaderValue::from_str(id) {
+        response.headers_mut().insert(REQUEST_ID, value);
+    }
+    response
+}
+
+/// The response header carrying the request id.
+pub const REQUEST_ID: &str = "x-request-id";
 
 /// A token's text, as OpenAI's log-probabilities spell it.
 fn token_text(tokenizer: &nibble_engine::Tokenizer, id: u32) -> String {
