@@ -73,6 +73,8 @@ pub async fn serve_shared_with_http(
     discovery: Arc<dyn Discovery>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let reflection =
+        nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let signal = move |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|&s| s).await;
@@ -85,17 +87,16 @@ pub async fn serve_shared_with_http(
             signal(stopped.clone()),
         ))
     });
+    let stop_on_signal = stop.clone();
     tokio::spawn(async move {
         shutdown.await;
-        let _ = stop.send(true);
+        let _ = stop_on_signal.send(true);
     });
     let membership = tokio::spawn(follow_membership(Arc::clone(&shared), discovery));
     let (health, health_service) = nibble_proto::serving::health();
     health
         .set_serving::<InferenceServer<InferenceService>>()
         .await;
-    let reflection =
-        nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
     let result = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection)
@@ -103,6 +104,8 @@ pub async fn serve_shared_with_http(
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal(stopped))
         .await;
     membership.abort();
+    // The gRPC server is done (shut down or failed): so is the HTTP API.
+    let _ = stop.send(true);
     if let Some(http) = http {
         match http.await {
             Ok(Ok(())) => {}

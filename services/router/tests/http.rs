@@ -592,3 +592,33 @@ async fn a_client_that_hangs_up_before_a_whole_answer_frees_the_requests_pages()
         dropped.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_both_apis() {
+    let registry = StaticRegistry::new();
+    let config = support::service_config(16);
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http_address = http.local_addr().unwrap().to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(nibble_router::serve_with_http(
+        grpc,
+        Some(nibble_router::HttpListener {
+            listener: http,
+            config: HttpConfig::default(),
+        }),
+        config,
+        std::sync::Arc::new(registry.session()),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    assert_eq!(get(&http_address, "/health").await.status, 200);
+    drop(stop);
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("both servers stop")
+        .unwrap()
+        .unwrap();
+    assert!(tokio::net::TcpStream::connect(&http_address).await.is_err());
+}

@@ -191,6 +191,15 @@ impl Worker {
     }
 }
 
+/// The router's configuration for the test model: pages of `page_size`, a context of 2048.
+pub fn service_config(page_size: u32) -> ServiceConfig {
+    ServiceConfig {
+        router: RouterConfig::new(MODEL, page_size),
+        tokenizer: Arc::clone(&model().1),
+        max_context: 2048,
+    }
+}
+
 /// A router served on 127.0.0.1:0 until dropped.
 pub struct RouterServer {
     /// The gRPC `Inference` API's address.
@@ -209,14 +218,9 @@ impl RouterServer {
 
     /// A router with its HTTP API configured by `http`.
     pub async fn start_with(registry: &StaticRegistry, page_size: u32, http: HttpConfig) -> Self {
-        let mut router = RouterConfig::new(MODEL, page_size);
+        let mut config = service_config(page_size);
         // Every uncached token goes to a prefill worker, so the hand-off path is exercised.
-        router.policy.local_prefill_threshold_tokens = 1;
-        let config = ServiceConfig {
-            router,
-            tokenizer: Arc::clone(&model().1),
-            max_context: 2048,
-        };
+        config.router.policy.local_prefill_threshold_tokens = 1;
         let shared = Shared::new(config).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
