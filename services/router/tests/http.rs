@@ -622,3 +622,61 @@ async fn shutdown_stops_both_apis() {
         .unwrap();
     assert!(tokio::net::TcpStream::connect(&http_address).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_mid_stream_ends_with_an_error_event_and_done() {
+    let cluster = Cluster::start(HttpConfig::default()).await;
+    let body = json!({
+        "prompt": support::PROMPT, "max_tokens": 1000, "temperature": 0,
+        "ignore_eos": true, "stream": true,
+    })
+    .to_string();
+    let mut stream = http_client::send(
+        cluster.http(),
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(body.as_bytes()),
+    )
+    .await;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"text\":") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0, "ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // The response id is the request id the workers know: abort it on the decode worker.
+    let head = String::from_utf8_lossy(&seen).to_string();
+    let id = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-request-id: "))
+        .expect("an x-request-id header")
+        .trim()
+        .to_string();
+    assert!(head.contains(&format!("\"id\":\"{id}\"")), "{head}");
+    let mut worker = nibble_proto::v1::worker_client::WorkerClient::connect(format!(
+        "http://{}",
+        cluster.decode.address
+    ))
+    .await
+    .unwrap();
+    worker
+        .abort(v1::AbortRequest {
+            request_id: id.clone(),
+        })
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut seen))
+        .await
+        .expect("the stream ends")
+        .unwrap();
+    let response = http_client::parse(&seen);
+    let mut data = response.sse_data();
+    assert_eq!(data.pop().as_deref(), Some("[DONE]"));
+    let error: Value = serde_json::from_str(&data.pop().unwrap()).unwrap();
+    assert!(error["error"]["message"].is_string(), "{error}");
+    assert!(error["error"]["type"].is_string(), "{error}");
+    assert!(data.iter().all(|d| !d.contains("\"error\"")));
+    cluster.pages_back().await;
+}
