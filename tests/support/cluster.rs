@@ -206,6 +206,8 @@ impl Cluster {
             &etcd.endpoint(),
             "--load-interval-ms",
             "100",
+            "--http-listen",
+            "127.0.0.1:0",
         ]
         .map(String::from)
         .to_vec();

@@ -154,10 +154,26 @@ pub async fn up_until(
         .map_err(|e| fail(&format!("--listen {}", args.listen), &e))?;
     let address = listener.local_addr().map_err(|e| fail("router", &e))?;
     writeln!(out, "nibble-router listening on {address}").map_err(Error::Stdout)?;
+    let http = args
+        .serving
+        .http
+        .bind()
+        .await
+        .map_err(|e| fail("router", &e))?;
+    let http_address = match &http {
+        Some(http) => {
+            let address = http.listener.local_addr().map_err(|e| fail("router", &e))?;
+            writeln!(out, "nibble-router OpenAI HTTP API on http://{address}/v1")
+                .map_err(Error::Stdout)?;
+            Some(address)
+        }
+        None => None,
+    };
     let shared = nibble_router::Shared::new(config).map_err(|e| fail("router", &e))?;
     let router_discovery: Arc<dyn Discovery> = Arc::new(registry.session());
-    let mut router = tokio::spawn(nibble_router::serve_shared(
+    let mut router = tokio::spawn(nibble_router::serve_shared_with_http(
         listener,
+        http,
         Arc::clone(&shared),
         router_discovery,
         stopped(),
@@ -184,6 +200,15 @@ pub async fn up_until(
                 started.elapsed().as_secs_f64()
             )
             .map_err(Error::Stdout)?;
+            if let Some(http) = http_address {
+                writeln!(
+                    out,
+                    "nibble up: OpenAI API: curl http://{http}/v1/completions -H \
+                     'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \
+                     \"max_tokens\": 16}}'"
+                )
+                .map_err(Error::Stdout)?;
+            }
             out.flush().map_err(Error::Stdout)?;
         }
         failed = &mut workers => return Err(worker_failure(failed)),

@@ -9,6 +9,7 @@ use std::time::Duration;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery};
 use nibble_engine::ModelSource;
 
+use crate::http::HttpArgs;
 use crate::{AdmissionConfig, RouterConfig, ServiceConfig};
 
 /// The router's configuration.
@@ -59,6 +60,8 @@ pub struct ServingArgs {
     /// How often each worker's load is polled, in milliseconds.
     #[arg(long, env = "NIBBLE_LOAD_INTERVAL_MS", default_value_t = 250)]
     pub load_interval_ms: u64,
+    #[command(flatten)]
+    pub http: HttpArgs,
 }
 
 impl ServingArgs {

@@ -19,6 +19,7 @@
 //!
 //! * [`service`], [`server`]: the gRPC `Inference` service on top of a shared [`Router`], and
 //!   [`serve`]; [`admission`]: the bounded queue in front of it;
+//! * [`http`]: the OpenAI-compatible HTTP API over the same shared state and generate path;
 //! * [`cli`]: the `nibble-router` (and `nibble router`) command line and [`cli::run`].
 //!
 //! The core is synchronous and needs no runtime; the gRPC service is built on top.
@@ -28,6 +29,7 @@ mod error;
 pub mod admission;
 pub mod cli;
 pub mod decision;
+pub mod http;
 pub mod index;
 pub mod load;
 pub mod metrics;
@@ -41,13 +43,16 @@ pub mod slots;
 pub use admission::{Admission, AdmissionConfig};
 pub use decision::{Decision, Placement, Reason, Routed, Ticket};
 pub use error::{Error, Result};
+pub use http::HttpConfig;
 pub use index::sync::{self, Gap, SyncReport, SyncStatus};
 pub use index::{PrefixDepths, PrefixIndex, UnknownSlot};
 pub use load::{Load, LoadReport};
 pub use policy::PolicyConfig;
 pub use prompt::Prompt;
 pub use router::{Router, RouterConfig, RouterStats, WorkerStatus};
-pub use server::{serve, serve_shared, ServeError};
+pub use server::{
+    serve, serve_shared, serve_shared_with_http, serve_with_http, HttpListener, ServeError,
+};
 pub use service::{InferenceService, ServiceConfig, Shared};
 pub use slots::{WorkerSet, WorkerSlot, MAX_WORKERS};
 

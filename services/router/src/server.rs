@@ -1,5 +1,6 @@
 //! Serving the router: the `Inference` service, `grpc.health.v1` and server reflection on a
-//! listener the caller bound, with membership followed from a [`Discovery`] watch.
+//! listener the caller bound, and optionally the OpenAI-compatible HTTP API on a second one,
+//! with membership followed from a [`Discovery`] watch.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use nibble_proto::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
+use crate::http::HttpConfig;
 use crate::service::{follow_membership, InferenceService, ServiceConfig, Shared};
 
 /// Why serving failed.
@@ -20,6 +22,8 @@ pub enum ServeError {
     Reflection(String),
     #[error(transparent)]
     Transport(#[from] tonic::transport::Error),
+    #[error("HTTP API: {0}")]
+    Http(std::io::Error),
 }
 
 /// Serves the router on `listener` until `shutdown` completes, following worker membership
@@ -33,6 +37,17 @@ pub async fn serve(
     serve_shared(listener, Shared::new(config)?, discovery, shutdown).await
 }
 
+/// [`serve`], and the HTTP API on `http`'s listener when given.
+pub async fn serve_with_http(
+    listener: TcpListener,
+    http: Option<HttpListener>,
+    config: ServiceConfig,
+    discovery: Arc<dyn Discovery>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    serve_shared_with_http(listener, http, Shared::new(config)?, discovery, shutdown).await
+}
+
 /// [`serve`] over state the caller made (and may inspect: the router, its index).
 pub async fn serve_shared(
     listener: TcpListener,
@@ -40,23 +55,68 @@ pub async fn serve_shared(
     discovery: Arc<dyn Discovery>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    serve_shared_with_http(listener, None, shared, discovery, shutdown).await
+}
+
+/// The OpenAI-compatible HTTP API's listener and settings.
+#[derive(Debug)]
+pub struct HttpListener {
+    pub listener: TcpListener,
+    pub config: HttpConfig,
+}
+
+/// [`serve_shared`], and the HTTP API on `http`'s listener when given, until `shutdown`.
+pub async fn serve_shared_with_http(
+    listener: TcpListener,
+    http: Option<HttpListener>,
+    shared: Arc<Shared>,
+    discovery: Arc<dyn Discovery>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let reflection =
+        nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signal = move |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|&s| s).await;
+    };
+    let http = http.map(|HttpListener { listener, config }| {
+        tokio::spawn(crate::http::serve(
+            listener,
+            Arc::clone(&shared),
+            config,
+            signal(stopped.clone()),
+        ))
+    });
+    let stop_on_signal = stop.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_on_signal.send(true);
+    });
     let membership = tokio::spawn(follow_membership(Arc::clone(&shared), discovery));
     let (health, health_service) = nibble_proto::serving::health();
     health
         .set_serving::<InferenceServer<InferenceService>>()
         .await;
-    let reflection =
-        nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
     let router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection)
         .add_service(InferenceServer::new(InferenceService(shared)));
     let result = nibble_proto::serving::serve_with_drain(
         |stop| router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop),
-        shutdown,
+        signal(stopped),
         nibble_proto::serving::DRAIN_GRACE,
     )
     .await;
     membership.abort();
+    // The gRPC server is done (shut down or failed): so is the HTTP API.
+    let _ = stop.send(true);
+    if let Some(http) = http {
+        // Open event streams get the same grace as gRPC calls.
+        match tokio::time::timeout(nibble_proto::serving::DRAIN_GRACE, http).await {
+            Err(_) | Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => return Err(ServeError::Http(e)),
+            Ok(Err(e)) => return Err(ServeError::Http(std::io::Error::other(e))),
+        }
+    }
     result.map_err(Into::into)
 }

@@ -94,6 +94,11 @@ impl Shared {
         }))
     }
 
+    /// What the router serves.
+    pub fn config(&self) -> &ServiceConfig {
+        &self.config
+    }
+
     /// The routing core (locked).
     pub fn router(&self) -> MutexGuard<'_, Router> {
         self.router.lock().unwrap_or_else(|e| e.into_inner())

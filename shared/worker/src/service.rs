@@ -290,6 +290,9 @@ impl WorkerState {
             id,
         };
         let mut last_token = None;
+        // The engine starts a handed-off decode from its first token without a log-probability;
+        // the prefill worker computed it and it travels in the hand-off.
+        let mut first_logprob = r.handoff.as_ref().and_then(|h| h.first_logprob.clone());
         let stream = UnboundedReceiverStream::new(events).map(move |event| {
             let _keep = &tracked; // forgets the request id when the stream is dropped
             match event {
@@ -299,11 +302,14 @@ impl WorkerState {
                     text,
                     ..
                 } => {
+                    let logprob = convert::logprob(token, logprob)
+                        .or_else(|| first_logprob.take().filter(|l| l.token_id == token));
+                    first_logprob = None;
                     last_token = Some(token);
                     Ok(v1::DecodeResponse {
                         token_ids: vec![token],
                         text,
-                        logprobs: convert::logprob(token, logprob).into_iter().collect(),
+                        logprobs: logprob.into_iter().collect(),
                         ..Default::default()
                     })
                 }

@@ -1,0 +1,85 @@
+//! The HTTP API's command-line flags, [`HttpArgs`], to flatten into a binary's arguments
+//! (`nibble-router`; `nibble up` too), every flag also an environment variable.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+
+use super::{HttpConfig, DEFAULT_MAX_BODY_BYTES};
+use crate::HttpListener;
+
+/// Where and how the OpenAI-compatible HTTP API is served.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// Address the OpenAI-compatible HTTP API listens on.
+    #[arg(long, env = "NIBBLE_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
+    pub http_listen: SocketAddr,
+    /// Serve no HTTP API (gRPC only).
+    #[arg(long, env = "NIBBLE_NO_HTTP")]
+    pub no_http: bool,
+    /// Bearer key every /v1 HTTP request must carry; unset leaves the API open.
+    #[arg(long, env = "NIBBLE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest HTTP request body, in bytes (413 above).
+    #[arg(long, env = "NIBBLE_HTTP_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub http_max_body_bytes: usize,
+}
+
+impl HttpArgs {
+    /// The API's settings.
+    pub fn config(&self) -> HttpConfig {
+        HttpConfig {
+            api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+            max_body_bytes: self.http_max_body_bytes,
+        }
+    }
+
+    /// Binds the API's listener, unless `--no-http`.
+    pub async fn bind(&self) -> std::io::Result<Option<HttpListener>> {
+        if self.no_http {
+            return Ok(None);
+        }
+        let listener = TcpListener::bind(self.http_listen).await.map_err(|e| {
+            std::io::Error::new(e.kind(), format!("--http-listen {}: {e}", self.http_listen))
+        })?;
+        Ok(Some(HttpListener {
+            listener,
+            config: self.config(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        http: HttpArgs,
+    }
+
+    #[test]
+    fn defaults_and_flags() {
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(cli.http.http_listen.to_string(), "127.0.0.1:8000");
+        assert!(!cli.http.no_http);
+        assert_eq!(cli.http.config().api_key, None);
+        let cli = Cli::try_parse_from([
+            "x",
+            "--http-listen",
+            "0.0.0.0:9000",
+            "--api-key",
+            "k",
+            "--http-max-body-bytes",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(cli.http.http_listen.port(), 9000);
+        let config = cli.http.config();
+        assert_eq!(config.api_key.as_deref(), Some("k"));
+        assert_eq!(config.max_body_bytes, 10);
+        assert!(Cli::try_parse_from(["x", "--http-listen", "nowhere"]).is_err());
+    }
+}

@@ -1,0 +1,299 @@
+//! `POST /v1/chat/completions`: a conversation rendered by the model's chat template (the
+//! router's chat prompt), answered as the assistant's message.
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use nibble_proto::v1;
+use serde::Deserialize;
+
+use super::error::ApiError;
+use super::generate::{self, finish_reason, usage_json, ChunkFormat};
+use super::params::{self, Common, Delivery};
+use super::{read_body, with_request_id, HttpState};
+
+/// A message's `content`: text, or a list of parts of which only text parts are supported.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a multi-part content.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// One message of the conversation (other fields, such as `name`, are ignored).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// The body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChatRequest {
+    #[serde(flatten)]
+    pub common: Common,
+    pub messages: Option<Vec<Message>>,
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub response_format: Option<serde_json::Value>,
+    /// Append the opening of the assistant's turn (vLLM's extension). Default true.
+    pub add_generation_prompt: Option<bool>,
+}
+
+struct Parsed {
+    request: v1::GenerateRequest,
+    delivery: Delivery,
+    logprobs: bool,
+}
+
+fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
+    let c = &body.common;
+    c.check_model(served)?;
+    let delivery = c.delivery()?;
+    if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::invalid("tools", "tool calling is not supported"));
+    }
+    if let Some(format) = &body.response_format {
+        if format.get("type").and_then(|t| t.as_str()) != Some("text") {
+            return Err(ApiError::invalid(
+                "response_format",
+                "only {\"type\": \"text\"} is supported",
+            ));
+        }
+    }
+    let logprobs = body.logprobs.unwrap_or(false);
+    match body.top_logprobs {
+        None | Some(0) => {}
+        Some(k) if logprobs => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!(
+                    "at most 0 alternatives per token are supported (the chosen token's \
+                     log-probability is returned), got {k}"
+                ),
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "requires logprobs to be true",
+            ))
+        }
+    }
+    let messages = body
+        .messages
+        .ok_or_else(|| ApiError::invalid("messages", "is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "needs at least one message"));
+    }
+    let messages = messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(text)) => text,
+                Some(Content::Parts(parts)) => {
+                    let mut texts = Vec::new();
+                    for part in parts {
+                        match (part.kind.as_str(), part.text) {
+                            ("text", Some(text)) => texts.push(text),
+                            (kind, _) => {
+                                return Err(ApiError::invalid(
+                                    format!("messages[{i}].content"),
+                                    format!(
+                                    "content parts of type {kind:?} are not supported (only text)"
+                                ),
+                                ))
+                            }
+                        }
+                    }
+                    texts.join("\n")
+                }
+            };
+            Ok(v1::ChatMessage {
+                role: m.role,
+                content,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // max_completion_tokens supersedes the deprecated max_tokens.
+    let (max_tokens, param) = match (body.max_completion_tokens, body.max_tokens) {
+        (Some(n), _) => (Some(n), "max_completion_tokens"),
+        (None, n) => (n, "max_tokens"),
+    };
+    let request = v1::GenerateRequest {
+        request_id,
+        model: served.to_string(),
+        prompt: Some(v1::generate_request::Prompt::Chat(v1::ChatPrompt {
+            messages,
+            add_generation_prompt: body.add_generation_prompt,
+        })),
+        add_special_tokens: None,
+        sampling: Some(c.sampling()?),
+        stopping: Some(c.stopping(max_tokens, param)?),
+        logprobs: logprobs.then_some(v1::LogprobsOptions {
+            enabled: true,
+            top_logprobs: 0,
+        }),
+        skip_special_tokens: c.skip_special_tokens,
+    };
+    Ok(Parsed {
+        request,
+        delivery,
+        logprobs,
+    })
+}
+
+/// The handler.
+pub async fn chat_completions(
+    State(state): State<HttpState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let id = state.next_id("chatcmpl");
+    let response = run(state, body, id.clone())
+        .await
+        .unwrap_or_else(IntoResponse::into_response);
+    with_request_id(response, &id)
+}
+
+async fn run(
+    state: HttpState,
+    body: Result<Bytes, BytesRejection>,
+    id: String,
+) -> Result<Response, ApiError> {
+    let body: ChatRequest = params::parse_body(&read_body(&state, body)?)?;
+    let served = state.model().to_string();
+    let parsed = parse(body, &served, id.clone())?;
+    let started = generate::start(&state.service, parsed.request, "messages").await?;
+    let format = ChatChunks {
+        id,
+        model: served,
+        created: generate::unix_now(),
+        tokenizer: parsed.logprobs.then(|| state.tokenizer()),
+        include_usage: parsed.delivery.include_usage,
+        sent_role: false,
+    };
+    if parsed.delivery.stream {
+        return Ok(generate::sse(started, format, "messages"));
+    }
+    let collected = generate::collect(started, "messages").await?;
+    Ok(Json(serde_json::json!({
+        "id": format.id,
+        "object": "chat.completion",
+        "created": format.created,
+        "model": format.model,
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": collected.text },
+            "logprobs": format.logprobs(&collected.logprobs),
+            "finish_reason": finish_reason(collected.finish_reason),
+        }],
+        "usage": collected.usage.as_ref().map(usage_json),
+    }))
+    .into_response())
+}
+
+struct ChatChunks {
+    id: String,
+    model: String,
+    created: u64,
+    /// Present when log-probabilities were asked for (to spell the tokens).
+    tokenizer: Option<std::sync::Arc<nibble_engine::Tokenizer>>,
+    include_usage: bool,
+    sent_role: bool,
+}
+
+impl ChatChunks {
+    /// Chat's `logprobs` object for some tokens (`null` unless asked for).
+    fn logprobs(&self, logprobs: &[v1::TokenLogprob]) -> serde_json::Value {
+        let Some(tokenizer) = &self.tokenizer else {
+            return serde_json::Value::Null;
+        };
+        let content: Vec<_> = logprobs
+            .iter()
+            .map(|lp| {
+                let token = super::token_text(tokenizer, lp.token_id);
+                serde_json::json!({
+                    "token": token,
+                    "logprob": lp.logprob,
+                    "bytes": token.as_bytes(),
+                    "top_logprobs": [],
+                })
+            })
+            .collect();
+        serde_json::json!({ "content": content })
+    }
+
+    fn chunk(
+        &self,
+        delta: serde_json::Value,
+        logprobs: serde_json::Value,
+        finish: Option<&str>,
+    ) -> serde_json::Value {
+        let mut json = serde_json::json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }],
+        });
+        if self.include_usage {
+            json["usage"] = serde_json::Value::Null;
+        }
+        json
+    }
+}
+
+impl ChunkFormat for ChatChunks {
+    fn chunks(&mut self, chunk: v1::GenerateResponse) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        if !self.sent_role {
+            self.sent_role = true;
+            out.push(self.chunk(
+                serde_json::json!({ "role": "assistant", "content": "" }),
+                serde_json::Value::Null,
+                None,
+            ));
+        }
+        if !chunk.text.is_empty() || !chunk.logprobs.is_empty() {
+            out.push(self.chunk(
+                serde_json::json!({ "content": chunk.text }),
+                self.logprobs(&chunk.logprobs),
+                None,
+            ));
+        }
+        if let Some(finish) = finish_reason(chunk.finish_reason) {
+            out.push(self.chunk(serde_json::json!({}), serde_json::Value::Null, Some(finish)));
+        }
+        if let (true, Some(usage)) = (self.include_usage, &chunk.usage) {
+            out.push(serde_json::json!({
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage_json(usage),
+            }));
+        }
+        out
+    }
+}

@@ -1,0 +1,252 @@
+//! `POST /v1/completions`: a text (or token-id) prompt completed as is.
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use nibble_proto::v1;
+use nibble_proto::v1::generate_request::Prompt;
+use serde::Deserialize;
+
+use super::error::ApiError;
+use super::generate::{self, finish_reason, usage_json, ChunkFormat};
+use super::params::{self, Common, Delivery};
+use super::{read_body, with_request_id, HttpState};
+
+/// OpenAI's default `max_tokens` for completions.
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// `prompt`: a string, a list of one string, token ids, or a list of one list of token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// The body of `POST /v1/completions`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(flatten)]
+    pub common: Common,
+    pub prompt: Option<PromptInput>,
+    pub max_tokens: Option<u32>,
+    /// Top alternatives per token; the engine returns the chosen token's only, so 0.
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<u32>,
+}
+
+/// A parsed completion request.
+struct Parsed {
+    request: v1::GenerateRequest,
+    delivery: Delivery,
+    logprobs: bool,
+}
+
+fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
+    let c = &body.common;
+    c.check_model(served)?;
+    let delivery = c.delivery()?;
+    if body.echo == Some(true) {
+        return Err(ApiError::invalid("echo", "is not supported"));
+    }
+    if body.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix", "is not supported"));
+    }
+    if body.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid("best_of", "only best_of=1 is supported"));
+    }
+    let logprobs = match body.logprobs {
+        None => false,
+        Some(0) => true,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!(
+                    "at most 0 alternatives per token are supported (the chosen token's \
+                     log-probability is always returned), got {k}"
+                ),
+            ))
+        }
+    };
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(
+                "prompt",
+                format!("exactly one prompt is supported, got a batch of {n}"),
+            ))
+        }
+    };
+    let prompt = match body.prompt {
+        None => return Err(ApiError::invalid("prompt", "is required")),
+        Some(PromptInput::Text(text)) => Prompt::Text(text),
+        Some(PromptInput::Tokens(ids)) => Prompt::Tokens(v1::TokenIds { ids }),
+        Some(PromptInput::Texts(mut texts)) => {
+            one(texts.len())?;
+            Prompt::Text(texts.remove(0))
+        }
+        Some(PromptInput::TokenLists(mut lists)) => {
+            one(lists.len())?;
+            Prompt::Tokens(v1::TokenIds {
+                ids: lists.remove(0),
+            })
+        }
+    };
+    let max_tokens = body.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let request = v1::GenerateRequest {
+        request_id,
+        model: served.to_string(),
+        prompt: Some(prompt),
+        add_special_tokens: None,
+        sampling: Some(c.sampling()?),
+        stopping: Some(c.stopping(Some(max_tokens), "max_tokens")?),
+        logprobs: logprobs.then_some(v1::LogprobsOptions {
+            enabled: true,
+            top_logprobs: 0,
+        }),
+        skip_special_tokens: c.skip_special_tokens,
+    };
+    Ok(Parsed {
+        request,
+        delivery,
+        logprobs,
+    })
+}
+
+/// The handler.
+pub async fn completions(
+    State(state): State<HttpState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let id = state.next_id("cmpl");
+    let response = run(state, body, id.clone())
+        .await
+        .unwrap_or_else(IntoResponse::into_response);
+    with_request_id(response, &id)
+}
+
+async fn run(
+    state: HttpState,
+    body: Result<Bytes, BytesRejection>,
+    id: String,
+) -> Result<Response, ApiError> {
+    let body: CompletionRequest = params::parse_body(&read_body(&state, body)?)?;
+    let served = state.model().to_string();
+    let parsed = parse(body, &served, id.clone())?;
+    let started = generate::start(&state.service, parsed.request, "prompt").await?;
+    let mut format = CompletionChunks {
+        id,
+        model: served,
+        created: generate::unix_now(),
+        logprobs: parsed.logprobs.then(|| LogprobText::new(&state)),
+        include_usage: parsed.delivery.include_usage,
+    };
+    if parsed.delivery.stream {
+        return Ok(generate::sse(started, format, "prompt"));
+    }
+    let collected = generate::collect(started, "prompt").await?;
+    let logprobs = format
+        .logprobs
+        .as_mut()
+        .map(|l| l.json(&collected.logprobs));
+    Ok(Json(serde_json::json!({
+        "id": format.id,
+        "object": "text_completion",
+        "created": format.created,
+        "model": format.model,
+        "choices": [{
+            "index": 0,
+            "text": collected.text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(collected.finish_reason),
+        }],
+        "usage": collected.usage.as_ref().map(usage_json),
+    }))
+    .into_response())
+}
+
+/// Completions' `logprobs` object, with text offsets running over the whole completion.
+struct LogprobText {
+    tokenizer: std::sync::Arc<nibble_engine::Tokenizer>,
+    offset: usize,
+}
+
+impl LogprobText {
+    fn new(state: &HttpState) -> Self {
+        Self {
+            tokenizer: state.tokenizer(),
+            offset: 0,
+        }
+    }
+
+    fn json(&mut self, logprobs: &[v1::TokenLogprob]) -> serde_json::Value {
+        let mut tokens = Vec::new();
+        let mut values = Vec::new();
+        let mut offsets = Vec::new();
+        for lp in logprobs {
+            let text = super::token_text(&self.tokenizer, lp.token_id);
+            offsets.push(self.offset);
+            self.offset += text.chars().count();
+            tokens.push(text);
+            values.push(lp.logprob);
+        }
+        serde_json::json!({
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": null,
+            "text_offset": offsets,
+        })
+    }
+}
+
+struct CompletionChunks {
+    id: String,
+    model: String,
+    created: u64,
+    logprobs: Option<LogprobText>,
+    include_usage: bool,
+}
+
+impl ChunkFormat for CompletionChunks {
+    fn chunks(&mut self, chunk: v1::GenerateResponse) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        let finish = finish_reason(chunk.finish_reason);
+        if !chunk.text.is_empty() || finish.is_some() || !chunk.logprobs.is_empty() {
+            let logprobs = self.logprobs.as_mut().map(|l| l.json(&chunk.logprobs));
+            let mut json = serde_json::json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": chunk.text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }],
+            });
+            if self.include_usage {
+                json["usage"] = serde_json::Value::Null;
+            }
+            out.push(json);
+        }
+        if let (true, Some(usage)) = (self.include_usage, &chunk.usage) {
+            out.push(serde_json::json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage_json(usage),
+            }));
+        }
+        out
+    }
+}

@@ -1,0 +1,246 @@
+//! The router's OpenAI-compatible HTTP API (axum), beside its gRPC `Inference` service and over
+//! the same shared state: every generating request goes down the gRPC service's own generate
+//! path ([`generate`]), so validation, routing, queueing and cancellation are the same for both.
+//!
+//! Routes (docs/HTTP.md has the parameters and the error mapping):
+//! * `POST /v1/completions` ([`completions`]) and `POST /v1/chat/completions` ([`chat`]):
+//!   JSON, or server-sent events ending in `data: [DONE]` with `"stream": true`;
+//! * `GET /v1/models`, `GET /v1/models/{model}`;
+//! * `GET /health` (the process is up) and `GET /ready` (a decode worker is known: decode
+//!   workers prefill locally when no prefill worker is, so one can serve a request).
+//!
+//! Errors are OpenAI's `{"error": {...}}` with their status ([`error`]). With an API key
+//! configured, every `/v1` route wants `Authorization: Bearer <key>` (compared in constant
+//! time); `/health` and `/ready` stay open for probes.
+
+pub mod args;
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod generate;
+pub mod params;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+
+use crate::{InferenceService, Shared};
+pub use args::HttpArgs;
+pub use error::ApiError;
+
+/// Default largest request body, in bytes.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Settings of the HTTP API.
+#[derive(Clone)]
+pub struct HttpConfig {
+    /// The bearer key every `/v1` request must carry; `None` leaves the API open.
+    pub api_key: Option<String>,
+    /// Largest request body; a larger one is refused with 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("max_body_bytes", &self.max_body_bytes)
+            .finish()
+    }
+}
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct HttpState {
+    service: InferenceService,
+    config: Arc<HttpConfig>,
+    /// Process-unique prefix of response ids, and their counter.
+    id_prefix: Arc<str>,
+    next_id: Arc<AtomicU64>,
+    /// When the API started (`created` of the model list).
+    started: u64,
+}
+
+impl HttpState {
+    /// State over the router's shared state.
+    pub fn new(shared: Arc<Shared>, config: HttpConfig) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos() ^ d.as_secs() as u32);
+        Self {
+            service: InferenceService(shared),
+            config: Arc::new(config),
+            id_prefix: format!("{nanos:08x}").into(),
+            next_id: Arc::new(AtomicU64::new(1)),
+            started: generate::unix_now(),
+        }
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.service.0
+    }
+
+    /// The served model's name.
+    fn model(&self) -> &str {
+        &self.shared().config().router.model
+    }
+
+    fn tokenizer(&self) -> Arc<nibble_engine::Tokenizer> {
+        Arc::clone(&self.shared().config().tokenizer)
+    }
+
+    /// A new response id (also the request id the workers log): `{kind}-{prefix}-{n}`.
+    fn next_id(&self, kind: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{kind}-{}-{n}", self.id_prefix)
+    }
+}
+
+/// The API's routes over `shared`.
+pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
+    let limit = config.max_body_bytes;
+    let state = HttpState::new(shared, config);
+    let v1 = axum::Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    axum::Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` completes (open streams are let finish).
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    config: HttpConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(shared, config))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// The request body, or 413 / 400.
+fn read_body(state: &HttpState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(state.config.max_body_bytes)
+        } else {
+            ApiError::bad_body(rejection.body_text())
+        }
+    })
+}
+
+/// Marks a generating request's response with its id (`x-request-id`), which the router and
+/// the workers log, whether it succeeded or not.
+fn with_request_id(mut response: Response, id: &str) -> Response {
+    if let Ok(value) = header::HeaderValue::from_str(id) {
+        response.headers_mut().insert(REQUEST_ID, value);
+    }
+    response
+}
+
+/// The response header carrying the request id.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// A token's text, as OpenAI's log-probabilities spell it.
+fn token_text(tokenizer: &nibble_engine::Tokenizer, id: u32) -> String {
+    tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+/// Checks the bearer key when one is configured.
+async fn authorize(State(state): State<HttpState>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map_or("", |(_, key)| key.trim());
+        // Constant time in the key's bytes (a length mismatch fails at once: lengths are not
+        // secret enough to matter for random keys).
+        if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+async fn ready(State(state): State<HttpState>) -> Response {
+    let stats = state.shared().router().stats();
+    let ready = stats.decode_workers > 0;
+    let body = Json(serde_json::json!({
+        "status": if ready { "ready" } else { "not ready" },
+        "prefill_workers": stats.prefill_workers,
+        "decode_workers": stats.decode_workers,
+    }));
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, body).into_response()
+}
+
+fn model_json(state: &HttpState) -> serde_json::Value {
+    serde_json::json!({
+        "id": state.model(),
+        "object": "model",
+        "created": state.started,
+        "owned_by": "nibble",
+        "max_model_len": state.shared().config().max_context,
+    })
+}
+
+async fn models(State(state): State<HttpState>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "object": "list", "data": [model_json(&state)] }))
+}
+
+async fn model(State(state): State<HttpState>, Path(model): Path<String>) -> Response {
+    if model == state.model() {
+        Json(model_json(&state)).into_response()
+    } else {
+        ApiError::unknown_model(&model, state.model()).into_response()
+    }
+}
+
+async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::no_route(method.as_str(), uri.path())
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
+}

@@ -1,0 +1,316 @@
+//! The request parameters both generating endpoints share, parsed into the router's
+//! `GenerateRequest` pieces. Parse, don't validate: everything that leaves this module is in
+//! range, and every refusal names the OpenAI parameter at fault.
+
+use nibble_engine::sampling::MAX_TOKENS_LIMIT;
+use nibble_proto::v1;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use super::error::ApiError;
+
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopStrings {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Parameters of both `/v1/completions` and `/v1/chat/completions`. Every field is optional
+/// here so that a wrong one is found by name ([`parse_body`]); what is required is checked
+/// after parsing. Fields this server does not know are ignored, as OpenAI's servers do.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StopStrings>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<serde_json::Number>,
+    pub n: Option<u32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    pub user: Option<String>,
+    // Extensions vLLM and SGLang clients send; the engine has them.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub skip_special_tokens: Option<bool>,
+}
+
+/// How the response is delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivery {
+    /// Server-sent events instead of one JSON body.
+    pub stream: bool,
+    /// A last streamed chunk with the usage (and `usage: null` on the others).
+    pub include_usage: bool,
+}
+
+/// Parses a JSON body into `T`. A body that does not parse is a 400 naming the first
+/// top-level key whose value does not fit (every field of `T` must be optional for that).
+pub fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(ApiError::bad_body)?;
+    let serde_json::Value::Object(map) = &value else {
+        return Err(ApiError::bad_body("expected a JSON object"));
+    };
+    serde_json::from_value(value.clone()).map_err(|err| {
+        for (key, field) in map {
+            let alone =
+                serde_json::Value::Object([(key.clone(), field.clone())].into_iter().collect());
+            if let Err(e) = serde_json::from_value::<T>(alone) {
+                return ApiError::invalid(key.as_str(), e);
+            }
+        }
+        ApiError::bad_body(err)
+    })
+}
+
+impl Common {
+    /// Checks the model: absent, empty or `served` is fine; another is a 404.
+    pub fn check_model(&self, served: &str) -> Result<(), ApiError> {
+        match self.model.as_deref() {
+            None | Some("") => Ok(()),
+            Some(m) if m == served => Ok(()),
+            Some(m) => Err(ApiError::unknown_model(m, served)),
+        }
+    }
+
+    /// The delivery the request asks for.
+    pub fn delivery(&self) -> Result<Delivery, ApiError> {
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "is only allowed when stream is true",
+            ));
+        }
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        Ok(Delivery {
+            stream,
+            include_usage,
+        })
+    }
+
+    /// The sampling parameters; refuses what the engine cannot do instead of ignoring it.
+    pub fn sampling(&self) -> Result<v1::SamplingParams, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::invalid(
+                    "n",
+                    format!("only n=1 is supported, got {n}"),
+                ));
+            }
+        }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid(
+                    name,
+                    "is not supported (only 0); repetition_penalty is",
+                ));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(ApiError::invalid("logit_bias", "is not supported"));
+        }
+        if let Some(t) = self.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(ApiError::invalid(
+                    "temperature",
+                    format!("must be between 0 and 2, got {t}"),
+                ));
+            }
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::invalid(
+                    "top_p",
+                    format!("must be in (0, 1], got {p}"),
+                ));
+            }
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => None,
+            Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("must be positive, or -1 or 0 for all tokens, got {k}"),
+                ))
+            }
+        };
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ApiError::invalid(
+                    "min_p",
+                    format!("must be in [0, 1], got {p}"),
+                ));
+            }
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r > 0.0 && r.is_finite()) {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    format!("must be positive, got {r}"),
+                ));
+            }
+        }
+        // Any integer seeds; a negative one is used by its bits.
+        let seed = match &self.seed {
+            None => None,
+            Some(n) => Some(
+                n.as_u64()
+                    .or_else(|| n.as_i64().map(|i| i as u64))
+                    .ok_or_else(|| {
+                        ApiError::invalid("seed", format!("must be an integer, got {n}"))
+                    })?,
+            ),
+        };
+        Ok(v1::SamplingParams {
+            temperature: self.temperature,
+            top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed,
+        })
+    }
+
+    /// The stopping criteria with `max_tokens` (named `param` in the request).
+    pub fn stopping(
+        &self,
+        max_tokens: Option<u32>,
+        param: &str,
+    ) -> Result<v1::StoppingCriteria, ApiError> {
+        if let Some(max) = max_tokens {
+            if !(1..=MAX_TOKENS_LIMIT).contains(&max) {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("must be between 1 and {MAX_TOKENS_LIMIT}, got {max}"),
+                ));
+            }
+        }
+        let stop = match self.stop.clone() {
+            None => Vec::new(),
+            Some(StopStrings::One(s)) => vec![s],
+            Some(StopStrings::Many(list)) => list,
+        };
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                "stop",
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                    stop.len()
+                ),
+            ));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+        }
+        Ok(v1::StoppingCriteria {
+            max_tokens,
+            stop,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn common(json: &str) -> Result<Common, ApiError> {
+        parse_body(json.as_bytes())
+    }
+
+    #[test]
+    fn a_wrong_field_is_named() {
+        let e = common(r#"{"temperature": "hot", "top_p": 0.5}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temperature"), "{e:?}");
+        let e = common(r#"{"stop": 3}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        let e = common("[1]").unwrap_err();
+        assert_eq!(e.status.as_u16(), 400);
+        let e = common("{").unwrap_err();
+        assert!(e.message.starts_with("invalid request body"), "{e:?}");
+    }
+
+    #[test]
+    fn ranges_are_checked_by_name() {
+        let cases = [
+            (r#"{"temperature": 2.5}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"n": 2}"#, "n"),
+            (r#"{"top_k": -3}"#, "top_k"),
+            (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
+            (r#"{"logit_bias": {"1": 5}}"#, "logit_bias"),
+            (r#"{"seed": 1.5}"#, "seed"),
+        ];
+        for (json, param) in cases {
+            let e = common(json).and_then(|c| c.sampling()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{json}: {e:?}");
+            assert!(e.message.starts_with(param), "{e:?}");
+        }
+        let c = common(r#"{"stop": ["a", ""]}"#).unwrap();
+        assert_eq!(
+            c.stopping(None, "max_tokens").unwrap_err().param.as_deref(),
+            Some("stop")
+        );
+        let e = c.stopping(Some(0), "max_completion_tokens").unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+        let e = common(r#"{"stream_options": {"include_usage": true}}"#)
+            .unwrap()
+            .delivery()
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stream_options"));
+    }
+
+    #[test]
+    fn valid_parameters_reach_the_request() {
+        let c = common(
+            r#"{"temperature": 0, "top_p": 0.9, "seed": -1, "top_k": -1, "stop": "\n",
+                "n": 1, "stream": true, "stream_options": {"include_usage": true}}"#,
+        )
+        .unwrap();
+        let s = c.sampling().unwrap();
+        assert_eq!(s.temperature, Some(0.0));
+        assert_eq!(s.top_p, Some(0.9));
+        assert_eq!(s.seed, Some(u64::MAX));
+        assert_eq!(s.top_k, None);
+        let stop = c.stopping(Some(5), "max_tokens").unwrap();
+        assert_eq!(stop.stop, vec!["\n".to_string()]);
+        assert_eq!(stop.max_tokens, Some(5));
+        assert_eq!(
+            c.delivery().unwrap(),
+            Delivery {
+                stream: true,
+                include_usage: true
+            }
+        );
+        assert!(c.check_model("m").is_ok());
+        let c = common(r#"{"model": "other"}"#).unwrap();
+        assert_eq!(c.check_model("m").unwrap_err().status.as_u16(), 404);
+    }
+}

@@ -1,0 +1,315 @@
+//! What the router's end-to-end tests share: the real model loaded once, in-process prefill and
+//! decode workers served on loopback and registered in a [`StaticRegistry`], a router (gRPC and
+//! HTTP) following that registry, and the engine's own tokens to compare against.
+//!
+//! Each test binary uses a different subset of these helpers.
+#![allow(dead_code)]
+
+pub mod http_client;
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use nibble_discovery::{Discovery, Role, StaticRegistry};
+use nibble_engine::sampling::SamplingParams;
+use nibble_engine::scheduler::{SchedulerConfig, SeqId};
+use nibble_engine::{CpuBackend, EngineConfig, Event, KvConfig, Model, ModelSource, Tokenizer};
+use nibble_kvfmt::KvDtype;
+use nibble_proto::v1;
+use nibble_proto::v1::inference_client::InferenceClient;
+use nibble_proto::v1::worker_client::WorkerClient;
+use nibble_router::{HttpConfig, HttpListener, RouterConfig, ServiceConfig, Shared};
+use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+pub const PROMPT: &str =
+    "It is a truth universally acknowledged, that a single man in possession of a good \
+     fortune, must be in want of a wife. However little known the feelings";
+/// Pages per worker: enough that the few pages a request caches weigh less in the router's
+/// page-pressure cost than the prefix they save.
+pub const PAGES: usize = 512;
+pub const NEW_TOKENS: u32 = 8;
+pub const MODEL: &str = "smollm2";
+
+pub fn model_path() -> PathBuf {
+    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    assert!(path.is_file(), "model file {} not found", path.display());
+    path
+}
+
+pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
+    static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let source = ModelSource::open(model_path()).unwrap();
+        let model = source
+            .load_model(Arc::new(CpuBackend::new(2).unwrap()))
+            .unwrap();
+        (model, Arc::new(source.load_tokenizer().unwrap()))
+    })
+}
+
+pub fn prompt() -> Vec<u32> {
+    model().1.encode(PROMPT, false).unwrap()
+}
+
+pub fn engine(dtype: KvDtype) -> EngineHandle {
+    engine_with(dtype, SchedulerConfig::default())
+}
+
+/// An engine over the shared model with its own scheduler settings.
+pub fn engine_with(dtype: KvDtype, scheduler: SchedulerConfig) -> EngineHandle {
+    let (model, tokenizer) = model();
+    let kv = KvConfig::new(dtype);
+    let page_bytes = kv.layout(model).unwrap().page_bytes();
+    let config = EngineConfig {
+        kv,
+        kv_budget_bytes: PAGES * page_bytes,
+        scheduler,
+    };
+    EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
+}
+
+/// The engine's own greedy tokens for the prompt: cold, then with its pages cached.
+pub async fn reference(dtype: KvDtype) -> (Vec<u32>, Vec<u32>) {
+    let e = engine(dtype);
+    let mut runs = Vec::new();
+    for id in [1, 2] {
+        let mut events = e
+            .submit(SeqId(id), prompt(), SamplingParams::greedy(NEW_TOKENS))
+            .await
+            .unwrap();
+        let mut tokens = Vec::new();
+        while let Some(event) = events.recv().await {
+            if let Event::Token { token, .. } = event {
+                tokens.push(token);
+            }
+        }
+        runs.push(tokens);
+    }
+    let warm = runs.pop().unwrap();
+    (runs.pop().unwrap(), warm)
+}
+
+/// A worker served on 127.0.0.1:0 and registered in a registry until dropped.
+pub struct Worker {
+    pub address: String,
+    pub state: Arc<WorkerState>,
+    _session: Arc<dyn Discovery>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Worker {
+    pub async fn start(registry: &StaticRegistry, role: Role, name: &str, dtype: KvDtype) -> Self {
+        Self::start_with(registry, role, name, engine(dtype)).await
+    }
+
+    /// A worker over the given engine.
+    pub async fn start_with(
+        registry: &StaticRegistry,
+        role: Role,
+        name: &str,
+        engine: EngineHandle,
+    ) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let wire_role = match role {
+            Role::Prefill => v1::WorkerRole::Prefill,
+            _ => v1::WorkerRole::Decode,
+        };
+        let state = WorkerState::new(
+            engine,
+            WorkerIdentity {
+                worker_id: name.into(),
+                role: wire_role,
+                model: MODEL.into(),
+                transfer_address: if role == Role::Decode {
+                    address.clone()
+                } else {
+                    String::new()
+                },
+                reservation_ttl: Duration::from_secs(30),
+            },
+        );
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(nibble_worker::serve(
+            Arc::clone(&state),
+            listener,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        let session: Arc<dyn Discovery> = Arc::new(registry.session());
+        nibble_worker::registration::register(
+            Arc::clone(&session),
+            Arc::clone(&state),
+            role,
+            &address,
+            Duration::from_millis(200),
+        )
+        .await
+        .unwrap();
+        Self {
+            address,
+            state,
+            _session: session,
+            _stop: stop,
+        }
+    }
+
+    pub async fn load(&self) -> v1::LoadResponse {
+        WorkerClient::connect(format!("http://{}", self.address))
+            .await
+            .unwrap()
+            .load(v1::LoadRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Waits until no request holds a page.
+    pub async fn pages_back(&self) {
+        for _ in 0..200 {
+            let load = self.load().await;
+            if load.free_pages + load.evictable_pages == load.total_pages
+                && load.running_requests == 0
+                && load.pending_reservations == 0
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("pages not returned: {:?}", self.load().await);
+    }
+}
+
+/// The router's configuration for the test model: pages of `page_size`, a context of 2048.
+pub fn service_config(page_size: u32) -> ServiceConfig {
+    ServiceConfig::new(
+        RouterConfig::new(MODEL, page_size),
+        Arc::clone(&model().1),
+        2048,
+    )
+}
+
+/// A router served on 127.0.0.1:0 until dropped.
+pub struct RouterServer {
+    /// The gRPC `Inference` API's address.
+    pub address: String,
+    /// The HTTP API's address.
+    pub http_address: String,
+    pub shared: Arc<Shared>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl RouterServer {
+    /// A router whose HTTP API is open (no key) with the default body limit.
+    pub async fn start(registry: &StaticRegistry, page_size: u32) -> Self {
+        Self::start_with(registry, page_size, HttpConfig::default()).await
+    }
+
+    /// A router with its HTTP API configured by `http`.
+    pub async fn start_with(registry: &StaticRegistry, page_size: u32, http: HttpConfig) -> Self {
+        let mut config = service_config(page_size);
+        // Every uncached token goes to a prefill worker, so the hand-off path is exercised.
+        config.router.policy.local_prefill_threshold_tokens = 1;
+        let shared = Shared::new(config).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_address = http_listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(nibble_router::serve_shared_with_http(
+            listener,
+            Some(HttpListener {
+                listener: http_listener,
+                config: http,
+            }),
+            Arc::clone(&shared),
+            Arc::new(registry.session()),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            address,
+            http_address,
+            shared,
+            _stop: stop,
+        }
+    }
+
+    pub async fn client(&self) -> InferenceClient<Channel> {
+        InferenceClient::connect(format!("http://{}", self.address))
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the router tracks `prefill` and `decode` workers.
+    pub async fn wait_for_workers(&self, prefill: usize, decode: usize) {
+        for _ in 0..200 {
+            let stats = self.shared.router().stats();
+            if stats.prefill_workers == prefill && stats.decode_workers == decode {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("workers not tracked: {:?}", self.shared.router().stats());
+    }
+}
+
+pub fn greedy_request(request_id: &str) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        request_id: request_id.into(),
+        model: MODEL.into(),
+        prompt: Some(v1::generate_request::Prompt::Tokens(v1::TokenIds {
+            ids: prompt(),
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: Some(NEW_TOKENS),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Streams a request to the end: its tokens, the last chunk's finish reason and usage.
+pub async fn generate(
+    client: &mut InferenceClient<Channel>,
+    request: v1::GenerateRequest,
+) -> (Vec<u32>, i32, v1::Usage) {
+    let (tokens, _, finish, usage) = generate_text(client, request).await;
+    (tokens, finish, usage)
+}
+
+/// [`generate`], with the completion's text too.
+pub async fn generate_text(
+    client: &mut InferenceClient<Channel>,
+    request: v1::GenerateRequest,
+) -> (Vec<u32>, String, i32, v1::Usage) {
+    let mut stream = client.generate(request).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut last = None;
+    while let Some(chunk) = stream.message().await.unwrap() {
+        tokens.extend(&chunk.token_ids);
+        text.push_str(&chunk.text);
+        if let Some(usage) = chunk.usage {
+            last = Some((chunk.finish_reason, usage));
+        }
+    }
+    let (finish, usage) = last.expect("the last chunk carries usage");
+    (tokens, text, finish, usage)
+}
