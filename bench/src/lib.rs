@@ -1,8 +1,11 @@
-//! Shared inputs for nibble's benchmarks (the benchmarks themselves are in `benches/`).
+//! Shared inputs for nibble's benchmarks (criterion benchmarks in `benches/`, serving
+//! benchmarks that run a cluster in `examples/`).
 //!
 //! Inputs are seeded, so every run measures the same values. [`router`] builds the router
-//! benchmark's cluster and prompts.
+//! benchmark's cluster and prompts; [`cluster`] starts real gRPC workers and a router in this
+//! process for the transfer and latency benchmarks.
 
+pub mod cluster;
 pub mod router;
 
 use rand::rngs::StdRng;

@@ -42,6 +42,8 @@ pub async fn serve(
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let router = tonic::transport::Server::builder()
+        .initial_stream_window_size(crate::transfer::STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(crate::transfer::CONNECTION_WINDOW_BYTES)
         .add_service(health_service)
         .add_service(reflection)
         .add_service(worker)

@@ -19,8 +19,20 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::actor::EngineHandle;
 use crate::error::{Error, Result};
 
-/// Pages per `PushPagesRequest` message.
-pub const PAGES_PER_MESSAGE: usize = 8;
+/// Bytes of page data per `PushPagesRequest` message (at least one page): large enough that
+/// per-message costs vanish, small enough to pipeline export, send and import.
+pub const MESSAGE_BYTES: usize = 4 << 20;
+
+/// HTTP/2 flow-control windows of page streams, both ends. The 64 KiB default stalls a
+/// stream of multi-megabyte messages on window updates; these let several messages fly.
+pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;
+/// See [`STREAM_WINDOW_BYTES`].
+pub const CONNECTION_WINDOW_BYTES: u32 = 32 << 20;
+
+/// Pages per message for pages of `page_bytes`.
+pub fn pages_per_message(page_bytes: usize) -> usize {
+    (MESSAGE_BYTES / page_bytes.max(1)).max(1)
+}
 
 /// Pages and bytes moved by this worker, both directions.
 #[derive(Debug, Default)]
@@ -84,15 +96,23 @@ pub async fn push_pages(
     } else {
         format!("http://{address}")
     };
-    let mut client = KvTransferClient::connect(uri)
+    let connect = |source| Error::Connect {
+        address: address.clone(),
+        source,
+    };
+    let channel = tonic::transport::Endpoint::from_shared(uri)
+        .map_err(connect)?
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .connect()
         .await
-        .map_err(|source| Error::Connect {
-            address: address.clone(),
-            source,
-        })?;
+        .map_err(connect)?;
+    let mut client = KvTransferClient::new(channel)
+        .max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(2);
     let first = target.first_page_index as usize;
-    let chunks: Vec<Vec<PageId>> = pages.chunks(PAGES_PER_MESSAGE).map(<[_]>::to_vec).collect();
+    let per_message = pages_per_message(engine.info().page_bytes);
+    let chunks: Vec<Vec<PageId>> = pages.chunks(per_message).map(<[_]>::to_vec).collect();
     let fingerprint = engine.info().fingerprint;
     let producer = {
         let engine = engine.clone();
