@@ -5,7 +5,9 @@
 //! * extend gather: workspace bytes identical to the CPU extend path (dequantize, then E4M3 with
 //!   the work scale, or BF16);
 //! * decode attention over NVFP4, FP8 and BF16 pages: within a relative L2 error of the CPU
-//!   reference (`nibble_engine::paged::DecodeScratch`) on the same pages.
+//!   reference (`nibble_engine::paged::DecodeScratch`) on the same pages;
+//! * prefill and extend attention over the FP8 workspace: within a relative L2 error of the CPU
+//!   backend's causal attention (`CpuBackend::attention`) on the same decoded workspace.
 //!
 //! Exits 1 on any mismatch and also when there is no GPU, driver or NVRTC: it never passes
 //! without running. Run: `cargo run --release -p nibble-kernels --example gpu_check`.
@@ -15,9 +17,10 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaSlice;
 use nibble_engine::paged::{DecodeArgs, DecodeScratch};
-use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom};
+use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
+use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
-use nibble_kvfmt::{bf16, fp8, KvDtype, KvPart, PageLayout};
+use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
 /// Relative L2 error allowed for decode attention against the CPU. The GPU reads the same
@@ -81,10 +84,14 @@ fn run() -> Result<usize> {
         kernels.multiprocessors(),
         kernels.arch()
     );
+    let cpu = CpuBackend::new(2)?;
     let mut failures = 0;
     for geometry in &GEOMETRIES {
         for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
             failures += check_dtype(&kernels, geometry, dtype)?;
+        }
+        for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17)] {
+            failures += check_prefill(&kernels, &cpu, geometry, start, n)?;
         }
     }
     Ok(failures)
@@ -108,6 +115,97 @@ fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
         }
     }
     x
+}
+
+/// Relative L2 error of `gpu` against `cpu`, its largest absolute error, and whether `gpu` is
+/// finite.
+fn compare(cpu: &[f32], gpu: &[f32]) -> (f64, f64, bool) {
+    let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    for (a, b) in cpu.iter().zip(gpu) {
+        let d = (*a as f64) - (*b as f64);
+        err += d * d;
+        norm += (*a as f64) * (*a as f64);
+        max_abs = max_abs.max(d.abs());
+    }
+    let finite = gpu.iter().all(|x| x.is_finite());
+    ((err / norm.max(1e-30)).sqrt(), max_abs, finite)
+}
+
+/// Prefill (start = 0) or extend (start > 0) of `n` queries over an FP8 workspace of
+/// `start + n` tokens, against the CPU backend's causal attention on the decoded workspace (what
+/// the engine's prefill and extend paths hand it).
+fn check_prefill(
+    kernels: &Kernels,
+    cpu: &CpuBackend,
+    geo: &Geometry,
+    start: usize,
+    n: usize,
+) -> Result<usize> {
+    let stream = kernels.stream();
+    let mut rng = StdRng::seed_from_u64(0xfeed ^ (start * 1000 + n) as u64);
+    let (d, kvh, qh) = (geo.head_dim, geo.kv_heads, geo.q_heads);
+    let tokens = start + n;
+    let work = (0.37f32 * 6.0, 1.9f32 * 6.0);
+    let k = values(&mut rng, tokens * kvh * d);
+    let v = values(&mut rng, tokens * kvh * d);
+    let (mut wk, mut wv) = (vec![0u8; k.len()], vec![0u8; v.len()]);
+    fp8::quantize_unchecked(&k, work.0, &mut wk);
+    fp8::quantize_unchecked(&v, work.1, &mut wv);
+    let q: Vec<f32> = (0..n * qh * d)
+        .map(|_| rng.gen_range(-3.0f32..3.0))
+        .collect();
+    // The CPU side: BF16 Q, the workspace decoded to f32, CpuBackend::attention.
+    let decode =
+        |bytes: &[u8], g: f32| -> Vec<f32> { bytes.iter().map(|b| e4m3::decode(*b) * g).collect() };
+    let qt = CpuTensor::new(n, qh * d, q.iter().map(|x| bf16::round(*x)).collect())?;
+    let kt = CpuTensor::new(tokens, kvh * d, decode(&wk, work.0))?;
+    let vt = CpuTensor::new(tokens, kvh * d, decode(&wv, work.1))?;
+    let mut ct = CpuTensor::new(n, qh * d, vec![0.0; n * qh * d])?;
+    let args = AttentionArgs {
+        q: &qt,
+        q_rows: 0..n,
+        k: &kt,
+        v: &vt,
+        kv_len: tokens,
+        geometry: AttnGeometry {
+            num_heads: qh,
+            num_kv_heads: kvh,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        },
+    };
+    cpu.attention(&args, &mut ct);
+    let (dq, dk, dv) = (
+        stream.clone_htod(&q)?,
+        stream.clone_htod(&wk)?,
+        stream.clone_htod(&wv)?,
+    );
+    let mut dout = stream.clone_htod(&vec![f32::NAN; q.len()])?;
+    let batch = PrefillBatch {
+        q: &dq,
+        n,
+        start,
+        q_heads: qh,
+        kv_heads: kvh,
+        head_dim: d,
+        k: &dk,
+        v: &dv,
+        work_scales: work,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+    };
+    kernels.prefill(&batch, &mut dout)?;
+    let gpu = stream.clone_dtoh(&dout)?;
+    let (rel, max_abs, finite) = compare(ct.as_slice(), &gpu);
+    let limit = tolerance(KvDtype::Fp8);
+    let what = if start == 0 { "prefill" } else { "extend" };
+    Ok(report(
+        &format!("{what} fp8 D={d} H={kvh} start {start} rows {n}"),
+        finite && rel <= limit,
+        &format!(
+            "relative L2 error {rel:.2e} (limit {limit:.0e}), max abs error {max_abs:.2e}{}",
+            if finite { "" } else { ", NON-FINITE OUTPUT" }
+        ),
+    ))
 }
 
 fn report(name: &str, ok: bool, detail: &str) -> usize {

@@ -27,6 +27,24 @@ struct DecodeArgs {
 // SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
 unsafe impl DeviceRepr for DecodeArgs {}
 
+/// `PrefillArgs` of `cu/prefill.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct PrefillArgs {
+    n: u32,
+    start: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    score_scale: f32,
+    v_scale: f32,
+}
+
+// SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for PrefillArgs {}
+
+/// Query rows per prefill block (4 warps of 16), as in `cu/prefill.cu`.
+const PREFILL_ROWS: u32 = 64;
+
 /// Threads per decode block (4 warps) and tokens per warp tile, as in `cu/decode.cu`.
 const DECODE_THREADS: u32 = 128;
 const DECODE_TILE: usize = 16;
@@ -42,6 +60,8 @@ pub struct Kernels {
     fill: CudaFunction,
     /// [dtype code][0: head dim 64, 1: 128]
     decode: [[CudaFunction; 2]; 3],
+    /// [0: head dim 64, 1: 128]
+    prefill: [CudaFunction; 2],
     combine: CudaFunction,
 }
 
@@ -109,6 +129,10 @@ impl Kernels {
                 decode_fns("bf16")?,
             ],
             combine: function("decode", "decode_combine")?,
+            prefill: [
+                function("prefill", "prefill_fp8_d64")?,
+                function("prefill", "prefill_fp8_d128")?,
+            ],
             ctx,
             stream,
             arch,
@@ -240,6 +264,63 @@ impl Kernels {
         b.arg(pages).arg(&n).arg(&code).arg(&seed).arg(&geom);
         // SAFETY: matches fill_random_pages's signature; n is the slice's length.
         unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
+    /// Causal attention of one sequence's `n` new queries (positions `start..start + n`) over
+    /// the FP8 work-dtype workspace holding its first `start + n` tokens: the initial prefill
+    /// (`start` = 0) and extend paths. Writes `out` (`[row][q_head][head_dim]` f32).
+    pub fn prefill(&self, batch: &PrefillBatch<'_>, out: &mut CudaSlice<f32>) -> Result<()> {
+        let d = batch.head_dim;
+        let dim_index = match d {
+            64 => 0,
+            128 => 1,
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "prefill with head dim {d} (64 or 128)"
+                )))
+            }
+        };
+        let (q_heads, kv_heads) = (batch.q_heads, batch.kv_heads);
+        if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(Error::Unsupported(format!(
+                "{q_heads} query heads over {kv_heads} KV heads"
+            )));
+        }
+        let n = batch.n;
+        check("queries", n * q_heads * d, batch.q.len())?;
+        check("outputs", n * q_heads * d, out.len())?;
+        let context = (batch.start + n) * kv_heads * d;
+        if batch.k.len() < context || batch.v.len() < context {
+            return Err(Error::Shape {
+                what: "workspace bytes (at least)",
+                expected: context,
+                actual: batch.k.len().min(batch.v.len()),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let args = PrefillArgs {
+            n: n as u32,
+            start: batch.start as u32,
+            q_heads: q_heads as u32,
+            kv_heads: kv_heads as u32,
+            score_scale: batch.softmax_scale
+                * batch.work_scales.0
+                * fmt_factor(KvDtype::Fp8)
+                * std::f32::consts::LOG2_E,
+            v_scale: batch.work_scales.1 * fmt_factor(KvDtype::Fp8),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(PREFILL_ROWS), q_heads as u32, 1),
+            block_dim: (PREFILL_ROWS * 2, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.prefill[dim_index]);
+        b.arg(batch.q).arg(batch.k).arg(batch.v).arg(out).arg(&args);
+        // SAFETY: matches prefill_fp8_*'s signature; q, out and the workspace were checked.
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 
@@ -390,6 +471,26 @@ pub struct DecodeBatch<'a> {
     pub max_context: usize,
     /// The layer's (K, V) global scales (ignored for BF16 pages, which have none).
     pub scales: (f32, f32),
+    /// Normally 1 / sqrt(head_dim).
+    pub softmax_scale: f32,
+}
+
+/// One sequence's prefill or extend step over the FP8 work-dtype workspace, on the device.
+pub struct PrefillBatch<'a> {
+    /// The new tokens' queries after RoPE, `[row][q_head][head_dim]` f32 (rounded to BF16 by
+    /// the kernel).
+    pub q: &'a CudaSlice<f32>,
+    pub n: usize,
+    /// Tokens before the first query (a cached prefix, already gathered into the workspace).
+    pub start: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// E4M3 workspace, `[token][kv_head][head_dim]`, at least `start + n` tokens.
+    pub k: &'a CudaSlice<u8>,
+    pub v: &'a CudaSlice<u8>,
+    /// The work dtype's (K, V) dequantization multipliers.
+    pub work_scales: (f32, f32),
     /// Normally 1 / sqrt(head_dim).
     pub softmax_scale: f32,
 }
