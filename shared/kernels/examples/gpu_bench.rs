@@ -183,7 +183,10 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
     let largest = BATCHES[BATCHES.len() - 1] * CONTEXTS[CONTEXTS.len() - 1];
     // The pool the allocator would carve from this budget: the largest shape, four times over
     // when it fits (for rotation), never more than the free memory allows.
-    let want = 4 * largest / PAGE * layout.page_bytes();
+    let mut want = 4 * largest / PAGE * layout.page_bytes();
+    if sweep == Sweep::Profile {
+        want = want.min(8 << 30); // ncu saves and restores device memory between passes
+    }
     let plan = PoolPlan::for_budget(layout, want.min(free.saturating_sub(HEADROOM)))?;
     let mut pages: CudaSlice<u8> = stream.alloc_zeros(plan.bytes)?;
     kernels.fill_random(&mut pages, geom, dtype, 11 + dtype as u32)?;
