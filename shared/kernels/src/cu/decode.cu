@@ -137,27 +137,70 @@ struct DecodeArgs {
     float score_scale;     // softmax scale * gK * (64 for nvfp4) * log2(e)
 };
 
+// This lane's byte offsets within a page, for a tile starting at token 0 of the page: K data of
+// token g (quarter c), V data of token 2c (eighth g), and their NVFP4 scales. Fixed per block;
+// a page is far smaller than 4 GiB.
+struct LaneOffsets {
+    u32 kd, vd, ks, vs;
+};
+
+template <int FMT, int D>
+__device__ __forceinline__ LaneOffsets lane_offsets(const PageGeom& g, u32 head, u32 lg, u32 lc) {
+    typedef Fmt<FMT, D> F;
+    const u32 data = head * g.page_size * F::VB;
+    const u32 scales = g.kv_heads * g.page_size * F::VB + head * g.page_size * (D / 16);
+    const u32 k_part = (u32)part_offset(g, 0), v_part = (u32)part_offset(g, 1);
+    LaneOffsets o;
+    o.kd = k_part + data + lg * F::VB + lc * (F::VB / 4);
+    o.vd = v_part + data + 2u * lc * F::VB + lg * (F::VB / 8);
+    o.ks = k_part + scales + lg * (D / 16) + lc * (D / 64);
+    o.vs = v_part + scales + 2u * lc * (D / 16) + lg * D / 128;
+    return o;
+}
+
+template <int FMT, int D>
+__device__ __forceinline__ void load_k(Raw<FMT, D>& r, int t, const u8* kd, const u8* ks) {
+    load_words<Fmt<FMT, D>::KW>(kd, r.k[t]);
+    if (FMT == NIBBLE_NVFP4)
+        r.ks[t] = D / 64 == 2 ? (u32)__ldg(reinterpret_cast<const u16*>(ks)) : (u32)__ldg(ks);
+}
+
+template <int FMT, int D>
+__device__ __forceinline__ void load_v(Raw<FMT, D>& r, int t, const u8* vd, const u8* vs) {
+    load_words<Fmt<FMT, D>::VW>(vd, r.v[t]);
+    if (FMT == NIBBLE_NVFP4) r.vs[t] = __ldg(vs);
+}
+
 // Loads one 16-token tile: this lane's K words of tokens g, g+8 and V words of tokens 2c, 2c+1,
 // 2c+8, 2c+9 (zeros past `end`). t0 is a multiple of 16 and pages hold at least 16 tokens, so
-// the tile lies in one page: one page-table read per tile.
+// the tile lies in one page: one page-table read per tile, and every address is the page plus
+// a lane offset plus a constant. Whole tiles (all but a split's last) take a branch with no
+// bounds checks.
 template <int FMT, int D>
 __device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, const u32* table,
-                                          const PageGeom& g, u32 head, u32 t0, u32 end, u32 lg,
-                                          u32 lc) {
+                                          const PageGeom& g, const LaneOffsets& lo, u32 t0,
+                                          u32 end, u32 lg, u32 lc) {
     typedef Fmt<FMT, D> F;
-    const u8* page = pages + (u64)table[t0 >> g.page_shift] * g.page_bytes;
     const u32 off0 = t0 & (g.page_size - 1u);
-    const u8* kd = page + data_offset(g, 0, head, off0) + lc * (F::VB / 4);
-    const u8* vd = page + data_offset(g, 1, head, off0) + lg * (F::VB / 8);
+    const u8* page = pages + (u64)table[t0 >> g.page_shift] * g.page_bytes;
+    const u8* kd = page + (lo.kd + off0 * F::VB);
+    const u8* vd = page + (lo.vd + off0 * F::VB);
+    const u8* ks = page + (lo.ks + off0 * (D / 16));
+    const u8* vs = page + (lo.vs + off0 * (D / 16));
+    if (t0 + TILE <= end) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) load_k<FMT, D>(r, t, kd + 8 * t * F::VB, ks + 8 * t * (D / 16));
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int i = (t & 1) + 8 * (t >> 1);  // token 2c + i
+            load_v<FMT, D>(r, t, vd + i * F::VB, vs + i * (D / 16));
+        }
+        return;
+    }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-        const u32 i = lg + 8u * t;
-        if (t0 + i < end) {
-            load_words<F::KW>(kd + i * F::VB, r.k[t]);
-            if (FMT == NIBBLE_NVFP4) {
-                const u8* ks = page + scale_offset(g, 0, head, off0) + i * (D / 16) + lc * (D / 64);
-                r.ks[t] = D / 64 == 2 ? (u32)__ldg(reinterpret_cast<const u16*>(ks)) : (u32)__ldg(ks);
-            }
+        if (t0 + lg + 8u * t < end) {
+            load_k<FMT, D>(r, t, kd + 8 * t * F::VB, ks + 8 * t * (D / 16));
         } else {
 #pragma unroll
             for (int j = 0; j < F::KW; ++j) r.k[t][j] = 0u;
@@ -166,11 +209,9 @@ __device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, const
     }
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-        const u32 i = 2u * lc + (t & 1) + 8u * (t >> 1);
-        if (t0 + i < end) {
-            load_words<F::VW>(vd + i * F::VB, r.v[t]);
-            if (FMT == NIBBLE_NVFP4)
-                r.vs[t] = __ldg(page + scale_offset(g, 1, head, off0) + i * (D / 16) + lg * D / 128);
+        const int i = (t & 1) + 8 * (t >> 1);
+        if (t0 + 2u * lc + i < end) {
+            load_v<FMT, D>(r, t, vd + i * F::VB, vs + i * (D / 16));
         } else {
 #pragma unroll
             for (int j = 0; j < F::VW; ++j) r.v[t][j] = 0u;
@@ -240,30 +281,32 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
     }
 
     // ---- online softmax (log2 units) for heads 2c, 2c+1 over tokens g, g+8 ----
-    const bool v0 = t0 + lg < end, v1 = t0 + lg + 8u < end;
     const float NEG_INF = __int_as_float(0xff800000);
-    s[0] = v0 ? s[0] * score_scale : NEG_INF;
-    s[1] = v0 ? s[1] * score_scale : NEG_INF;
-    s[2] = v1 ? s[2] * score_scale : NEG_INF;
-    s[3] = v1 ? s[3] * score_scale : NEG_INF;
-    float p[4], corr[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float tmax = fmaxf(s[h], s[2 + h]);
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
-        const float mnew = fmaxf(m[h], tmax);
-        const float mu = mnew == NEG_INF ? 0.f : mnew;
-        corr[h] = fast_exp2(m[h] - mu);
-        p[h] = fast_exp2(s[h] - mu);
-        p[2 + h] = fast_exp2(s[2 + h] - mu);
-        // this lane's share of the sum; the lanes of a head are added once, at the end
-        l[h] = l[h] * corr[h] + (p[h] + p[2 + h]);
-        m[h] = mnew;
+    for (int i = 0; i < 4; ++i) s[i] *= score_scale;
+    if (t0 + TILE > end) {  // the last tile of a split: mask tokens past its end
+        const bool v0 = t0 + lg < end, v1 = t0 + lg + 8u < end;
+        s[0] = v0 ? s[0] : NEG_INF;
+        s[1] = v0 ? s[1] : NEG_INF;
+        s[2] = v1 ? s[2] : NEG_INF;
+        s[3] = v1 ? s[3] : NEG_INF;
     }
-    // The running max rarely moves once a few tiles are in: rescale only when it did.
-    if (!__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) {
+    // The running max moves rarely once a few tiles are in: the warp reduces and rescales only
+    // when some score exceeds it (otherwise the max is unchanged, exactly).
+    const bool grows = s[0] > m[0] || s[2] > m[0] || s[1] > m[1] || s[3] > m[1];
+    if (__any_sync(0xffffffffu, grows)) {
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float tmax = fmaxf(s[h], s[2 + h]);
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+            const float mnew = fmaxf(m[h], tmax);
+            corr[h] = fast_exp2(m[h] - (mnew == NEG_INF ? 0.f : mnew));
+            l[h] *= corr[h];
+            m[h] = mnew;
+        }
 #pragma unroll
         for (int rt = 0; rt < D / 16; ++rt) {
             o[rt][0] *= corr[0];
@@ -271,6 +314,15 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
             o[rt][2] *= corr[0];
             o[rt][3] *= corr[1];
         }
+    }
+    float p[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float mu = m[h] == NEG_INF ? 0.f : m[h];
+        p[h] = fast_exp2(s[h] - mu);
+        p[2 + h] = fast_exp2(s[2 + h] - mu);
+        // this lane's share of the sum; the lanes of a head are added once, at the end
+        l[h] += p[h] + p[2 + h];
     }
 
     // ---- P^T through shared memory: P[head][token] as 16-bit, rows of 16 tokens (8 words) ----
@@ -298,11 +350,12 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
             const u32 sl = scale_pair(r.vs[2 * pr], r.vs[2 * pr + 1]);
 #pragma unroll
             for (int w = 0; w < F::VW; ++w) {
-                const u32 le = fp4_lo_hb(ve[w]), lo = fp4_lo_hb(vo[w]);
-                const u32 he = fp4_hi_hb(ve[w]), ho = fp4_hi_hb(vo[w]);
-                // (even, odd) token pairs of the high bytes of one dim each
-                const u32 l02 = __byte_perm(le, lo, 0x5140), l46 = __byte_perm(le, lo, 0x7362);
-                const u32 h13 = __byte_perm(he, ho, 0x5140), h57 = __byte_perm(he, ho, 0x7362);
+                // (even, odd) token pairs of raw bytes 0, 1 and 2, 3, then their f16 high bytes:
+                // x01 = [e.b0, o.b0, e.b1, o.b1] gives dims 0, 2 (low nibbles), 1, 3 (high)
+                const u32 x01 = __byte_perm(ve[w], vo[w], 0x5140);
+                const u32 x23 = __byte_perm(ve[w], vo[w], 0x7362);
+                const u32 l02 = fp4_lo_hb(x01), h13 = fp4_hi_hb(x01);
+                const u32 l46 = fp4_lo_hb(x23), h57 = fp4_hi_hb(x23);
                 hv[pr][8 * w + 0] = hmul2(hb_01(l02), sl);
                 hv[pr][8 * w + 2] = hmul2(hb_23(l02), sl);
                 hv[pr][8 * w + 4] = hmul2(hb_01(l46), sl);
@@ -382,10 +435,11 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     for (int rt = 0; rt < D / 16; ++rt) o[rt][0] = o[rt][1] = o[rt][2] = o[rt][3] = 0.f;
 
     const u32 stride = WARPS * TILE;
+    const LaneOffsets lanes = lane_offsets<FMT, D>(geom, kv_head, lg, lc);
     u32 t0 = begin + warp * TILE;
     if (t0 < end) {
         Raw<FMT, D> cur;
-        load_tile<FMT, D>(cur, pages, table, geom, kv_head, t0, end, lg, lc);
+        load_tile<FMT, D>(cur, pages, table, geom, lanes, t0, end, lg, lc);
         if (FMT == NIBBLE_BF16) {
             // 256 B per lane in flight already; double-buffering would not fit in registers.
             while (true) {
@@ -393,20 +447,20 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                     lc);
                 t0 += stride;
                 if (t0 >= end) break;
-                load_tile<FMT, D>(cur, pages, table, geom, kv_head, t0, end, lg, lc);
+                load_tile<FMT, D>(cur, pages, table, geom, lanes, t0, end, lg, lc);
             }
         } else {
             // Two buffers in turn: the next tile loads while this one is computed.
             Raw<FMT, D> other;
             while (true) {
                 bool more = t0 + stride < end;
-                if (more) load_tile<FMT, D>(other, pages, table, geom, kv_head, t0 + stride, end, lg, lc);
+                if (more) load_tile<FMT, D>(other, pages, table, geom, lanes, t0 + stride, end, lg, lc);
                 attend_tile<FMT, D>(cur, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
                                     lc);
                 if (!more) break;
                 t0 += stride;
                 more = t0 + stride < end;
-                if (more) load_tile<FMT, D>(cur, pages, table, geom, kv_head, t0 + stride, end, lg, lc);
+                if (more) load_tile<FMT, D>(cur, pages, table, geom, lanes, t0 + stride, end, lg, lc);
                 attend_tile<FMT, D>(other, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
                                     lc);
                 if (!more) break;
