@@ -6,7 +6,7 @@
 //!   median time and effective KV bytes read per second (every K and V byte of the context,
 //!   scales included, once);
 //! * `quantize`, `gather`: quantize-on-write and extend-gather bandwidth;
-//! * `prefill`: causal prefill/extend attention over the FP8 workspace (Llama-3-8B's heads),
+//! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
 //!   time and TFLOP/s;
 //! * `capacity`: KV tokens of Llama-3-8B's shape that fit one byte budget, per dtype, from the
 //!   allocator's plan (`PoolPlan::for_budget`).
@@ -63,49 +63,54 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Prefill of one prompt (start 0) and extend of a chunk after a cached prefix.
+/// Prefill of one prompt (start 0) and extend of a chunk after a cached prefix, over an FP8 and
+/// a BF16 workspace.
 fn prefill(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
     let stream = kernels.stream();
-    for (start, n) in [(0usize, 4096usize), (0, 16384), (31744, 1024)] {
-        let tokens = start + n;
-        let layout = PageLayout::new(1, 1, 16, 16, KvDtype::Fp8)?;
-        let geom = PageGeom::new(&layout, 0)?;
-        let mut k: CudaSlice<u8> = stream.alloc_zeros(tokens * KV_HEADS * DIM)?;
-        let mut v: CudaSlice<u8> = stream.alloc_zeros(tokens * KV_HEADS * DIM)?;
-        kernels.fill_random(&mut k, geom, KvDtype::Fp8, 21)?;
-        kernels.fill_random(&mut v, geom, KvDtype::Fp8, 22)?;
-        let q: Vec<f32> = (0..n * Q_HEADS * DIM)
-            .map(|_| rng.gen_range(-2.0f32..2.0))
-            .collect();
-        let dq = stream.clone_htod(&q)?;
-        let mut out: CudaSlice<f32> = stream.alloc_zeros(q.len())?;
-        let batch = PrefillBatch {
-            q: &dq,
-            n,
-            start,
-            q_heads: Q_HEADS,
-            kv_heads: KV_HEADS,
-            head_dim: DIM,
-            k: &k,
-            v: &v,
-            work_scales: (0.05, 0.05),
-            softmax_scale: 1.0 / (DIM as f32).sqrt(),
-        };
-        let times = time_calls(stream, 2, (5, 50, 300.0), |_| {
-            kernels.prefill(&batch, &mut out)?;
-            Ok(())
-        })?;
-        let ms = median(&times);
-        // Q.K and P.V: 2 FLOP per multiply-add each, over every visible (query, key) pair.
-        let pairs: usize = (0..n).map(|i| start + i + 1).sum();
-        let flops = 4.0 * (Q_HEADS * DIM) as f64 * pairs as f64;
-        let host_out = stream.clone_dtoh(&out)?;
-        emit(
-            json!({"bench": "prefill", "start": start, "rows": n, "ms": ms,
-                    "min_ms": times[0], "runs": times.len(),
-                    "tflops": flops / (ms as f64 * 1e9),
-                    "finite": host_out.iter().all(|x| x.is_finite())}),
-        );
+    for work in [KvDtype::Fp8, KvDtype::Bf16] {
+        let width = if work == KvDtype::Bf16 { 2 } else { 1 };
+        for (start, n) in [(0usize, 4096usize), (0, 16384), (31744, 1024)] {
+            let tokens = start + n;
+            let layout = PageLayout::new(1, 1, 16, 16, work)?;
+            let geom = PageGeom::new(&layout, 0)?;
+            let mut k: CudaSlice<u8> = stream.alloc_zeros(tokens * KV_HEADS * DIM * width)?;
+            let mut v: CudaSlice<u8> = stream.alloc_zeros(tokens * KV_HEADS * DIM * width)?;
+            kernels.fill_random(&mut k, geom, work, 21)?;
+            kernels.fill_random(&mut v, geom, work, 22)?;
+            let q: Vec<f32> = (0..n * Q_HEADS * DIM)
+                .map(|_| rng.gen_range(-2.0f32..2.0))
+                .collect();
+            let dq = stream.clone_htod(&q)?;
+            let mut out: CudaSlice<f32> = stream.alloc_zeros(q.len())?;
+            let batch = PrefillBatch {
+                q: &dq,
+                n,
+                start,
+                q_heads: Q_HEADS,
+                kv_heads: KV_HEADS,
+                head_dim: DIM,
+                k: &k,
+                v: &v,
+                work,
+                work_scales: (0.05, 0.05),
+                softmax_scale: 1.0 / (DIM as f32).sqrt(),
+            };
+            let times = time_calls(stream, 2, (5, 50, 300.0), |_| {
+                kernels.prefill(&batch, &mut out)?;
+                Ok(())
+            })?;
+            let ms = median(&times);
+            // Q.K and P.V: 2 FLOP per multiply-add each, over every visible (query, key) pair.
+            let pairs: usize = (0..n).map(|i| start + i + 1).sum();
+            let flops = 4.0 * (Q_HEADS * DIM) as f64 * pairs as f64;
+            let host_out = stream.clone_dtoh(&out)?;
+            emit(
+                json!({"bench": "prefill", "work": work.to_string(), "start": start, "rows": n,
+                        "ms": ms, "min_ms": times[0], "runs": times.len(),
+                        "tflops": flops / (ms as f64 * 1e9),
+                        "finite": host_out.iter().all(|x| x.is_finite())}),
+            );
+        }
     }
     Ok(())
 }

@@ -6,8 +6,8 @@
 //!   the work scale, or BF16);
 //! * decode attention over NVFP4, FP8 and BF16 pages: within a relative L2 error of the CPU
 //!   reference (`nibble_engine::paged::DecodeScratch`) on the same pages;
-//! * prefill and extend attention over the FP8 workspace: within a relative L2 error of the CPU
-//!   backend's causal attention (`CpuBackend::attention`) on the same decoded workspace.
+//! * prefill and extend attention over the FP8 and BF16 workspaces: within a relative L2 error of
+//!   the CPU backend's causal attention (`CpuBackend::attention`) on the same decoded workspace.
 //!
 //! Exits 1 on any mismatch and also when there is no GPU, driver or NVRTC: it never passes
 //! without running. Run: `cargo run --release -p nibble-kernels --example gpu_check`.
@@ -90,8 +90,10 @@ fn run() -> Result<usize> {
         for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
             failures += check_dtype(&kernels, geometry, dtype)?;
         }
-        for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17)] {
-            failures += check_prefill(&kernels, &cpu, geometry, start, n)?;
+        for work in [KvDtype::Fp8, KvDtype::Bf16] {
+            for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17)] {
+                failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;
+            }
         }
     }
     Ok(failures)
@@ -131,13 +133,14 @@ fn compare(cpu: &[f32], gpu: &[f32]) -> (f64, f64, bool) {
     ((err / norm.max(1e-30)).sqrt(), max_abs, finite)
 }
 
-/// Prefill (start = 0) or extend (start > 0) of `n` queries over an FP8 workspace of
-/// `start + n` tokens, against the CPU backend's causal attention on the decoded workspace (what
-/// the engine's prefill and extend paths hand it).
+/// Prefill (start = 0) or extend (start > 0) of `n` queries over a work-dtype workspace (`work`:
+/// FP8 or BF16) of `start + n` tokens, against the CPU backend's causal attention on the decoded
+/// workspace (what the engine's prefill and extend paths hand it).
 fn check_prefill(
     kernels: &Kernels,
     cpu: &CpuBackend,
     geo: &Geometry,
+    work_dtype: KvDtype,
     start: usize,
     n: usize,
 ) -> Result<usize> {
@@ -148,15 +151,28 @@ fn check_prefill(
     let work = (0.37f32 * 6.0, 1.9f32 * 6.0);
     let k = values(&mut rng, tokens * kvh * d);
     let v = values(&mut rng, tokens * kvh * d);
-    let (mut wk, mut wv) = (vec![0u8; k.len()], vec![0u8; v.len()]);
-    fp8::quantize_unchecked(&k, work.0, &mut wk);
-    fp8::quantize_unchecked(&v, work.1, &mut wv);
+    let width = if work_dtype == KvDtype::Bf16 { 2 } else { 1 };
+    let (mut wk, mut wv) = (vec![0u8; k.len() * width], vec![0u8; v.len() * width]);
+    if work_dtype == KvDtype::Bf16 {
+        bf16::encode_le(&k, &mut wk);
+        bf16::encode_le(&v, &mut wv);
+    } else {
+        fp8::quantize_unchecked(&k, work.0, &mut wk);
+        fp8::quantize_unchecked(&v, work.1, &mut wv);
+    }
     let q: Vec<f32> = (0..n * qh * d)
         .map(|_| rng.gen_range(-3.0f32..3.0))
         .collect();
     // The CPU side: BF16 Q, the workspace decoded to f32, CpuBackend::attention.
-    let decode =
-        |bytes: &[u8], g: f32| -> Vec<f32> { bytes.iter().map(|b| e4m3::decode(*b) * g).collect() };
+    let decode = |bytes: &[u8], g: f32| -> Vec<f32> {
+        if work_dtype == KvDtype::Bf16 {
+            let mut out = vec![0.0f32; bytes.len() / 2];
+            bf16::decode_le(bytes, &mut out);
+            out
+        } else {
+            bytes.iter().map(|b| e4m3::decode(*b) * g).collect()
+        }
+    };
     let qt = CpuTensor::new(n, qh * d, q.iter().map(|x| bf16::round(*x)).collect())?;
     let kt = CpuTensor::new(tokens, kvh * d, decode(&wk, work.0))?;
     let vt = CpuTensor::new(tokens, kvh * d, decode(&wv, work.1))?;
@@ -190,16 +206,17 @@ fn check_prefill(
         head_dim: d,
         k: &dk,
         v: &dv,
+        work: work_dtype,
         work_scales: work,
         softmax_scale: 1.0 / (d as f32).sqrt(),
     };
     kernels.prefill(&batch, &mut dout)?;
     let gpu = stream.clone_dtoh(&dout)?;
     let (rel, max_abs, finite) = compare(ct.as_slice(), &gpu);
-    let limit = tolerance(KvDtype::Fp8);
+    let limit = tolerance(work_dtype);
     let what = if start == 0 { "prefill" } else { "extend" };
     Ok(report(
-        &format!("{what} fp8 D={d} H={kvh} start {start} rows {n}"),
+        &format!("{what} {work_dtype} D={d} H={kvh} start {start} rows {n}"),
         finite && rel <= limit,
         &format!(
             "relative L2 error {rel:.2e} (limit {limit:.0e}), max abs error {max_abs:.2e}{}",

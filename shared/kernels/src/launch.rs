@@ -60,8 +60,8 @@ pub struct Kernels {
     fill: CudaFunction,
     /// [dtype code][0: head dim 64, 1: 128]
     decode: [[CudaFunction; 2]; 3],
-    /// [0: head dim 64, 1: 128]
-    prefill: [CudaFunction; 2],
+    /// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
+    prefill: [[CudaFunction; 2]; 2],
     combine: CudaFunction,
 }
 
@@ -130,8 +130,14 @@ impl Kernels {
             ],
             combine: function("decode", "decode_combine")?,
             prefill: [
-                function("prefill", "prefill_fp8_d64")?,
-                function("prefill", "prefill_fp8_d128")?,
+                [
+                    function("prefill", "prefill_fp8_d64")?,
+                    function("prefill", "prefill_fp8_d128")?,
+                ],
+                [
+                    function("prefill", "prefill_bf16_d64")?,
+                    function("prefill", "prefill_bf16_d128")?,
+                ],
             ],
             ctx,
             stream,
@@ -268,8 +274,9 @@ impl Kernels {
     }
 
     /// Causal attention of one sequence's `n` new queries (positions `start..start + n`) over
-    /// the FP8 work-dtype workspace holding its first `start + n` tokens: the initial prefill
-    /// (`start` = 0) and extend paths. Writes `out` (`[row][q_head][head_dim]` f32).
+    /// the work-dtype workspace holding its first `start + n` tokens (E4M3 for fp8 and nvfp4
+    /// caches, BF16 for a bf16 cache): the initial prefill (`start` = 0) and extend paths.
+    /// Writes `out` (`[row][q_head][head_dim]` f32).
     pub fn prefill(&self, batch: &PrefillBatch<'_>, out: &mut CudaSlice<f32>) -> Result<()> {
         let d = batch.head_dim;
         let dim_index = match d {
@@ -287,10 +294,20 @@ impl Kernels {
                 "{q_heads} query heads over {kv_heads} KV heads"
             )));
         }
+        let (work_index, width, (gk, gv)) = match batch.work {
+            KvDtype::Fp8 => (0, 1, batch.work_scales),
+            // a BF16 workspace has no scale (docs/FORMAT.md)
+            KvDtype::Bf16 => (1, 2, (1.0, 1.0)),
+            KvDtype::Nvfp4 => {
+                return Err(Error::Unsupported(
+                    "an nvfp4 workspace (the work dtype of an nvfp4 cache is fp8)".into(),
+                ))
+            }
+        };
         let n = batch.n;
         check("queries", n * q_heads * d, batch.q.len())?;
         check("outputs", n * q_heads * d, out.len())?;
-        let context = (batch.start + n) * kv_heads * d;
+        let context = (batch.start + n) * kv_heads * d * width;
         if batch.k.len() < context || batch.v.len() < context {
             return Err(Error::Shape {
                 what: "workspace bytes (at least)",
@@ -307,19 +324,21 @@ impl Kernels {
             q_heads: q_heads as u32,
             kv_heads: kv_heads as u32,
             score_scale: batch.softmax_scale
-                * batch.work_scales.0
-                * fmt_factor(KvDtype::Fp8)
+                * gk
+                * fmt_factor(batch.work)
                 * std::f32::consts::LOG2_E,
-            v_scale: batch.work_scales.1 * fmt_factor(KvDtype::Fp8),
+            v_scale: gv * fmt_factor(batch.work),
         };
         let cfg = LaunchConfig {
             grid_dim: ((n as u32).div_ceil(PREFILL_ROWS), q_heads as u32, 1),
             block_dim: (PREFILL_ROWS * 2, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.prefill[dim_index]);
+        let mut b = self
+            .stream
+            .launch_builder(&self.prefill[work_index][dim_index]);
         b.arg(batch.q).arg(batch.k).arg(batch.v).arg(out).arg(&args);
-        // SAFETY: matches prefill_fp8_*'s signature; q, out and the workspace were checked.
+        // SAFETY: matches prefill_*'s signature; q, out and the workspace were checked.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -475,7 +494,7 @@ pub struct DecodeBatch<'a> {
     pub softmax_scale: f32,
 }
 
-/// One sequence's prefill or extend step over the FP8 work-dtype workspace, on the device.
+/// One sequence's prefill or extend step over the work-dtype workspace, on the device.
 pub struct PrefillBatch<'a> {
     /// The new tokens' queries after RoPE, `[row][q_head][head_dim]` f32 (rounded to BF16 by
     /// the kernel).
@@ -486,10 +505,13 @@ pub struct PrefillBatch<'a> {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// E4M3 workspace, `[token][kv_head][head_dim]`, at least `start + n` tokens.
+    /// The workspace, `[token][kv_head][head_dim]`, at least `start + n` tokens: E4M3 bytes or
+    /// little-endian BF16.
     pub k: &'a CudaSlice<u8>,
     pub v: &'a CudaSlice<u8>,
-    /// The work dtype's (K, V) dequantization multipliers.
+    /// `Fp8` or `Bf16`: the workspace's element type.
+    pub work: KvDtype,
+    /// The E4M3 workspace's (K, V) dequantization multipliers (a BF16 workspace has none).
     pub work_scales: (f32, f32),
     /// Normally 1 / sqrt(head_dim).
     pub softmax_scale: f32,

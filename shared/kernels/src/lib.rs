@@ -5,7 +5,7 @@
 //!   every source; CI compiles them all for sm_90 and sm_80 with no GPU.
 //! * [`Kernels`]: a device context with the compiled module and typed launches: quantize-on-write
 //!   into pages ([`Kernels::quantize`]), the extend gather into the work-dtype workspace
-//!   ([`Kernels::gather_work`]), causal prefill/extend attention over that FP8 workspace
+//!   ([`Kernels::gather_work`]), causal prefill/extend attention over that workspace
 //!   ([`Kernels::prefill`]) and paged split-KV decode attention over NVFP4, FP8 or BF16 pages
 //!   ([`Kernels::decode`]).
 //!
@@ -50,5 +50,13 @@ pub const ENTRY_POINTS: [(&str, &[&str]); 3] = [
             "decode_combine",
         ],
     ),
-    ("prefill", &["prefill_fp8_d64", "prefill_fp8_d128"]),
+    (
+        "prefill",
+        &[
+            "prefill_fp8_d64",
+            "prefill_fp8_d128",
+            "prefill_bf16_d64",
+            "prefill_bf16_d128",
+        ],
+    ),
 ];
