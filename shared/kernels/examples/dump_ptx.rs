@@ -1,0 +1,20 @@
+//! Writes the PTX of every kernel source for one target, for reading or for `ptxas -v`:
+//! `cargo run -p nibble-kernels --example dump_ptx -- sm_90 DIR`.
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let arch: &'static str = match args.next().as_deref() {
+        Some("sm_80") => "sm_80",
+        Some("sm_89") => "sm_89",
+        Some("sm_90") | None => "sm_90",
+        Some(other) => anyhow::bail!("unknown target {other} (sm_80, sm_89, sm_90)"),
+    };
+    let dir = std::path::PathBuf::from(args.next().unwrap_or_else(|| ".".into()));
+    std::fs::create_dir_all(&dir)?;
+    for compiled in nibble_kernels::nvrtc::compile_all(arch)? {
+        let path = dir.join(format!("{}.{arch}.ptx", compiled.name));
+        std::fs::write(&path, compiled.ptx.to_src())?;
+        println!("{}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,349 @@
+//! gpu-bench: the numbers of docs/BENCHMARKS.md's CUDA section, one JSON object per line.
+//!
+//! * `copy`: device-to-device copy bandwidth (bytes read + written), the ceiling;
+//! * `decode`: paged decode attention (32 query heads, 8 KV heads, head dim 128, page 16, one
+//!   layer's pages) for BF16, FP8 and NVFP4 pages, batch 1/8/32/64/128 x context 4K/32K/128K:
+//!   median time and effective KV bytes read per second (every K and V byte of the context,
+//!   scales included, once);
+//! * `quantize`, `gather`: quantize-on-write and extend-gather bandwidth;
+//! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
+//!   time and TFLOP/s;
+//! * `capacity`: KV tokens of Llama-3-8B's shape that fit one byte budget, per dtype, from the
+//!   allocator's plan (`PoolPlan::for_budget`).
+//!
+//! Inputs are random, never zero; small shapes rotate over disjoint page sets so repeated runs do
+//! not read from L2; times are CUDA events around each call, after warm-up, median of many.
+//! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick]`.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
+use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
+use nibble_kvcache::PoolPlan;
+use nibble_kvfmt::{layout::kv_bytes, KvDtype, PageLayout};
+use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+use serde_json::json;
+
+const KV_HEADS: usize = 8;
+const Q_HEADS: usize = 32;
+const DIM: usize = 128;
+const PAGE: usize = 16;
+const BATCHES: [usize; 5] = [1, 8, 32, 64, 128];
+const CONTEXTS: [usize; 3] = [4096, 32768, 131072];
+/// Device memory left free for the workspace, tables and the driver.
+const HEADROOM: usize = 6 << 30;
+
+fn main() -> Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let kernels = Kernels::new(0).context("opening the GPU")?;
+    if std::env::args().any(|a| a == "--profile") {
+        // A few launches of one shape per dtype, for `ncu`.
+        let mut rng = StdRng::seed_from_u64(7);
+        for dtype in [KvDtype::Fp8, KvDtype::Nvfp4] {
+            decode_sweep(&kernels, dtype, Sweep::Profile, &mut rng)?;
+        }
+        return Ok(());
+    }
+    let sweep = if quick { Sweep::Quick } else { Sweep::Full };
+    let (free, total) = cudarc::driver::result::mem_get_info()?;
+    emit(
+        json!({"bench": "device", "arch": kernels.arch(), "sms": kernels.multiprocessors(),
+                "free_bytes": free, "total_bytes": total}),
+    );
+    copy_bandwidth(&kernels)?;
+    let mut rng = StdRng::seed_from_u64(7);
+    for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4] {
+        decode_sweep(&kernels, dtype, sweep, &mut rng)?;
+    }
+    if sweep != Sweep::Quick {
+        prefill(&kernels, &mut rng)?;
+    }
+    capacity(free);
+    Ok(())
+}
+
+/// Prefill of one prompt (start 0) and extend of a chunk after a cached prefix, over an FP8 and
+/// a BF16 workspace.
+fn prefill(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
+    let stream = kernels.stream();
+    for work in [KvDtype::Fp8, KvDtype::Bf16] {
+        let width = if work == KvDtype::Bf16 { 2 } else { 1 };
+        for (start, n) in [(0usize, 4096usize), (0, 16384), (31744, 1024)] {
+            let tokens = start + n;
+            let layout = PageLayout::new(1, 1, 16, 16, work)?;
+            let geom = PageGeom::new(&layout, 0)?;
+            let mut k: CudaSlice<u8> = stream.alloc_zeros(tokens * KV_HEADS * DIM * width)?;
+            let mut v: CudaSlice<u8> = stream.alloc_zeros(tokens * KV_HEADS * DIM * width)?;
+            kernels.fill_random(&mut k, geom, work, 21)?;
+            kernels.fill_random(&mut v, geom, work, 22)?;
+            let q: Vec<f32> = (0..n * Q_HEADS * DIM)
+                .map(|_| rng.gen_range(-2.0f32..2.0))
+                .collect();
+            let dq = stream.clone_htod(&q)?;
+            let mut out: CudaSlice<f32> = stream.alloc_zeros(q.len())?;
+            let batch = PrefillBatch {
+                q: &dq,
+                n,
+                start,
+                q_heads: Q_HEADS,
+                kv_heads: KV_HEADS,
+                head_dim: DIM,
+                k: &k,
+                v: &v,
+                work,
+                work_scales: (0.05, 0.05),
+                softmax_scale: 1.0 / (DIM as f32).sqrt(),
+            };
+            let times = time_calls(stream, 2, (5, 50, 300.0), |_| {
+                kernels.prefill(&batch, &mut out)?;
+                Ok(())
+            })?;
+            let ms = median(&times);
+            // Q.K and P.V: 2 FLOP per multiply-add each, over every visible (query, key) pair.
+            let pairs: usize = (0..n).map(|i| start + i + 1).sum();
+            let flops = 4.0 * (Q_HEADS * DIM) as f64 * pairs as f64;
+            let host_out = stream.clone_dtoh(&out)?;
+            emit(
+                json!({"bench": "prefill", "work": work.to_string(), "start": start, "rows": n,
+                        "ms": ms, "min_ms": times[0], "runs": times.len(),
+                        "tflops": flops / (ms as f64 * 1e9),
+                        "finite": host_out.iter().all(|x| x.is_finite())}),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn emit(value: serde_json::Value) {
+    println!("{value}");
+}
+
+/// Times `f` with CUDA events: `warmup` untimed calls, then calls until `budget_ms` or `max`
+/// (at least `min`), each timed on its own. Returns the sorted times in ms.
+fn time_calls(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    (min, max, budget_ms): (usize, usize, f32),
+    mut f: impl FnMut(usize) -> Result<()>,
+) -> Result<Vec<f32>> {
+    let ctx = stream.context();
+    for i in 0..warmup {
+        f(i)?;
+    }
+    stream.synchronize()?;
+    let mut times = Vec::new();
+    let mut spent = 0.0;
+    while times.len() < min || (times.len() < max && spent < budget_ms) {
+        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        start.record(stream)?;
+        f(warmup + times.len())?;
+        end.record(stream)?;
+        let ms = start.elapsed_ms(&end)?;
+        spent += ms;
+        times.push(ms);
+    }
+    times.sort_by(f32::total_cmp);
+    Ok(times)
+}
+
+fn median(sorted: &[f32]) -> f32 {
+    sorted[sorted.len() / 2]
+}
+
+fn copy_bandwidth(kernels: &Kernels) -> Result<()> {
+    let stream = kernels.stream();
+    let bytes = 4usize << 30;
+    let mut src: CudaSlice<u8> = stream.alloc_zeros(bytes)?;
+    let mut dst: CudaSlice<u8> = stream.alloc_zeros(bytes)?;
+    let layout = PageLayout::new(1, 1, 16, 16, KvDtype::Fp8)?;
+    kernels.fill_random(&mut src, PageGeom::new(&layout, 0)?, KvDtype::Fp8, 1)?;
+    let times = time_calls(stream, 3, (20, 20, 0.0), |_| {
+        stream.memcpy_dtod(&src, &mut dst)?;
+        Ok(())
+    })?;
+    let ms = median(&times);
+    emit(
+        json!({"bench": "copy", "bytes_each_way": bytes, "ms": ms, "min_ms": times[0],
+                "gbps": 2.0 * bytes as f64 / (ms as f64 * 1e6)}),
+    );
+    Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Sweep {
+    Full,
+    Quick,
+    Profile,
+}
+
+fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRng) -> Result<()> {
+    let stream = kernels.stream();
+    let layout = PageLayout::new(1, KV_HEADS, DIM, PAGE, dtype)?;
+    let geom = PageGeom::new(&layout, 0)?;
+    // Freed pools return to the driver at a synchronization point.
+    stream.synchronize()?;
+    let (free, _) = cudarc::driver::result::mem_get_info()?;
+    let largest = BATCHES[BATCHES.len() - 1] * CONTEXTS[CONTEXTS.len() - 1];
+    // The pool the allocator would carve from this budget: the largest shape, four times over
+    // when it fits (for rotation), never more than the free memory allows.
+    let mut want = 4 * largest / PAGE * layout.page_bytes();
+    if sweep == Sweep::Profile {
+        want = want.min(8 << 30); // ncu saves and restores device memory between passes
+    }
+    let plan = PoolPlan::for_budget(layout, want.min(free.saturating_sub(HEADROOM)))?;
+    let mut pages: CudaSlice<u8> = stream.alloc_zeros(plan.bytes)?;
+    kernels.fill_random(&mut pages, geom, dtype, 11 + dtype as u32)?;
+    let mut order: Vec<u32> = (0..plan.pages as u32).collect();
+    order.shuffle(rng);
+    emit(
+        json!({"bench": "pool", "dtype": dtype.to_string(), "pages": plan.pages,
+                "page_bytes": layout.page_bytes(), "bytes": plan.bytes}),
+    );
+    let mut ws = DecodeWorkspace::new(kernels)?;
+    let per_token = kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
+    for &ctx in &CONTEXTS {
+        for &batch in &BATCHES {
+            let skip = match sweep {
+                Sweep::Full => false,
+                Sweep::Quick => batch > 8 || ctx > 32768,
+                Sweep::Profile => batch != 32 || ctx != 32768,
+            };
+            if skip {
+                continue;
+            }
+            let pps = ctx / PAGE;
+            let need = batch * pps;
+            if need > plan.pages {
+                emit(
+                    json!({"bench": "decode", "dtype": dtype.to_string(), "batch": batch,
+                            "context": ctx, "skipped": format!(
+                                "needs {need} pages, the pool holds {}", plan.pages)}),
+                );
+                continue;
+            }
+            let sets = (plan.pages / need).min(4);
+            let tables: Vec<CudaSlice<u32>> = (0..sets)
+                .map(|s| stream.clone_htod(&order[s * need..(s + 1) * need]))
+                .collect::<std::result::Result<_, _>>()?;
+            let q: Vec<f32> = (0..batch * Q_HEADS * DIM)
+                .map(|_| rng.gen_range(-2.0f32..2.0))
+                .collect();
+            let dq = stream.clone_htod(&q)?;
+            let dctx = stream.clone_htod(&vec![ctx as u32; batch])?;
+            let mut out: CudaSlice<f32> = stream.alloc_zeros(q.len())?;
+            let runs = if sweep == Sweep::Profile {
+                (3, 3, 0.0)
+            } else {
+                (10, 200, 400.0)
+            };
+            let times = time_calls(stream, 3, runs, |i| {
+                let batch_args = DecodeBatch {
+                    q: &dq,
+                    q_heads: Q_HEADS,
+                    page_table: &tables[i % sets],
+                    max_pages: pps,
+                    context: &dctx,
+                    max_context: ctx,
+                    scales: (0.8, 1.3),
+                    softmax_scale: 1.0 / (DIM as f32).sqrt(),
+                };
+                kernels.decode(&pages, geom, dtype, &batch_args, &mut ws, &mut out)?;
+                Ok(())
+            })?;
+            let ms = median(&times);
+            let bytes = batch * ctx * per_token;
+            let host_out = stream.clone_dtoh(&out)?;
+            emit(
+                json!({"bench": "decode", "dtype": dtype.to_string(), "batch": batch,
+                        "context": ctx, "ms": ms, "min_ms": times[0],
+                        "max_ms": times[times.len() - 1], "runs": times.len(),
+                        "rotation_sets": sets, "kv_bytes": bytes,
+                        "gbps": bytes as f64 / (ms as f64 * 1e6),
+                        "finite": host_out.iter().all(|x| x.is_finite())}),
+            );
+        }
+    }
+    if sweep != Sweep::Profile {
+        quantize_and_gather(kernels, dtype, geom, &mut pages, &order, rng)?;
+    }
+    Ok(())
+}
+
+/// Quantize-on-write of 64Ki tokens (one layer, page-contiguous slots on shuffled pages), and
+/// the extend gather of a 128Ki-token prefix into the work-dtype workspace.
+fn quantize_and_gather(
+    kernels: &Kernels,
+    dtype: KvDtype,
+    geom: PageGeom,
+    pages: &mut CudaSlice<u8>,
+    order: &[u32],
+    rng: &mut StdRng,
+) -> Result<()> {
+    let stream = kernels.stream();
+    let tokens = 65536;
+    let values = tokens * KV_HEADS * DIM;
+    let k: Vec<f32> = (0..values).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+    let v: Vec<f32> = (0..values).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+    let (dk, dv) = (stream.clone_htod(&k)?, stream.clone_htod(&v)?);
+    let slots: Vec<u32> = (0..tokens)
+        .map(|t| order[t / PAGE] * PAGE as u32 + (t % PAGE) as u32)
+        .collect();
+    let dslots = stream.clone_htod(&slots)?;
+    let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
+        kernels.quantize(pages, geom, dtype, &dk, &dv, &dslots, (0.9, 1.1))?;
+        Ok(())
+    })?;
+    let ms = median(&times);
+    let written = tokens * kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
+    let read = 2 * values * 4;
+    emit(
+        json!({"bench": "quantize", "dtype": dtype.to_string(), "tokens": tokens, "ms": ms,
+                "f32_bytes_read": read, "kv_bytes_written": written,
+                "gbps": (read + written) as f64 / (ms as f64 * 1e6),
+                "tokens_per_s": tokens as f64 / (ms as f64 * 1e-3)}),
+    );
+
+    let prefix = 131072;
+    let table = stream.clone_htod(&order[..prefix / PAGE])?;
+    let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+    let ws_bytes = prefix * KV_HEADS * DIM * width;
+    let mut wk: CudaSlice<u8> = stream.alloc_zeros(ws_bytes)?;
+    let mut wv: CudaSlice<u8> = stream.alloc_zeros(ws_bytes)?;
+    let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
+        kernels.gather_work(
+            (&mut wk, &mut wv),
+            pages,
+            geom,
+            dtype,
+            &table,
+            prefix,
+            (0.9, 1.1),
+            (5.4, 6.6),
+        )?;
+        Ok(())
+    })?;
+    let ms = median(&times);
+    let read = prefix * kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
+    emit(
+        json!({"bench": "gather", "dtype": dtype.to_string(), "tokens": prefix, "ms": ms,
+                "kv_bytes_read": read, "workspace_bytes_written": 2 * ws_bytes,
+                "gbps": (read + 2 * ws_bytes) as f64 / (ms as f64 * 1e6)}),
+    );
+    Ok(())
+}
+
+fn capacity(free: usize) {
+    let budget = free.saturating_sub(HEADROOM);
+    for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4] {
+        let layout = PageLayout::new(32, KV_HEADS, DIM, PAGE, dtype).expect("valid geometry");
+        if let Ok(plan) = PoolPlan::for_budget(layout, budget) {
+            emit(
+                json!({"bench": "capacity", "model": "Llama-3-8B shape (32 layers, 8 KV heads, head dim 128)",
+                        "dtype": dtype.to_string(), "budget_bytes": budget, "pages": plan.pages,
+                        "tokens": plan.tokens(), "bytes": plan.bytes}),
+            );
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! gpu-check: the CUDA kernels against the CPU reference, on a real GPU.
+//!
+//! * quantize-on-write: page bytes identical to `HostPages::write_kv` (every dtype, two
+//!   geometries, non-unit global scales, padding slots, random page order);
+//! * extend gather: workspace bytes identical to the CPU extend path (dequantize, then E4M3 with
+//!   the work scale, or BF16);
+//! * decode attention over NVFP4, FP8 and BF16 pages: within a relative L2 error of the CPU
+//!   reference (`nibble_engine::paged::DecodeScratch`) on the same pages;
+//! * prefill and extend attention over the FP8 and BF16 workspaces: within a relative L2 error of
+//!   the CPU backend's causal attention (`CpuBackend::attention`) on the same decoded workspace.
+//!
+//! Exits 1 on any mismatch and also when there is no GPU, driver or NVRTC: it never passes
+//! without running. Run: `cargo run --release -p nibble-kernels --example gpu_check`.
+
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::CudaSlice;
+use nibble_engine::paged::{DecodeArgs, DecodeScratch};
+use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
+use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
+use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
+use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout};
+use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+
+/// Relative L2 error allowed for decode attention against the CPU. The GPU reads the same
+/// dequantized values; it differs in summation order, in rounding the softmax weights to the
+/// mma operand type (f16 for nvfp4/fp8, 2^-11 relative; bf16 for bf16 pages, 2^-8) and in
+/// ex2.approx.
+fn tolerance(dtype: KvDtype) -> f64 {
+    match dtype {
+        KvDtype::Nvfp4 | KvDtype::Fp8 => 2e-3,
+        KvDtype::Bf16 => 1e-2,
+    }
+}
+
+struct Geometry {
+    layers: usize,
+    kv_heads: usize,
+    q_heads: usize,
+    head_dim: usize,
+}
+
+const GEOMETRIES: [Geometry; 2] = [
+    // Llama-3-8B's attention shape
+    Geometry {
+        layers: 2,
+        kv_heads: 8,
+        q_heads: 32,
+        head_dim: 128,
+    },
+    // SmolLM2-135M's
+    Geometry {
+        layers: 2,
+        kv_heads: 3,
+        q_heads: 9,
+        head_dim: 64,
+    },
+];
+const PAGE: usize = 16;
+const LAYER: usize = 1;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(0) => {
+            println!("gpu-check: PASS");
+            ExitCode::SUCCESS
+        }
+        Ok(failures) => {
+            println!("gpu-check: FAIL ({failures} checks failed)");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("gpu-check: FAIL, could not run: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<usize> {
+    let kernels = Kernels::new(0).context("opening the GPU")?;
+    println!(
+        "device 0: {} multiprocessors, kernels compiled for {}",
+        kernels.multiprocessors(),
+        kernels.arch()
+    );
+    let cpu = CpuBackend::new(2)?;
+    let mut failures = 0;
+    for geometry in &GEOMETRIES {
+        for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
+            failures += check_dtype(&kernels, geometry, dtype)?;
+        }
+        for work in [KvDtype::Fp8, KvDtype::Bf16] {
+            for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17)] {
+                failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;
+            }
+        }
+    }
+    Ok(failures)
+}
+
+/// Values with a wide spread of magnitudes, exact E2M1/E4M3 ties and all-zero blocks.
+fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let ties = [0.25f32, 0.75, 1.25, 2.5, 5.0, 432.0, 0.0, -0.0];
+    let mut x: Vec<f32> = (0..n)
+        .map(|_| {
+            if rng.gen_bool(0.05) {
+                ties[rng.gen_range(0..ties.len())]
+            } else {
+                rng.gen_range(-3.0f32..3.0) * 10f32.powf(rng.gen_range(-2.0f32..1.0))
+            }
+        })
+        .collect();
+    for block in x.chunks_mut(16) {
+        if rng.gen_bool(0.02) {
+            block.fill(0.0);
+        }
+    }
+    x
+}
+
+/// Relative L2 error of `gpu` against `cpu`, its largest absolute error, and whether `gpu` is
+/// finite.
+fn compare(cpu: &[f32], gpu: &[f32]) -> (f64, f64, bool) {
+    let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    for (a, b) in cpu.iter().zip(gpu) {
+        let d = (*a as f64) - (*b as f64);
+        err += d * d;
+        norm += (*a as f64) * (*a as f64);
+        max_abs = max_abs.max(d.abs());
+    }
+    let finite = gpu.iter().all(|x| x.is_finite());
+    ((err / norm.max(1e-30)).sqrt(), max_abs, finite)
+}
+
+/// Prefill (start = 0) or extend (start > 0) of `n` queries over a work-dtype workspace (`work`:
+/// FP8 or BF16) of `start + n` tokens, against the CPU backend's causal attention on the decoded
+/// workspace (what the engine's prefill and extend paths hand it).
+fn check_prefill(
+    kernels: &Kernels,
+    cpu: &CpuBackend,
+    geo: &Geometry,
+    work_dtype: KvDtype,
+    start: usize,
+    n: usize,
+) -> Result<usize> {
+    let stream = kernels.stream();
+    let mut rng = StdRng::seed_from_u64(0xfeed ^ (start * 1000 + n) as u64);
+    let (d, kvh, qh) = (geo.head_dim, geo.kv_heads, geo.q_heads);
+    let tokens = start + n;
+    let work = (0.37f32 * 6.0, 1.9f32 * 6.0);
+    let k = values(&mut rng, tokens * kvh * d);
+    let v = values(&mut rng, tokens * kvh * d);
+    let width = if work_dtype == KvDtype::Bf16 { 2 } else { 1 };
+    let (mut wk, mut wv) = (vec![0u8; k.len() * width], vec![0u8; v.len() * width]);
+    if work_dtype == KvDtype::Bf16 {
+        bf16::encode_le(&k, &mut wk);
+        bf16::encode_le(&v, &mut wv);
+    } else {
+        fp8::quantize_unchecked(&k, work.0, &mut wk);
+        fp8::quantize_unchecked(&v, work.1, &mut wv);
+    }
+    let q: Vec<f32> = (0..n * qh * d)
+        .map(|_| rng.gen_range(-3.0f32..3.0))
+        .collect();
+    // The CPU side: BF16 Q, the workspace decoded to f32, CpuBackend::attention.
+    let decode = |bytes: &[u8], g: f32| -> Vec<f32> {
+        if work_dtype == KvDtype::Bf16 {
+            let mut out = vec![0.0f32; bytes.len() / 2];
+            bf16::decode_le(bytes, &mut out);
+            out
+        } else {
+            bytes.iter().map(|b| e4m3::decode(*b) * g).collect()
+        }
+    };
+    let qt = CpuTensor::new(n, qh * d, q.iter().map(|x| bf16::round(*x)).collect())?;
+    let kt = CpuTensor::new(tokens, kvh * d, decode(&wk, work.0))?;
+    let vt = CpuTensor::new(tokens, kvh * d, decode(&wv, work.1))?;
+    let mut ct = CpuTensor::new(n, qh * d, vec![0.0; n * qh * d])?;
+    let args = AttentionArgs {
+        q: &qt,
+        q_rows: 0..n,
+        k: &kt,
+        v: &vt,
+        kv_len: tokens,
+        geometry: AttnGeometry {
+            num_heads: qh,
+            num_kv_heads: kvh,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        },
+    };
+    cpu.attention(&args, &mut ct);
+    let (dq, dk, dv) = (
+        stream.clone_htod(&q)?,
+        stream.clone_htod(&wk)?,
+        stream.clone_htod(&wv)?,
+    );
+    let mut dout = stream.clone_htod(&vec![f32::NAN; q.len()])?;
+    let batch = PrefillBatch {
+        q: &dq,
+        n,
+        start,
+        q_heads: qh,
+        kv_heads: kvh,
+        head_dim: d,
+        k: &dk,
+        v: &dv,
+        work: work_dtype,
+        work_scales: work,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+    };
+    kernels.prefill(&batch, &mut dout)?;
+    let gpu = stream.clone_dtoh(&dout)?;
+    let (rel, max_abs, finite) = compare(ct.as_slice(), &gpu);
+    let limit = tolerance(work_dtype);
+    let what = if start == 0 { "prefill" } else { "extend" };
+    Ok(report(
+        &format!("{what} {work_dtype} D={d} H={kvh} start {start} rows {n}"),
+        finite && rel <= limit,
+        &format!(
+            "relative L2 error {rel:.2e} (limit {limit:.0e}), max abs error {max_abs:.2e}{}",
+            if finite { "" } else { ", NON-FINITE OUTPUT" }
+        ),
+    ))
+}
+
+fn report(name: &str, ok: bool, detail: &str) -> usize {
+    println!("{} {name}: {detail}", if ok { "ok  " } else { "FAIL" });
+    usize::from(!ok)
+}
+
+fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usize> {
+    let stream = kernels.stream();
+    let mut rng = StdRng::seed_from_u64(0x5eed ^ geo.head_dim as u64 ^ dtype as u64);
+    let layout = PageLayout::new(geo.layers, geo.kv_heads, geo.head_dim, PAGE, dtype)?;
+    let contexts = [1usize, 15, 16, 333, 2100];
+    let total_tokens: usize = contexts.iter().map(|c| c.next_multiple_of(PAGE)).sum();
+    let plan = PoolPlan::for_pages(layout, total_tokens / PAGE + 8)?;
+    let mut pool = PagePool::new(plan);
+    let scales = GlobalScales {
+        k: vec![1.0, 0.37],
+        v: vec![1.0, 1.9],
+    };
+    let mut store = HostPages::new(plan, scales.clone())?;
+    let geom = PageGeom::new(&layout, LAYER)?;
+    let name = format!("{dtype} D={} H={}", geo.head_dim, geo.kv_heads);
+    let mut failures = 0;
+
+    // Poison every page identically on both sides, so unwritten and stray bytes show.
+    let all = pool.alloc(plan.pages)?;
+    for page in &all {
+        let bytes = store.page_mut(&pool, *page)?;
+        rng.fill(bytes);
+    }
+    pool.release_all(&all)?;
+    let mut host_bytes = Vec::with_capacity(plan.bytes);
+    for p in 0..plan.pages {
+        host_bytes.extend_from_slice(store.page(PageId(p as u32))?);
+    }
+    let mut dev_pages = stream.clone_htod(&host_bytes)?;
+
+    // Sequences on shuffled pages; every context token written, plus padding slots.
+    let mut seq_pages: Vec<Vec<PageId>> = Vec::new();
+    for ctx in contexts {
+        let mut pages = pool.alloc(ctx.div_ceil(PAGE))?;
+        pages.shuffle(&mut rng);
+        seq_pages.push(pages);
+    }
+    let mut slots: Vec<Option<SlotId>> = Vec::new();
+    for (ctx, pages) in contexts.iter().zip(&seq_pages) {
+        for t in 0..*ctx {
+            slots.push(Some(SlotId::new(pages[t / PAGE], t % PAGE, PAGE)));
+            if rng.gen_bool(0.01) {
+                slots.push(None);
+            }
+        }
+    }
+    slots.shuffle(&mut rng);
+    let per_token = geo.kv_heads * geo.head_dim;
+    let k = values(&mut rng, slots.len() * per_token);
+    let v = values(&mut rng, slots.len() * per_token);
+    store.write_kv(&pool, LAYER, &k, &v, &slots)?;
+    let slot_ids: Vec<u32> = slots.iter().map(|s| s.map_or(u32::MAX, |s| s.0)).collect();
+    let (dk, dv, ds) = (
+        stream.clone_htod(&k)?,
+        stream.clone_htod(&v)?,
+        stream.clone_htod(&slot_ids)?,
+    );
+    let g = (scales.k[LAYER], scales.v[LAYER]);
+    kernels.quantize(&mut dev_pages, geom, dtype, &dk, &dv, &ds, g)?;
+    let gpu_bytes = stream.clone_dtoh(&dev_pages)?;
+    let mut cpu_bytes = Vec::with_capacity(plan.bytes);
+    for p in 0..plan.pages {
+        cpu_bytes.extend_from_slice(store.page(PageId(p as u32))?);
+    }
+    let diff = cpu_bytes
+        .iter()
+        .zip(&gpu_bytes)
+        .filter(|(a, b)| a != b)
+        .count();
+    failures += report(
+        &format!("quantize {name}"),
+        diff == 0,
+        &format!(
+            "{} tokens, {diff} of {} page bytes differ",
+            slots.len(),
+            cpu_bytes.len()
+        ),
+    );
+
+    // Extend gather of the longest sequence into the work-dtype workspace.
+    let long = contexts.len() - 1;
+    let prefix = contexts[long];
+    let work_scale = |part| match dtype {
+        KvDtype::Nvfp4 => scales.get(LAYER, part) * 6.0,
+        _ => scales.get(LAYER, part),
+    };
+    let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+    let mut expected = [Vec::new(), Vec::new()];
+    let mut head = vec![0.0f32; geo.head_dim];
+    let mut enc = vec![0u8; geo.head_dim * width];
+    for t in 0..prefix {
+        let slot = SlotId::new(seq_pages[long][t / PAGE], t % PAGE, PAGE);
+        for (i, part) in [KvPart::K, KvPart::V].into_iter().enumerate() {
+            for h in 0..geo.kv_heads {
+                store.read_head(LAYER, part, slot, h, &mut head)?;
+                match dtype {
+                    KvDtype::Bf16 => bf16::encode_le(&head, &mut enc),
+                    _ => fp8::quantize_unchecked(&head, work_scale(part), &mut enc),
+                }
+                expected[i].extend_from_slice(&enc);
+            }
+        }
+    }
+    let table: Vec<u32> = seq_pages[long].iter().map(|p| p.0).collect();
+    let dtable = stream.clone_htod(&table)?;
+    let mut wk: CudaSlice<u8> = stream.alloc_zeros(expected[0].len())?;
+    let mut wv: CudaSlice<u8> = stream.alloc_zeros(expected[1].len())?;
+    kernels.gather_work(
+        (&mut wk, &mut wv),
+        &dev_pages,
+        geom,
+        dtype,
+        &dtable,
+        prefix,
+        g,
+        (work_scale(KvPart::K), work_scale(KvPart::V)),
+    )?;
+    let (gk, gv) = (stream.clone_dtoh(&wk)?, stream.clone_dtoh(&wv)?);
+    let diff = (expected[0].iter().zip(&gk).filter(|(a, b)| a != b).count())
+        + (expected[1].iter().zip(&gv).filter(|(a, b)| a != b).count());
+    failures += report(
+        &format!("extend gather {name}"),
+        diff == 0,
+        &format!(
+            "{prefix} tokens, {diff} of {} workspace bytes differ",
+            2 * expected[0].len()
+        ),
+    );
+
+    // Decode attention of every sequence, one launch, against the CPU on the same pages.
+    let max_pages = seq_pages.iter().map(Vec::len).max().unwrap_or(1) + 1;
+    let mut table = vec![0u32; contexts.len() * max_pages];
+    for (i, pages) in seq_pages.iter().enumerate() {
+        for (j, p) in pages.iter().enumerate() {
+            table[i * max_pages + j] = p.0;
+        }
+    }
+    let qn = geo.q_heads * geo.head_dim;
+    let q: Vec<f32> = (0..contexts.len() * qn)
+        .map(|_| rng.gen_range(-3.0f32..3.0))
+        .collect();
+    let mut cpu_out = vec![0.0f32; q.len()];
+    let mut scratch = DecodeScratch::default();
+    for (i, (ctx, pages)) in contexts.iter().zip(&seq_pages).enumerate() {
+        let args = DecodeArgs {
+            layer: LAYER,
+            q_heads: geo.q_heads,
+            q: &q[i * qn..(i + 1) * qn],
+            pages,
+            context: *ctx,
+        };
+        scratch.decode(&store, args, &mut cpu_out[i * qn..(i + 1) * qn])?;
+    }
+    let ctx32: Vec<u32> = contexts.iter().map(|c| *c as u32).collect();
+    let (dq, dtable, dctx) = (
+        stream.clone_htod(&q)?,
+        stream.clone_htod(&table)?,
+        stream.clone_htod(&ctx32)?,
+    );
+    let mut dout = stream.clone_htod(&vec![f32::NAN; q.len()])?;
+    let mut ws = DecodeWorkspace::new(kernels)?;
+    let batch = DecodeBatch {
+        q: &dq,
+        q_heads: geo.q_heads,
+        page_table: &dtable,
+        max_pages,
+        context: &dctx,
+        max_context: *contexts.iter().max().unwrap_or(&1),
+        scales: g,
+        softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
+    };
+    kernels.decode(&dev_pages, geom, dtype, &batch, &mut ws, &mut dout)?;
+    let gpu_out = stream.clone_dtoh(&dout)?;
+    for (i, ctx) in contexts.iter().enumerate() {
+        let (c, gpu) = (
+            &cpu_out[i * qn..(i + 1) * qn],
+            &gpu_out[i * qn..(i + 1) * qn],
+        );
+        let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+        for (a, b) in c.iter().zip(gpu) {
+            let d = (*a as f64) - (*b as f64);
+            err += d * d;
+            norm += (*a as f64) * (*a as f64);
+            max_abs = max_abs.max(d.abs());
+        }
+        let rel = (err / norm.max(1e-30)).sqrt();
+        let finite = gpu.iter().all(|x| x.is_finite());
+        failures += report(
+            &format!("decode {name} context {ctx}"),
+            finite && rel <= tolerance(dtype),
+            &format!(
+                "relative L2 error {rel:.2e} (limit {:.0e}), max abs error {max_abs:.2e}{}",
+                tolerance(dtype),
+                if finite { "" } else { ", NON-FINITE OUTPUT" }
+            ),
+        );
+    }
+    if !(0..contexts.len()).all(|i| cpu_out[i * qn..(i + 1) * qn].iter().any(|x| *x != 0.0)) {
+        bail!("CPU reference produced an all-zero output: the check itself is broken");
+    }
+    Ok(failures)
+}

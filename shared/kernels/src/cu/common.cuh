@@ -1,0 +1,137 @@
+// nibble CUDA prelude: the element codecs of shared/kvfmt (docs/FORMAT.md), bit for bit, and the
+// page geometry every kernel addresses pages with. Prepended to every kernel source; no CUDA
+// headers are included, so NVRTC needs no include path.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NIBBLE_NVFP4 0
+#define NIBBLE_FP8 1
+#define NIBBLE_BF16 2
+
+// One page's geometry (kvfmt's PageLayout) plus the layer being addressed. Matches
+// `nibble_kernels::PageGeom` (#[repr(C)]).
+struct PageGeom {
+    u64 page_bytes;   // bytes of one page (every layer's K and V)
+    u32 part_bytes;   // bytes of one (layer, K|V) part: kv_heads * page_size * vector bytes
+    u32 kv_heads;
+    u32 page_size;    // tokens per page, a power of two
+    u32 page_shift;   // log2(page_size)
+    u32 head_dim;
+    u32 data_bytes;   // element bytes of one head vector: nvfp4 D/2, fp8 D, bf16 2D
+    u32 scale_bytes;  // block-scale bytes of one head vector: nvfp4 D/16, otherwise 0
+    u32 layer;
+};
+
+// Offset of (layer, part) within a page.
+__device__ __forceinline__ u64 part_offset(const PageGeom& g, u32 part) {
+    return (u64)(2u * g.layer + part) * g.part_bytes;
+}
+
+// Offset of the data of (part, head, token-in-page) within a page.
+__device__ __forceinline__ u64 data_offset(const PageGeom& g, u32 part, u32 head, u32 off) {
+    return part_offset(g, part) + (u64)(head * g.page_size + off) * g.data_bytes;
+}
+
+// Offset of the scales of (part, head, token-in-page) within a page.
+__device__ __forceinline__ u64 scale_offset(const PageGeom& g, u32 part, u32 head, u32 off) {
+    return part_offset(g, part) + (u64)g.kv_heads * g.page_size * g.data_bytes +
+           (u64)(head * g.page_size + off) * g.scale_bytes;
+}
+
+// ---- E4M3FN (OCP FP8): kvfmt::e4m3 ----
+
+__device__ __forceinline__ float e4m3_decode(u32 code) {
+    u32 e = (code >> 3) & 0xFu, m = code & 7u;
+    float mag;
+    if (e == 15u && m == 7u) {
+        mag = __int_as_float(0x7fc00000);
+    } else if (e == 0u) {
+        mag = (float)m * 0.001953125f;  // m * 2^-9, exact
+    } else {
+        mag = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    }
+    return (code & 0x80u) ? -mag : mag;
+}
+
+// Round to nearest, ties to even, saturating at +-448; NaN keeps its sign as 0x7F/0xFF.
+__device__ __forceinline__ u32 e4m3_encode(float x) {
+    u32 bits = __float_as_uint(x);
+    u32 sign = (bits >> 24) & 0x80u;
+    if (x != x) return sign | 0x7Fu;
+    float a = fabsf(x);
+    u32 mag;
+    if (a >= 448.0f) {
+        mag = 0x7Eu;
+    } else if (a >= 0.015625f) {
+        u32 ab = __float_as_uint(a);
+        int exp = (int)(ab >> 23) - 127;
+        u32 mant = ab & 0x7FFFFFu;
+        u32 code = ((u32)(exp + 7) << 3) | (mant >> 20);
+        u32 rest = mant & 0xFFFFFu;
+        if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) code += 1u;
+        mag = code < 0x7Eu ? code : 0x7Eu;
+    } else {
+        mag = (u32)rintf(a * 512.0f);  // exact scaling; rintf rounds ties to even
+    }
+    return sign | mag;
+}
+
+// ---- E2M1 (FP4): kvfmt::e2m1 ----
+
+__device__ __forceinline__ float e2m1_decode(u32 code) {
+    const u32 m = code & 7u;
+    // codes 0..3: 0, 0.5, 1, 1.5; codes 4..7: 2, 3, 4, 6
+    float mag = m < 4u ? 0.5f * (float)m
+                       : (float)(1u << ((m >> 1) - 1u)) * (1.0f + 0.5f * (float)(m & 1u));
+    return (code & 8u) ? -mag : mag;
+}
+
+__device__ __forceinline__ u32 e2m1_encode(float x) {
+    u32 sign = (x != x) ? 0u : ((__float_as_uint(x) >> 28) & 0x8u);
+    float a = fabsf(x);
+    u32 m;
+    if (a <= 0.25f) m = 0;
+    else if (a < 0.75f) m = 1;
+    else if (a <= 1.25f) m = 2;
+    else if (a < 1.75f) m = 3;
+    else if (a <= 2.5f) m = 4;
+    else if (a < 3.5f) m = 5;
+    else if (a <= 5.0f) m = 6;
+    else m = 7;  // also NaN, as the CPU codec
+    return sign | m;
+}
+
+// ---- BF16: kvfmt::bf16 ----
+
+__device__ __forceinline__ u32 bf16_encode(float x) {
+    u32 bits = __float_as_uint(x);
+    if (x != x) return ((bits >> 16) | 0x40u) & 0xFFFFu;
+    return ((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16) & 0xFFFFu;
+}
+
+__device__ __forceinline__ float bf16_decode(u32 bits) { return __uint_as_float(bits << 16); }
+
+// ---- NVFP4 block: kvfmt::nvfp4::quantize_block, the f32 operations in the same order ----
+
+// Quantizes 16 values with global scale g into 8 packed bytes (two u32, element 2j in the low
+// nibble of byte j) and returns the scale byte.
+__device__ __forceinline__ u32 nvfp4_quantize_block(const float* x, float g, u32* packed) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    u32 scale = e4m3_encode(__fdiv_rn(amax, __fmul_rn(6.0f, g)));
+    float s = e4m3_decode(scale);
+    packed[0] = 0u;
+    packed[1] = 0u;
+    if (s == 0.0f) return scale;
+    float denom = __fmul_rn(s, g);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        u32 q = e2m1_encode(__fdiv_rn(x[i], denom));
+        packed[i >> 3] |= q << (4 * (i & 7));
+    }
+    return scale;
+}

@@ -1,0 +1,554 @@
+// Paged decode attention (one query token per sequence) over NVFP4, FP8 or BF16 pages:
+// split-KV flash-decoding on the tensor cores (mma.sync m16n8k16, f32 accumulation).
+//
+// Grid (split, kv_head, sequence), 4 warps. Each warp walks 16-token tiles of its split; for each
+// tile, all query heads of the GQA group (G <= 8, the mma's N) are scored at once, so every K and
+// V byte is read exactly once per group:
+//
+//   S^T[16 tok x 8 heads] = K[16 tok x D] . Q^T[D x 8 heads]     A = K from pages, B = Q
+//   O^T[D x 8 heads]     += V^T[D x 16 tok] . P^T[16 tok x 8]     A = V from pages, B = P
+//
+// Pages are dequantized in registers with integer bit placement, no conversion instructions
+// (Hopper has no FP4 conversion, and its E4M3 one proved the bottleneck of the first version):
+// an E2M1 nibble S EEM becomes the f16 high byte S000EEM0, exactly value * 2^-14 (the
+// subnormal 0.5 included), four nibbles per shift-and-mask and two f16 per byte permute; an
+// E4M3 byte S EEEE MMM placed as the f16 S0EEEEMMM0000000 is exactly value * 2^-8. NVFP4
+// elements are multiplied by their block scale (as f16, times 2^7) with one f16x2 multiply per
+// pair: e2m1 * s * 2^-7 is exact in f16. BF16 pages feed a bf16 mma directly. Global scales,
+// the format factors (2^7, 2^8) and the softmax scale are applied to the f32 scores and to the
+// final output. Which dims of a head vector each lane holds is free (the sum over k does not
+// care), so lanes load contiguous 16-byte pieces and Q is laid out to match.
+//
+// Output: unnormalized partial results per split (max, sum in log2 units, and sum p*V), merged
+// by decode_combine.
+
+#define WARPS 4
+#define TILE 16
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// f16 high bytes (S000EEM0 = e2m1 * 2^-14) of the low nibbles of four bytes, and of the high
+// nibbles.
+__device__ __forceinline__ u32 fp4_lo_hb(u32 w) {
+    return ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+}
+__device__ __forceinline__ u32 fp4_hi_hb(u32 w) {
+    return (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+}
+// f16x2 from high bytes: (x.b0, x.b1) and (x.b2, x.b3), zero low bytes.
+__device__ __forceinline__ u32 hb_01(u32 x) { return __byte_perm(x, 0u, 0x1404); }
+__device__ __forceinline__ u32 hb_23(u32 x) { return __byte_perm(x, 0u, 0x3424); }
+
+// E4M3 bytes 0 and 2 of w as f16x2 of value * 2^-8; and bytes 1 and 3.
+__device__ __forceinline__ u32 fp8_02(u32 w) {
+    return ((w << 7) & 0x3F803F80u) | ((w << 8) & 0x80008000u);
+}
+__device__ __forceinline__ u32 fp8_13(u32 w) {
+    return ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);
+}
+
+// Two NVFP4 block-scale bytes (lo, hi) as f16x2 of s * 2^7 (exact: s <= 448).
+__device__ __forceinline__ u32 scale_pair(u32 lo, u32 hi) {
+    return hmul2(fp8_02(lo | (hi << 16)), 0x78007800u);  // (s * 2^-8) * 2^15
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+template <int FMT>
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+    if (FMT == NIBBLE_BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void load_words(const u8* p, u32* w) {
+    if (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            w[4 * i] = v.x;
+            w[4 * i + 1] = v.y;
+            w[4 * i + 2] = v.z;
+            w[4 * i + 3] = v.w;
+        }
+    } else if (N == 2) {
+        uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x;
+        w[1] = v.y;
+    } else {
+        w[0] = __ldg(reinterpret_cast<const u32*>(p));
+    }
+}
+
+// Bytes of one head vector and the words each lane loads: K, a quarter of a vector (lane c of a
+// token's 4 lanes); V, an eighth (lane g of 8).
+template <int FMT, int D>
+struct Fmt {
+    static const int VB = FMT == NIBBLE_NVFP4 ? D / 2 : (FMT == NIBBLE_FP8 ? D : 2 * D);
+    static const int KW = VB / 16;
+    static const int VW = VB / 32;
+};
+
+template <int FMT, int D>
+struct Raw {
+    u32 k[2][Fmt<FMT, D>::KW];  // tokens g, g + 8
+    u32 ks[2];                 // their nvfp4 scale bytes (D/64 each)
+    u32 v[4][Fmt<FMT, D>::VW];  // tokens 2c, 2c+1, 2c+8, 2c+9
+    u32 vs[4];                 // their nvfp4 scale byte
+};
+
+struct DecodeArgs {
+    u32 q_heads;
+    u32 group;             // query heads per KV head, <= 8
+    u32 max_pages;         // row length of page_table
+    u32 splits;
+    u32 tokens_per_split;  // a multiple of 16
+    float score_scale;     // softmax scale * gK * (64 for nvfp4) * log2(e)
+};
+
+// This lane's byte offsets within a page, for a tile starting at token 0 of the page: K data of
+// token g (quarter c), V data of token 2c (eighth g), and their NVFP4 scales. Fixed per block;
+// a page is far smaller than 4 GiB.
+struct LaneOffsets {
+    u32 kd, vd, ks, vs;
+};
+
+template <int FMT, int D>
+__device__ __forceinline__ LaneOffsets lane_offsets(const PageGeom& g, u32 head, u32 lg, u32 lc) {
+    typedef Fmt<FMT, D> F;
+    const u32 data = head * g.page_size * F::VB;
+    const u32 scales = g.kv_heads * g.page_size * F::VB + head * g.page_size * (D / 16);
+    const u32 k_part = (u32)part_offset(g, 0), v_part = (u32)part_offset(g, 1);
+    LaneOffsets o;
+    o.kd = k_part + data + lg * F::VB + lc * (F::VB / 4);
+    o.vd = v_part + data + 2u * lc * F::VB + lg * (F::VB / 8);
+    o.ks = k_part + scales + lg * (D / 16) + lc * (D / 64);
+    o.vs = v_part + scales + 2u * lc * (D / 16) + lg * D / 128;
+    return o;
+}
+
+template <int FMT, int D>
+__device__ __forceinline__ void load_k(Raw<FMT, D>& r, int t, const u8* kd, const u8* ks) {
+    load_words<Fmt<FMT, D>::KW>(kd, r.k[t]);
+    if (FMT == NIBBLE_NVFP4)
+        r.ks[t] = D / 64 == 2 ? (u32)__ldg(reinterpret_cast<const u16*>(ks)) : (u32)__ldg(ks);
+}
+
+template <int FMT, int D>
+__device__ __forceinline__ void load_v(Raw<FMT, D>& r, int t, const u8* vd, const u8* vs) {
+    load_words<Fmt<FMT, D>::VW>(vd, r.v[t]);
+    if (FMT == NIBBLE_NVFP4) r.vs[t] = __ldg(vs);
+}
+
+// Loads one 16-token tile: this lane's K words of tokens g, g+8 and V words of tokens 2c, 2c+1,
+// 2c+8, 2c+9 (zeros past `end`). t0 is a multiple of 16 and pages hold at least 16 tokens, so
+// the tile lies in one page: one page-table read per tile, and every address is the page plus
+// a lane offset plus a constant. Whole tiles (all but a split's last) take a branch with no
+// bounds checks.
+template <int FMT, int D>
+__device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, const u32* table,
+                                          const PageGeom& g, const LaneOffsets& lo, u32 t0,
+                                          u32 end, u32 lg, u32 lc) {
+    typedef Fmt<FMT, D> F;
+    const u32 off0 = t0 & (g.page_size - 1u);
+    const u8* page = pages + (u64)table[t0 >> g.page_shift] * g.page_bytes;
+    const u8* kd = page + (lo.kd + off0 * F::VB);
+    const u8* vd = page + (lo.vd + off0 * F::VB);
+    const u8* ks = page + (lo.ks + off0 * (D / 16));
+    const u8* vs = page + (lo.vs + off0 * (D / 16));
+    if (t0 + TILE <= end) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) load_k<FMT, D>(r, t, kd + 8 * t * F::VB, ks + 8 * t * (D / 16));
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int i = (t & 1) + 8 * (t >> 1);  // token 2c + i
+            load_v<FMT, D>(r, t, vd + i * F::VB, vs + i * (D / 16));
+        }
+        return;
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        if (t0 + lg + 8u * t < end) {
+            load_k<FMT, D>(r, t, kd + 8 * t * F::VB, ks + 8 * t * (D / 16));
+        } else {
+#pragma unroll
+            for (int j = 0; j < F::KW; ++j) r.k[t][j] = 0u;
+            r.ks[t] = 0u;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const int i = (t & 1) + 8 * (t >> 1);
+        if (t0 + 2u * lc + i < end) {
+            load_v<FMT, D>(r, t, vd + i * F::VB, vs + i * (D / 16));
+        } else {
+#pragma unroll
+            for (int j = 0; j < F::VW; ++j) r.v[t][j] = 0u;
+            r.vs[t] = 0u;
+        }
+    }
+}
+
+// Local dim (within lane c's quarter of the head vector) of mma k-index j of k-step s:
+// j = 0, 1 are the B pair (k = 2c, 2c + 1); j = 2, 3 are k = 2c + 8, 2c + 9.
+template <int FMT>
+__device__ __forceinline__ int k_dim(int s, int j) {
+    const int order[4] = {0, 2, 1, 3};
+    if (FMT == NIBBLE_NVFP4) {
+        const int w = s >> 1, h = s & 1;
+        return 8 * w + 4 * h + order[j];
+    }
+    if (FMT == NIBBLE_FP8) return 4 * s + order[j];
+    return 4 * s + j;
+}
+
+template <int FMT, int D>
+__device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb)[2], float* m,
+                                            float* l, float (*o)[4], u32* p_smem, u32 t0,
+                                            u32 end, float score_scale, u32 lg, u32 lc) {
+    typedef Fmt<FMT, D> F;
+    // ---- scores: S^T = K . Q^T ----
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    if (FMT == NIBBLE_NVFP4) {
+        u32 sc[2][D / 64];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+            for (int b = 0; b < D / 64; ++b) {
+                const u32 byte = (r.ks[t] >> (8 * b)) & 0xFFu;
+                sc[t][b] = scale_pair(byte, byte);
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < F::KW; ++w) {
+            u32 a0[4], a1[4];
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const u32 lo = fp4_lo_hb(r.k[t][w]), hi = fp4_hi_hb(r.k[t][w]);
+                const u32 scale = sc[t][w >> 1];
+                a0[t] = hmul2(hb_01(lo), scale);      // dims 0, 2
+                a0[2 + t] = hmul2(hb_01(hi), scale);  // dims 1, 3
+                a1[t] = hmul2(hb_23(lo), scale);      // dims 4, 6
+                a1[2 + t] = hmul2(hb_23(hi), scale);  // dims 5, 7
+            }
+            mma16816<FMT>(s, a0, qb[2 * w][0], qb[2 * w][1]);
+            mma16816<FMT>(s, a1, qb[2 * w + 1][0], qb[2 * w + 1][1]);
+        }
+    } else if (FMT == NIBBLE_FP8) {
+#pragma unroll
+        for (int w = 0; w < F::KW; ++w) {
+            const u32 a[4] = {fp8_02(r.k[0][w]), fp8_02(r.k[1][w]), fp8_13(r.k[0][w]),
+                              fp8_13(r.k[1][w])};
+            mma16816<FMT>(s, a, qb[w][0], qb[w][1]);
+        }
+    } else {
+#pragma unroll
+        for (int st = 0; st < D / 16; ++st) {
+            const u32 a[4] = {r.k[0][2 * st], r.k[1][2 * st], r.k[0][2 * st + 1], r.k[1][2 * st + 1]};
+            mma16816<FMT>(s, a, qb[st][0], qb[st][1]);
+        }
+    }
+
+    // ---- online softmax (log2 units) for heads 2c, 2c+1 over tokens g, g+8 ----
+    const float NEG_INF = __int_as_float(0xff800000);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] *= score_scale;
+    if (t0 + TILE > end) {  // the last tile of a split: mask tokens past its end
+        const bool v0 = t0 + lg < end, v1 = t0 + lg + 8u < end;
+        s[0] = v0 ? s[0] : NEG_INF;
+        s[1] = v0 ? s[1] : NEG_INF;
+        s[2] = v1 ? s[2] : NEG_INF;
+        s[3] = v1 ? s[3] : NEG_INF;
+    }
+    // The running max moves rarely once a few tiles are in: the warp reduces and rescales only
+    // when some score exceeds it (otherwise the max is unchanged, exactly).
+    const bool grows = s[0] > m[0] || s[2] > m[0] || s[1] > m[1] || s[3] > m[1];
+    if (__any_sync(0xffffffffu, grows)) {
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float tmax = fmaxf(s[h], s[2 + h]);
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+            const float mnew = fmaxf(m[h], tmax);
+            corr[h] = fast_exp2(m[h] - (mnew == NEG_INF ? 0.f : mnew));
+            l[h] *= corr[h];
+            m[h] = mnew;
+        }
+#pragma unroll
+        for (int rt = 0; rt < D / 16; ++rt) {
+            o[rt][0] *= corr[0];
+            o[rt][1] *= corr[1];
+            o[rt][2] *= corr[0];
+            o[rt][3] *= corr[1];
+        }
+    }
+    float p[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float mu = m[h] == NEG_INF ? 0.f : m[h];
+        p[h] = fast_exp2(s[h] - mu);
+        p[2 + h] = fast_exp2(s[2 + h] - mu);
+        // this lane's share of the sum; the lanes of a head are added once, at the end
+        l[h] += p[h] + p[2 + h];
+    }
+
+    // ---- P^T through shared memory: P[head][token] as 16-bit, rows of 16 tokens (8 words) ----
+    u16* ps = reinterpret_cast<u16*>(p_smem);
+    const u32 pk0 = FMT == NIBBLE_BF16 ? pack_bf16(p[0], p[1]) : pack_f16(p[0], p[1]);
+    const u32 pk1 = FMT == NIBBLE_BF16 ? pack_bf16(p[2], p[3]) : pack_f16(p[2], p[3]);
+    ps[(2 * lc) * TILE + lg] = (u16)(pk0 & 0xFFFFu);
+    ps[(2 * lc + 1) * TILE + lg] = (u16)(pk0 >> 16);
+    ps[(2 * lc) * TILE + lg + 8] = (u16)(pk1 & 0xFFFFu);
+    ps[(2 * lc + 1) * TILE + lg + 8] = (u16)(pk1 >> 16);
+    __syncwarp();
+    const u32 pb0 = p_smem[lg * (TILE / 2) + lc];
+    const u32 pb1 = p_smem[lg * (TILE / 2) + 4 + lc];
+    __syncwarp();
+
+    // ---- O^T += V^T . P^T: lane g holds dims [g*D/8, (g+1)*D/8) of tokens (2c, 2c+1) and
+    // (2c+8, 2c+9), paired across tokens ----
+    const int VD = D / 8;
+    u32 hv[2][VD];
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+        const u32* ve = r.v[2 * pr];
+        const u32* vo = r.v[2 * pr + 1];
+        if (FMT == NIBBLE_NVFP4) {
+            const u32 sl = scale_pair(r.vs[2 * pr], r.vs[2 * pr + 1]);
+#pragma unroll
+            for (int w = 0; w < F::VW; ++w) {
+                // (even, odd) token pairs of raw bytes 0, 1 and 2, 3, then their f16 high bytes:
+                // x01 = [e.b0, o.b0, e.b1, o.b1] gives dims 0, 2 (low nibbles), 1, 3 (high)
+                const u32 x01 = __byte_perm(ve[w], vo[w], 0x5140);
+                const u32 x23 = __byte_perm(ve[w], vo[w], 0x7362);
+                const u32 l02 = fp4_lo_hb(x01), h13 = fp4_hi_hb(x01);
+                const u32 l46 = fp4_lo_hb(x23), h57 = fp4_hi_hb(x23);
+                hv[pr][8 * w + 0] = hmul2(hb_01(l02), sl);
+                hv[pr][8 * w + 2] = hmul2(hb_23(l02), sl);
+                hv[pr][8 * w + 4] = hmul2(hb_01(l46), sl);
+                hv[pr][8 * w + 6] = hmul2(hb_23(l46), sl);
+                hv[pr][8 * w + 1] = hmul2(hb_01(h13), sl);
+                hv[pr][8 * w + 3] = hmul2(hb_23(h13), sl);
+                hv[pr][8 * w + 5] = hmul2(hb_01(h57), sl);
+                hv[pr][8 * w + 7] = hmul2(hb_23(h57), sl);
+            }
+        } else if (FMT == NIBBLE_FP8) {
+#pragma unroll
+            for (int w = 0; w < F::VW; ++w) {
+                const u32 x01 = __byte_perm(ve[w], vo[w], 0x5410);  // e0 e1 o0 o1
+                const u32 x23 = __byte_perm(ve[w], vo[w], 0x7632);  // e2 e3 o2 o3
+                hv[pr][4 * w] = fp8_02(x01);
+                hv[pr][4 * w + 1] = fp8_13(x01);
+                hv[pr][4 * w + 2] = fp8_02(x23);
+                hv[pr][4 * w + 3] = fp8_13(x23);
+            }
+        } else {
+#pragma unroll
+            for (int w = 0; w < F::VW; ++w) {
+                hv[pr][2 * w] = __byte_perm(ve[w], vo[w], 0x5410);
+                hv[pr][2 * w + 1] = __byte_perm(ve[w], vo[w], 0x7632);
+            }
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < D / 16; ++rt) {
+        const u32 a[4] = {hv[0][rt], hv[0][rt + D / 16], hv[1][rt], hv[1][rt + D / 16]};
+        mma16816<FMT>(o[rt], a, pb0, pb1);
+    }
+}
+
+template <int FMT, int D>
+__device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
+                                            const float* __restrict__ q,
+                                            const u32* __restrict__ page_table,
+                                            const u32* __restrict__ context,
+                                            float* __restrict__ part_o,
+                                            float* __restrict__ part_ml, PageGeom geom,
+                                            DecodeArgs args) {
+    __shared__ u32 p_smem[WARPS][8 * TILE / 2];
+    __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
+    __shared__ float sm_o[WARPS][8][D];
+
+    const u32 split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 lg = lane / 4, lc = lane % 4;
+    const u32 ctx = context[seq];
+    const u32 begin = split * args.tokens_per_split;
+    const u32 end = min(ctx, begin + args.tokens_per_split);
+    const u32* table = page_table + (u64)seq * args.max_pages;
+
+    // Q^T as the B operand of the score mma: head g of the group, this lane's dims, BF16-rounded
+    // (the precision decode takes Q in), then f16 (exact for |q| in [2^-14, 65504]) or bf16.
+    u32 qb[D / 16][2];
+    {
+        const bool has = lg < args.group;
+        const float* qh = q + ((u64)seq * args.q_heads + kv_head * args.group + (has ? lg : 0)) * D +
+                          lc * (D / 4);
+#pragma unroll
+        for (int st = 0; st < D / 16; ++st) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float x0 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j)])) : 0.f;
+                float x1 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j + 1)])) : 0.f;
+                qb[st][j] = FMT == NIBBLE_BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
+            }
+        }
+    }
+
+    float m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
+    float l[2] = {0.f, 0.f};
+    float o[D / 16][4];
+#pragma unroll
+    for (int rt = 0; rt < D / 16; ++rt) o[rt][0] = o[rt][1] = o[rt][2] = o[rt][3] = 0.f;
+
+    const u32 stride = WARPS * TILE;
+    const LaneOffsets lanes = lane_offsets<FMT, D>(geom, kv_head, lg, lc);
+    u32 t0 = begin + warp * TILE;
+    if (t0 < end) {
+        Raw<FMT, D> cur;
+        load_tile<FMT, D>(cur, pages, table, geom, lanes, t0, end, lg, lc);
+        if (FMT == NIBBLE_BF16) {
+            // 256 B per lane in flight already; double-buffering would not fit in registers.
+            while (true) {
+                attend_tile<FMT, D>(cur, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
+                                    lc);
+                t0 += stride;
+                if (t0 >= end) break;
+                load_tile<FMT, D>(cur, pages, table, geom, lanes, t0, end, lg, lc);
+            }
+        } else {
+            // Two buffers in turn: the next tile loads while this one is computed.
+            Raw<FMT, D> other;
+            while (true) {
+                bool more = t0 + stride < end;
+                if (more) load_tile<FMT, D>(other, pages, table, geom, lanes, t0 + stride, end, lg, lc);
+                attend_tile<FMT, D>(cur, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
+                                    lc);
+                if (!more) break;
+                t0 += stride;
+                more = t0 + stride < end;
+                if (more) load_tile<FMT, D>(cur, pages, table, geom, lanes, t0 + stride, end, lg, lc);
+                attend_tile<FMT, D>(other, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
+                                    lc);
+                if (!more) break;
+                t0 += stride;
+            }
+        }
+    }
+
+    // ---- merge the warps, write this split's partial result ----
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
+    }
+    if (lg == 0) {
+        sm_m[warp][2 * lc] = m[0];
+        sm_m[warp][2 * lc + 1] = m[1];
+        sm_l[warp][2 * lc] = l[0];
+        sm_l[warp][2 * lc + 1] = l[1];
+    }
+#pragma unroll
+    for (int rt = 0; rt < D / 16; ++rt) {
+        const u32 d0 = lg * (D / 8) + rt, d1 = d0 + D / 16;
+        sm_o[warp][2 * lc][d0] = o[rt][0];
+        sm_o[warp][2 * lc + 1][d0] = o[rt][1];
+        sm_o[warp][2 * lc][d1] = o[rt][2];
+        sm_o[warp][2 * lc + 1][d1] = o[rt][3];
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < args.group * D; i += blockDim.x) {
+        const u32 h = i / D, d = i % D;
+        float mx = sm_m[0][h];
+#pragma unroll
+        for (int w = 1; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][h]);
+        float acc = 0.f, sum = 0.f;
+        if (mx != __int_as_float(0xff800000)) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float f = fast_exp2(sm_m[w][h] - mx);
+                acc += sm_o[w][h][d] * f;
+                sum += sm_l[w][h] * f;
+            }
+        }
+        const u64 row = ((u64)seq * args.q_heads + kv_head * args.group + h) * args.splits + split;
+        part_o[row * D + d] = acc;
+        if (d == 0) {
+            part_ml[2 * row] = mx;
+            part_ml[2 * row + 1] = sum;
+        }
+    }
+}
+
+#define DECODE_KERNEL(NAME, FMT, D, MIN_BLOCKS)                                                           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                              \
+        NAME(const u8* __restrict__ pages, const float* __restrict__ q,                          \
+             const u32* __restrict__ page_table, const u32* __restrict__ context,                \
+             float* __restrict__ part_o, float* __restrict__ part_ml, PageGeom geom,             \
+             DecodeArgs args) {                                                                  \
+        decode_body<FMT, D>(pages, q, page_table, context, part_o, part_ml, geom, args);        \
+    }
+
+// Blocks per SM the register allocation must allow: 4 (16 warps) where it fits without
+// meaningful spilling.
+DECODE_KERNEL(decode_nvfp4_d64, NIBBLE_NVFP4, 64, 4)
+DECODE_KERNEL(decode_nvfp4_d128, NIBBLE_NVFP4, 128, 4)
+DECODE_KERNEL(decode_fp8_d64, NIBBLE_FP8, 64, 4)
+DECODE_KERNEL(decode_fp8_d128, NIBBLE_FP8, 128, 3)
+DECODE_KERNEL(decode_bf16_d64, NIBBLE_BF16, 64, 4)
+DECODE_KERNEL(decode_bf16_d128, NIBBLE_BF16, 128, 3)
+
+// Merges the splits of every (sequence, query head): out = sum_s o_s 2^(m_s - M) / L * v_scale.
+// Grid (q_heads, sequences), head_dim threads.
+extern "C" __global__ void decode_combine(const float* __restrict__ part_o,
+                                          const float* __restrict__ part_ml,
+                                          float* __restrict__ out, u32 q_heads, u32 splits,
+                                          u32 head_dim, float v_scale) {
+    const u32 h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+    const u64 row0 = ((u64)seq * q_heads + h) * splits;
+    float mx = __int_as_float(0xff800000);
+    for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[2 * (row0 + s)]);
+    float acc = 0.f, sum = 0.f;
+    for (u32 s = 0; s < splits; ++s) {
+        const float ms = part_ml[2 * (row0 + s)];
+        if (ms == __int_as_float(0xff800000)) continue;
+        const float f = fast_exp2(ms - mx);
+        acc += part_o[(row0 + s) * head_dim + d] * f;
+        sum += part_ml[2 * (row0 + s) + 1] * f;
+    }
+    out[((u64)seq * q_heads + h) * head_dim + d] = sum > 0.f ? acc / sum * v_scale : 0.f;
+}

@@ -1,0 +1,135 @@
+// Quantize-on-write and the extend gather, byte-identical to the CPU codecs (kvcache's
+// HostPages::write_kv and the engine's extend workspace).
+
+// Writes n tokens' K and V (f32, [token][kv_head][head_dim]) into their slots, quantized to the
+// pool's dtype. slots[t] = page * page_size + offset; 0xFFFFFFFF is padding and is skipped. One
+// thread per 16 values of one (token, K|V, head).
+extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __restrict__ k,
+                                       const float* __restrict__ v,
+                                       const u32* __restrict__ slots, u32 n_tokens,
+                                       PageGeom g, u32 dtype, float gk, float gv) {
+    const u32 chunks = g.head_dim / 16u;
+    const u32 per_part = g.kv_heads * chunks;
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)n_tokens * 2u * per_part) return;
+    const u32 token = (u32)(idx / (2u * per_part));
+    u32 rem = (u32)(idx % (2u * per_part));
+    const u32 part = rem / per_part;
+    rem %= per_part;
+    const u32 head = rem / chunks, chunk = rem % chunks;
+    const u32 slot = slots[token];
+    if (slot == 0xFFFFFFFFu) return;
+    const u32 page = slot >> g.page_shift, off = slot & (g.page_size - 1u);
+    const float* src = (part ? v : k) + ((u64)token * g.kv_heads + head) * g.head_dim + chunk * 16u;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float4 f = reinterpret_cast<const float4*>(src)[i];
+        x[4 * i] = f.x;
+        x[4 * i + 1] = f.y;
+        x[4 * i + 2] = f.z;
+        x[4 * i + 3] = f.w;
+    }
+    const float gs = part ? gv : gk;
+    u8* base = pages + (u64)page * g.page_bytes;
+    u8* data = base + data_offset(g, part, head, off);
+    if (dtype == NIBBLE_NVFP4) {
+        u32 packed[2];
+        u32 scale = nvfp4_quantize_block(x, gs, packed);
+        *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(packed[0], packed[1]);
+        base[scale_offset(g, part, head, off) + chunk] = (u8)scale;
+    } else if (dtype == NIBBLE_FP8) {
+        u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i >> 2] |= e4m3_encode(__fdiv_rn(x[i], gs)) << (8 * (i & 3));
+        *reinterpret_cast<uint4*>(data + chunk * 16u) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        u32 w[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = bf16_encode(x[2 * i]) | (bf16_encode(x[2 * i + 1]) << 16);
+        uint4* dst = reinterpret_cast<uint4*>(data + chunk * 32u);
+        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+}
+
+// Extend: gathers tokens [0, n_tokens) of one sequence (its pages in page_table) from the pool
+// into the work-dtype workspace, [token][kv_head][head_dim]: E4M3 with the work scales (wk, wv)
+// for nvfp4 and fp8 caches, BF16 bytes for a bf16 cache. Each value is first dequantized to f32
+// exactly as the CPU reads a head vector (e2m1 * s * g, or e4m3 * g), then encoded.
+extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict__ ws_v,
+                                          const u8* __restrict__ pages,
+                                          const u32* __restrict__ page_table, u32 n_tokens,
+                                          PageGeom g, u32 dtype, float gk, float gv, float wk,
+                                          float wv) {
+    const u32 chunks = g.head_dim / 16u;
+    const u32 per_part = g.kv_heads * chunks;
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)n_tokens * 2u * per_part) return;
+    const u32 token = (u32)(idx / (2u * per_part));
+    u32 rem = (u32)(idx % (2u * per_part));
+    const u32 part = rem / per_part;
+    rem %= per_part;
+    const u32 head = rem / chunks, chunk = rem % chunks;
+    const u32 page = page_table[token >> g.page_shift], off = token & (g.page_size - 1u);
+    const u8* base = pages + (u64)page * g.page_bytes;
+    const u8* data = base + data_offset(g, part, head, off);
+    const float gs = part ? gv : gk, ws = part ? wv : wk;
+    const u64 out_index = ((u64)token * g.kv_heads + head) * g.head_dim + chunk * 16u;
+    u8* out = part ? ws_v : ws_k;
+    if (dtype == NIBBLE_BF16) {
+        const uint4* src = reinterpret_cast<const uint4*>(data + chunk * 32u);
+        uint4* dst = reinterpret_cast<uint4*>(out + 2u * out_index);
+        dst[0] = src[0];
+        dst[1] = src[1];
+        return;
+    }
+    float x[16];
+    if (dtype == NIBBLE_NVFP4) {
+        uint2 packed = *reinterpret_cast<const uint2*>(data + chunk * 8u);
+        float s = e4m3_decode(base[scale_offset(g, part, head, off) + chunk]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            u32 word = i < 8 ? packed.x : packed.y;
+            u32 code = (word >> (4 * (i & 7))) & 0xFu;
+            x[i] = __fmul_rn(__fmul_rn(e2m1_decode(code), s), gs);
+        }
+    } else {
+        uint4 q = *reinterpret_cast<const uint4*>(data + chunk * 16u);
+        u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = __fmul_rn(e4m3_decode((w[i >> 2] >> (8 * (i & 3))) & 0xFFu), gs);
+    }
+    u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i >> 2] |= e4m3_encode(__fdiv_rn(x[i], ws)) << (8 * (i & 3));
+    *reinterpret_cast<uint4*>(out + out_index) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Fills n bytes with valid random codes of `dtype` from a counter hash (benchmark and test
+// inputs, never zeros): any byte for nvfp4 data, scale bytes in [0x28, 0x3F] (0.125 .. 0.9375,
+// never NaN); fp8 bytes with the NaN codes mapped away; bf16 values of magnitude in [2^-5, 2^5).
+extern "C" __global__ void fill_random_pages(u8* __restrict__ pages, u64 n, u32 dtype, u32 seed,
+                                             PageGeom g) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u32 h = (u32)i * 0x9E3779B1u ^ (u32)(i >> 32) * 0x85EBCA77u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    u8 b = (u8)h;
+    if (dtype == NIBBLE_NVFP4) {
+        u64 in_page = i % g.page_bytes;
+        u64 in_part = in_page % g.part_bytes;
+        if (in_part >= (u64)g.kv_heads * g.page_size * g.data_bytes) b = (u8)(0x28u + (h >> 8) % 24u);
+    } else if (dtype == NIBBLE_FP8) {
+        if ((b & 0x7Fu) == 0x7Fu) b &= 0xF7u;
+    } else if ((i & 1u) == 1u) {
+        // high byte of a bf16: the sign and the top 7 exponent bits (61..65); the low byte is
+        // random, so values are finite with magnitude in [2^-5, 2^5).
+        b = (u8)(((h >> 12) & 0x80u) | (61u + (h >> 8) % 5u));
+    }
+    pages[i] = b;
+}

@@ -1,0 +1,96 @@
+//! [`PageGeom`]: a `PageLayout` and a layer, as the kernels address pages.
+
+use cudarc::driver::DeviceRepr;
+use nibble_kvfmt::{KvDtype, PageLayout};
+
+use crate::{Error, Result};
+
+/// The geometry of one page plus the layer a launch works on; the `PageGeom` struct of
+/// `cu/common.cuh`, field for field. Built only from a validated [`PageLayout`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageGeom {
+    pub page_bytes: u64,
+    pub part_bytes: u32,
+    pub kv_heads: u32,
+    pub page_size: u32,
+    pub page_shift: u32,
+    pub head_dim: u32,
+    pub data_bytes: u32,
+    pub scale_bytes: u32,
+    pub layer: u32,
+}
+
+// SAFETY: #[repr(C)], plain integers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for PageGeom {}
+
+impl PageGeom {
+    /// The geometry of `layout` at `layer`. The kernels need a power-of-two page size and
+    /// 16-byte aligned parts (true for every page size >= 8 with nibble's head dims).
+    pub fn new(layout: &PageLayout, layer: usize) -> Result<Self> {
+        let page_size = layout.page_size();
+        if !page_size.is_power_of_two() {
+            return Err(Error::Unsupported(format!(
+                "page size {page_size} (the kernels need a power of two)"
+            )));
+        }
+        if layer >= layout.layers() {
+            return Err(Error::Shape {
+                what: "layer (less than the layout's layers)",
+                expected: layout.layers(),
+                actual: layer,
+            });
+        }
+        if layout.part_bytes() % 16 != 0 {
+            return Err(Error::Unsupported(format!(
+                "{} bytes per (layer, K|V) part: the kernels need a multiple of 16 (a larger page)",
+                layout.part_bytes()
+            )));
+        }
+        Ok(Self {
+            page_bytes: layout.page_bytes() as u64,
+            part_bytes: layout.part_bytes() as u32,
+            kv_heads: layout.kv_heads() as u32,
+            page_size: page_size as u32,
+            page_shift: page_size.trailing_zeros(),
+            head_dim: layout.head_dim() as u32,
+            data_bytes: layout.data_bytes() as u32,
+            scale_bytes: layout.scale_bytes() as u32,
+            layer: layer as u32,
+        })
+    }
+}
+
+/// The dtype code of `cu/common.cuh` (`NIBBLE_NVFP4`, `NIBBLE_FP8`, `NIBBLE_BF16`).
+pub(crate) fn dtype_code(dtype: KvDtype) -> u32 {
+    match dtype {
+        KvDtype::Nvfp4 => 0,
+        KvDtype::Fp8 => 1,
+        KvDtype::Bf16 => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_the_layout() {
+        let layout = PageLayout::new(32, 8, 128, 16, KvDtype::Nvfp4).unwrap();
+        let g = PageGeom::new(&layout, 3).unwrap();
+        assert_eq!(g.page_bytes, 589_824);
+        assert_eq!(g.part_bytes, 8 * 16 * 72);
+        assert_eq!((g.page_shift, g.data_bytes, g.scale_bytes), (4, 64, 8));
+        assert_eq!(std::mem::size_of::<PageGeom>(), 40);
+    }
+
+    #[test]
+    fn rejects_what_the_kernels_cannot_address() {
+        let odd = PageLayout::new(1, 1, 16, 12, KvDtype::Fp8).unwrap();
+        assert!(PageGeom::new(&odd, 0).is_err());
+        let small = PageLayout::new(1, 1, 16, 1, KvDtype::Nvfp4).unwrap();
+        assert!(PageGeom::new(&small, 0).is_err());
+        let layout = PageLayout::new(2, 1, 64, 16, KvDtype::Bf16).unwrap();
+        assert!(PageGeom::new(&layout, 2).is_err());
+    }
+}

@@ -1,0 +1,589 @@
+//! [`Kernels`]: one device's context, stream and compiled kernels, with a typed launch per
+//! kernel. Every launch checks the shapes it is given before anything runs on the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr,
+    LaunchConfig, PushKernelArg,
+};
+use nibble_kvfmt::KvDtype;
+
+use crate::geom::dtype_code;
+use crate::{nvrtc, Error, PageGeom, Result};
+
+/// `DecodeArgs` of `cu/decode.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DecodeArgs {
+    q_heads: u32,
+    group: u32,
+    max_pages: u32,
+    splits: u32,
+    tokens_per_split: u32,
+    score_scale: f32,
+}
+
+// SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for DecodeArgs {}
+
+/// `PrefillArgs` of `cu/prefill.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct PrefillArgs {
+    n: u32,
+    start: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    score_scale: f32,
+    v_scale: f32,
+}
+
+// SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for PrefillArgs {}
+
+/// Query rows per prefill block (4 warps of 16), as in `cu/prefill.cu`.
+const PREFILL_ROWS: u32 = 64;
+
+/// Threads per decode block (4 warps) and tokens per warp tile, as in `cu/decode.cu`.
+const DECODE_THREADS: u32 = 128;
+const DECODE_TILE: usize = 16;
+
+/// The compiled kernels on one device.
+pub struct Kernels {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: &'static str,
+    sms: u32,
+    quantize: CudaFunction,
+    gather: CudaFunction,
+    fill: CudaFunction,
+    /// [dtype code][0: head dim 64, 1: 128]
+    decode: [[CudaFunction; 2]; 3],
+    /// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
+    prefill: [[CudaFunction; 2]; 2],
+    combine: CudaFunction,
+}
+
+/// The NVRTC target of a compute capability: the newest the kernels are written for, at most
+/// the device's own.
+fn arch_for(major: i32, minor: i32) -> Result<&'static str> {
+    Ok(match (major, minor) {
+        (9, _) | (10.., _) => "sm_90",
+        (8, 9) => "sm_89",
+        (8, _) => "sm_80",
+        _ => {
+            return Err(Error::Unsupported(format!(
+                "compute capability {major}.{minor} (the kernels need 8.0 or newer)"
+            )))
+        }
+    })
+}
+
+impl Kernels {
+    /// Opens device `ordinal`, compiles every kernel for it and loads them. Fails (never panics)
+    /// when there is no driver, no device or no NVRTC.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        nvrtc::load()?;
+        // SAFETY: only tries to open the driver library by name.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::NoDevice(
+                "the CUDA driver library (libcuda.so.1) is not loadable".into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| Error::NoDevice(format!("device {ordinal}: {e}")))?;
+        let major =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sms =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let arch = arch_for(major, minor)?;
+        let mut modules = Vec::new();
+        for compiled in nvrtc::compile_all(arch)? {
+            modules.push((compiled.name, ctx.load_module(compiled.ptx)?));
+        }
+        let function = |source: &str, name: &str| -> Result<CudaFunction> {
+            let module = &modules
+                .iter()
+                .find(|(n, _)| *n == source)
+                .expect("compiled")
+                .1;
+            Ok(module.load_function(name)?)
+        };
+        let decode_fns = |dtype: &str| -> Result<[CudaFunction; 2]> {
+            Ok([
+                function("decode", &format!("decode_{dtype}_d64"))?,
+                function("decode", &format!("decode_{dtype}_d128"))?,
+            ])
+        };
+        let stream = ctx.default_stream();
+        Ok(Self {
+            quantize: function("quantize", "kv_quantize")?,
+            gather: function("quantize", "kv_gather_work")?,
+            fill: function("quantize", "fill_random_pages")?,
+            decode: [
+                decode_fns("nvfp4")?,
+                decode_fns("fp8")?,
+                decode_fns("bf16")?,
+            ],
+            combine: function("decode", "decode_combine")?,
+            prefill: [
+                [
+                    function("prefill", "prefill_fp8_d64")?,
+                    function("prefill", "prefill_fp8_d128")?,
+                ],
+                [
+                    function("prefill", "prefill_bf16_d64")?,
+                    function("prefill", "prefill_bf16_d128")?,
+                ],
+            ],
+            ctx,
+            stream,
+            arch,
+            sms,
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The NVRTC target the kernels were compiled for.
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// Streaming multiprocessors on the device.
+    pub fn multiprocessors(&self) -> u32 {
+        self.sms
+    }
+
+    /// Quantize-on-write: writes `n` tokens' K and V (f32 `[token][kv_head][head_dim]`) of
+    /// `geom.layer` into their `slots` (`page * page_size + offset`; `u32::MAX` is padding),
+    /// with global scales `(gk, gv)`. The bytes equal `HostPages::write_kv`'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn quantize(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &CudaSlice<u32>,
+        scales: (f32, f32),
+    ) -> Result<()> {
+        let n = slots.len();
+        let values = n * (geom.kv_heads * geom.head_dim) as usize;
+        check("K values", values, k.len())?;
+        check("V values", values, v.len())?;
+        let threads = n as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
+        if threads == 0 {
+            return Ok(());
+        }
+        let (n32, code) = (n as u32, dtype_code(dtype));
+        let mut b = self.stream.launch_builder(&self.quantize);
+        b.arg(pages)
+            .arg(k)
+            .arg(v)
+            .arg(slots)
+            .arg(&n32)
+            .arg(&geom)
+            .arg(&code);
+        b.arg(&scales.0).arg(&scales.1);
+        // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
+        // and every slot is bounds-checked by the caller's page pool.
+        unsafe { b.launch(grid_1d(threads)) }?;
+        Ok(())
+    }
+
+    /// Extend gather: the first `tokens` tokens of one sequence (pages in `page_table`) into
+    /// the work-dtype workspace `[token][kv_head][head_dim]`: E4M3 bytes with the work scales
+    /// for nvfp4 and fp8 caches, BF16 bytes for a bf16 cache (`ws_k`/`ws_v` then hold 2 bytes
+    /// per value). The bytes equal the CPU extend path's workspace.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_work(
+        &self,
+        ws: (&mut CudaSlice<u8>, &mut CudaSlice<u8>),
+        pages: &CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        page_table: &CudaSlice<u32>,
+        tokens: usize,
+        scales: (f32, f32),
+        work_scales: (f32, f32),
+    ) -> Result<()> {
+        let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+        let bytes = tokens * (geom.kv_heads * geom.head_dim) as usize * width;
+        if ws.0.len() < bytes || ws.1.len() < bytes {
+            return Err(Error::Shape {
+                what: "workspace bytes (at least)",
+                expected: bytes,
+                actual: ws.0.len().min(ws.1.len()),
+            });
+        }
+        if page_table.len() * (geom.page_size as usize) < tokens {
+            return Err(Error::Shape {
+                what: "pages covering the prefix",
+                expected: tokens.div_ceil(geom.page_size as usize),
+                actual: page_table.len(),
+            });
+        }
+        let threads = tokens as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
+        if threads == 0 {
+            return Ok(());
+        }
+        let (n32, code) = (tokens as u32, dtype_code(dtype));
+        let mut b = self.stream.launch_builder(&self.gather);
+        b.arg(ws.0)
+            .arg(ws.1)
+            .arg(pages)
+            .arg(page_table)
+            .arg(&n32)
+            .arg(&geom)
+            .arg(&code);
+        b.arg(&scales.0)
+            .arg(&scales.1)
+            .arg(&work_scales.0)
+            .arg(&work_scales.1);
+        // SAFETY: matches kv_gather_work's signature; sizes checked above.
+        unsafe { b.launch(grid_1d(threads)) }?;
+        Ok(())
+    }
+
+    /// Fills `pages` with valid random codes of `dtype` (benchmark and test inputs).
+    pub fn fill_random(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        seed: u32,
+    ) -> Result<()> {
+        let n = pages.len() as u64;
+        let code = dtype_code(dtype);
+        let mut b = self.stream.launch_builder(&self.fill);
+        b.arg(pages).arg(&n).arg(&code).arg(&seed).arg(&geom);
+        // SAFETY: matches fill_random_pages's signature; n is the slice's length.
+        unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
+    /// Causal attention of one sequence's `n` new queries (positions `start..start + n`) over
+    /// the work-dtype workspace holding its first `start + n` tokens (E4M3 for fp8 and nvfp4
+    /// caches, BF16 for a bf16 cache): the initial prefill (`start` = 0) and extend paths.
+    /// Writes `out` (`[row][q_head][head_dim]` f32).
+    pub fn prefill(&self, batch: &PrefillBatch<'_>, out: &mut CudaSlice<f32>) -> Result<()> {
+        let d = batch.head_dim;
+        let dim_index = match d {
+            64 => 0,
+            128 => 1,
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "prefill with head dim {d} (64 or 128)"
+                )))
+            }
+        };
+        let (q_heads, kv_heads) = (batch.q_heads, batch.kv_heads);
+        if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(Error::Unsupported(format!(
+                "{q_heads} query heads over {kv_heads} KV heads"
+            )));
+        }
+        let (work_index, width, (gk, gv)) = match batch.work {
+            KvDtype::Fp8 => (0, 1, batch.work_scales),
+            // a BF16 workspace has no scale (docs/FORMAT.md)
+            KvDtype::Bf16 => (1, 2, (1.0, 1.0)),
+            KvDtype::Nvfp4 => {
+                return Err(Error::Unsupported(
+                    "an nvfp4 workspace (the work dtype of an nvfp4 cache is fp8)".into(),
+                ))
+            }
+        };
+        let n = batch.n;
+        check("queries", n * q_heads * d, batch.q.len())?;
+        check("outputs", n * q_heads * d, out.len())?;
+        let context = (batch.start + n) * kv_heads * d * width;
+        if batch.k.len() < context || batch.v.len() < context {
+            return Err(Error::Shape {
+                what: "workspace bytes (at least)",
+                expected: context,
+                actual: batch.k.len().min(batch.v.len()),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let args = PrefillArgs {
+            n: n as u32,
+            start: batch.start as u32,
+            q_heads: q_heads as u32,
+            kv_heads: kv_heads as u32,
+            score_scale: batch.softmax_scale
+                * gk
+                * fmt_factor(batch.work)
+                * std::f32::consts::LOG2_E,
+            v_scale: gv * fmt_factor(batch.work),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(PREFILL_ROWS), q_heads as u32, 1),
+            block_dim: (PREFILL_ROWS * 2, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self
+            .stream
+            .launch_builder(&self.prefill[work_index][dim_index]);
+        b.arg(batch.q).arg(batch.k).arg(batch.v).arg(out).arg(&args);
+        // SAFETY: matches prefill_*'s signature; q, out and the workspace were checked.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Paged decode attention for one layer: one query token per sequence over its whole
+    /// context, read straight from the pages. Writes `out` (`[seq][q_head][head_dim]` f32).
+    pub fn decode(
+        &self,
+        pages: &CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        batch: &DecodeBatch<'_>,
+        ws: &mut DecodeWorkspace,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let d = geom.head_dim as usize;
+        let dim_index = match d {
+            64 => 0,
+            128 => 1,
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "decode with head dim {d} (64 or 128)"
+                )))
+            }
+        };
+        let kv_heads = geom.kv_heads as usize;
+        let q_heads = batch.q_heads;
+        if q_heads == 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > 8 {
+            return Err(Error::Unsupported(format!(
+                "{q_heads} query heads over {kv_heads} KV heads (a group of 1 to 8)"
+            )));
+        }
+        let seqs = batch.context.len();
+        check("queries", seqs * q_heads * d, batch.q.len())?;
+        check("outputs", seqs * q_heads * d, out.len())?;
+        check("page table", seqs * batch.max_pages, batch.page_table.len())?;
+        if batch.max_context > batch.max_pages * geom.page_size as usize {
+            return Err(Error::Shape {
+                what: "page-table row covering the longest context",
+                expected: batch.max_context.div_ceil(geom.page_size as usize),
+                actual: batch.max_pages,
+            });
+        }
+        if geom.page_size < DECODE_TILE as u32 {
+            return Err(Error::Unsupported(format!(
+                "decode with page size {} (at least {DECODE_TILE}: a tile reads one page)",
+                geom.page_size
+            )));
+        }
+        // BF16 pages carry no scale (docs/FORMAT.md): the pool's global scales do not apply.
+        let (gk, gv) = match dtype {
+            KvDtype::Bf16 => (1.0, 1.0),
+            KvDtype::Fp8 | KvDtype::Nvfp4 => batch.scales,
+        };
+        let plan = split_plan(self.sms, seqs * kv_heads, batch.max_context);
+        ws.reserve(&self.stream, seqs * q_heads * plan.splits, d)?;
+        let args = DecodeArgs {
+            q_heads: q_heads as u32,
+            group: (q_heads / kv_heads) as u32,
+            max_pages: batch.max_pages as u32,
+            splits: plan.splits as u32,
+            tokens_per_split: plan.tokens_per_split as u32,
+            score_scale: batch.softmax_scale * gk * fmt_factor(dtype) * std::f32::consts::LOG2_E,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (plan.splits as u32, kv_heads as u32, seqs as u32),
+            block_dim: (DECODE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = &self.decode[dtype_code(dtype) as usize][dim_index];
+        let mut b = self.stream.launch_builder(f);
+        b.arg(pages)
+            .arg(batch.q)
+            .arg(batch.page_table)
+            .arg(batch.context);
+        b.arg(&mut ws.part_o)
+            .arg(&mut ws.part_ml)
+            .arg(&geom)
+            .arg(&args);
+        // SAFETY: matches decode_*'s signature; q, out and the page table were checked against
+        // the batch, the workspace was sized for the plan, and page ids come from the pool.
+        unsafe { b.launch(cfg) }?;
+        let (qh, splits, dim) = (q_heads as u32, plan.splits as u32, d as u32);
+        let v_scale = gv * fmt_factor(dtype);
+        let mut c = self.stream.launch_builder(&self.combine);
+        c.arg(&ws.part_o)
+            .arg(&ws.part_ml)
+            .arg(out)
+            .arg(&qh)
+            .arg(&splits)
+            .arg(&dim)
+            .arg(&v_scale);
+        let cfg = LaunchConfig {
+            grid_dim: (qh, seqs as u32, 1),
+            block_dim: (dim, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches decode_combine; the workspace holds seqs * q_heads * splits rows.
+        unsafe { c.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// The power of two the decode kernels leave out of their f16 operands (see `cu/decode.cu`):
+/// NVFP4 elements are read as e2m1 * s * 2^-7, FP8 as e4m3 * 2^-8.
+fn fmt_factor(dtype: KvDtype) -> f32 {
+    match dtype {
+        KvDtype::Nvfp4 => 128.0,
+        KvDtype::Fp8 => 256.0,
+        KvDtype::Bf16 => 1.0,
+    }
+}
+
+#[derive(Debug, PartialEq)]
+struct SplitPlan {
+    splits: usize,
+    tokens_per_split: usize,
+}
+
+/// How to split each sequence's context: enough blocks for about two waves of `sms`
+/// multiprocessors (four resident blocks each), at least 256 tokens per split, and splits a whole
+/// number of 16-token tiles.
+fn split_plan(sms: u32, blocks_per_split: usize, max_context: usize) -> SplitPlan {
+    let target = 2 * 4 * sms as usize;
+    let by_device = target.div_ceil(blocks_per_split.max(1));
+    let by_length = max_context.div_ceil(256).max(1);
+    let splits = by_device.min(by_length).max(1);
+    let per_split = max_context
+        .div_ceil(splits)
+        .next_multiple_of(DECODE_TILE)
+        .max(DECODE_TILE);
+    SplitPlan {
+        splits: max_context.div_ceil(per_split).max(1),
+        tokens_per_split: per_split,
+    }
+}
+
+/// One decode step's sequences, all on the device.
+pub struct DecodeBatch<'a> {
+    /// Queries after RoPE, `[seq][q_head][head_dim]` f32 (rounded to BF16 by the kernel).
+    pub q: &'a CudaSlice<f32>,
+    pub q_heads: usize,
+    /// `[seq][max_pages]` page ids; row i covers sequence i's context.
+    pub page_table: &'a CudaSlice<u32>,
+    pub max_pages: usize,
+    /// Context length of each sequence (the new token, already written, included); >= 1.
+    pub context: &'a CudaSlice<u32>,
+    /// The largest entry of `context` (sizes the split).
+    pub max_context: usize,
+    /// The layer's (K, V) global scales (ignored for BF16 pages, which have none).
+    pub scales: (f32, f32),
+    /// Normally 1 / sqrt(head_dim).
+    pub softmax_scale: f32,
+}
+
+/// One sequence's prefill or extend step over the work-dtype workspace, on the device.
+pub struct PrefillBatch<'a> {
+    /// The new tokens' queries after RoPE, `[row][q_head][head_dim]` f32 (rounded to BF16 by
+    /// the kernel).
+    pub q: &'a CudaSlice<f32>,
+    pub n: usize,
+    /// Tokens before the first query (a cached prefix, already gathered into the workspace).
+    pub start: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The workspace, `[token][kv_head][head_dim]`, at least `start + n` tokens: E4M3 bytes or
+    /// little-endian BF16.
+    pub k: &'a CudaSlice<u8>,
+    pub v: &'a CudaSlice<u8>,
+    /// `Fp8` or `Bf16`: the workspace's element type.
+    pub work: KvDtype,
+    /// The E4M3 workspace's (K, V) dequantization multipliers (a BF16 workspace has none).
+    pub work_scales: (f32, f32),
+    /// Normally 1 / sqrt(head_dim).
+    pub softmax_scale: f32,
+}
+
+/// Split-KV partial results, reused across calls and grown on demand.
+pub struct DecodeWorkspace {
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+}
+
+impl DecodeWorkspace {
+    pub fn new(kernels: &Kernels) -> Result<Self> {
+        Ok(Self {
+            part_o: kernels.stream.alloc_zeros(1)?,
+            part_ml: kernels.stream.alloc_zeros(2)?,
+        })
+    }
+
+    fn reserve(&mut self, stream: &Arc<CudaStream>, rows: usize, head_dim: usize) -> Result<()> {
+        if self.part_o.len() < rows * head_dim {
+            self.part_o = stream.alloc_zeros(rows * head_dim)?;
+        }
+        if self.part_ml.len() < rows * 2 {
+            self.part_ml = stream.alloc_zeros(rows * 2)?;
+        }
+        Ok(())
+    }
+}
+
+fn grid_1d(threads: u64) -> LaunchConfig {
+    const BLOCK: u64 = 256;
+    LaunchConfig {
+        grid_dim: (threads.div_ceil(BLOCK) as u32, 1, 1),
+        block_dim: (BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn check(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_follows_the_device() {
+        assert_eq!(arch_for(9, 0).unwrap(), "sm_90");
+        assert_eq!(arch_for(8, 0).unwrap(), "sm_80");
+        assert_eq!(arch_for(8, 9).unwrap(), "sm_89");
+        assert!(arch_for(7, 5).is_err());
+    }
+
+    #[test]
+    fn splits_cover_the_context_in_whole_tiles() {
+        for (blocks, ctx) in [(8, 4096), (64, 32768), (1024, 131072), (8, 1), (24, 17)] {
+            let plan = split_plan(132, blocks, ctx);
+            assert_eq!(plan.tokens_per_split % DECODE_TILE, 0);
+            assert!(plan.splits * plan.tokens_per_split >= ctx);
+            assert!((plan.splits - 1) * plan.tokens_per_split < ctx);
+        }
+        assert_eq!(split_plan(132, 8, 32768).splits, 128);
+        assert_eq!(split_plan(132, 1024, 32768).splits, 2);
+    }
+}

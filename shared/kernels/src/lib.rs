@@ -1,0 +1,62 @@
+//! nibble's CUDA kernels, compiled at start-up by NVRTC (cudarc, dynamic loading: building needs
+//! no CUDA toolkit, and a machine without a GPU builds and tests everything but the launches).
+//!
+//! * [`nvrtc`]: finding NVRTC (PyPI wheel, `NIBBLE_NVRTC_LIB`, the loader path) and compiling
+//!   every source; CI compiles them all for sm_90 and sm_80 with no GPU.
+//! * [`Kernels`]: a device context with the compiled module and typed launches: quantize-on-write
+//!   into pages ([`Kernels::quantize`]), the extend gather into the work-dtype workspace
+//!   ([`Kernels::gather_work`]), causal prefill/extend attention over that workspace
+//!   ([`Kernels::prefill`]) and paged split-KV decode attention over NVFP4, FP8 or BF16 pages
+//!   ([`Kernels::decode`]).
+//!
+//! Pages on the GPU have exactly the bytes of `nibble_kvfmt::PageLayout` (docs/FORMAT.md), so
+//! pages written by the CPU are read by the GPU and the other way round; [`PageGeom`] carries
+//! that geometry to the kernels.
+
+mod error;
+mod geom;
+mod launch;
+pub mod nvrtc;
+
+pub use error::{Error, Result};
+pub use geom::PageGeom;
+pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};
+
+/// The element codecs and page addressing every kernel shares, prepended to each source.
+pub(crate) const PRELUDE: &str = include_str!("cu/common.cuh");
+
+/// Every kernel source: (name, body). Each is compiled into its own module.
+pub(crate) const SOURCES: [(&str, &str); 3] = [
+    ("quantize", include_str!("cu/quantize.cu")),
+    ("decode", include_str!("cu/decode.cu")),
+    ("prefill", include_str!("cu/prefill.cu")),
+];
+
+/// The kernel entry points each source must define (checked by the compile test).
+pub const ENTRY_POINTS: [(&str, &[&str]); 3] = [
+    (
+        "quantize",
+        &["kv_quantize", "kv_gather_work", "fill_random_pages"],
+    ),
+    (
+        "decode",
+        &[
+            "decode_nvfp4_d64",
+            "decode_nvfp4_d128",
+            "decode_fp8_d64",
+            "decode_fp8_d128",
+            "decode_bf16_d64",
+            "decode_bf16_d128",
+            "decode_combine",
+        ],
+    ),
+    (
+        "prefill",
+        &[
+            "prefill_fp8_d64",
+            "prefill_fp8_d128",
+            "prefill_bf16_d64",
+            "prefill_bf16_d128",
+        ],
+    ),
+];

@@ -1,0 +1,32 @@
+//! CI gate: every kernel source compiles through NVRTC for sm_90 (and sm_80, the oldest chip the
+//! kernels support) with no GPU. NVRTC missing is a failure, not a skip: CI installs it
+//! (scripts/deps.sh, PyPI `nvidia-cuda-nvrtc`).
+
+use nibble_kernels::{nvrtc, ENTRY_POINTS};
+
+#[test]
+fn every_kernel_compiles_for_sm_90_and_sm_80() {
+    let lib = nvrtc::load().unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("NVRTC: {}", lib.display());
+    for arch in ["sm_90", "sm_80"] {
+        let compiled = nvrtc::compile_all(arch).unwrap_or_else(|e| panic!("{e}"));
+        for (source, entries) in ENTRY_POINTS {
+            let ptx = compiled
+                .iter()
+                .find(|c| c.name == source)
+                .unwrap_or_else(|| panic!("{source}.cu was not compiled"))
+                .ptx
+                .to_src();
+            assert!(
+                ptx.contains(&format!(".target {arch}")),
+                "{source} for {arch}"
+            );
+            for entry in entries.iter() {
+                assert!(
+                    ptx.contains(&format!(".entry {entry}(")),
+                    "{source}.cu for {arch} lacks kernel {entry}"
+                );
+            }
+        }
+    }
+}
