@@ -477,3 +477,24 @@ async fn nibble_up_answers_and_serves_generate_url_then_stops_on_sigint() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// SIGTERM: a worker leaves the membership at once (the router stops routing to it without
+/// waiting for its lease to expire), drains, and exits successfully.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_terminated_worker_deregisters_and_exits() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Spec::new("nvfp4")).await;
+    let start = Instant::now();
+    let status = cluster.decodes[0].terminate(Duration::from_secs(15));
+    assert!(status.success(), "{status}");
+    cluster.wait_for_workers(1, 0).await;
+    // The lease's TTL is 10 s; leaving explicitly is faster.
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "gone after {:?}",
+        start.elapsed()
+    );
+    let mut client = cluster.client().await;
+    let status = generate(&mut client, greedy("hello", 4)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}
