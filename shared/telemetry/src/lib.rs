@@ -12,14 +12,18 @@
 //! * [`register`]: a service's gauges that are cheaper to read than to track (a worker's free
 //!   pages, the router's queue) are set by a [`Collect`]or just before each scrape. Collectors
 //!   are held weakly: one that is dropped stops being asked.
-//! * [`serve`] answers `GET /metrics` on a listener the caller bound.
+//! * [`serve`] answers `GET /metrics` on a listener the caller bound; [`spawn`] installs and
+//!   serves in the background.
+//! * [`scrape`] reads an endpoint back into [`Samples`] (tests and tools).
 //!
 //! Every histogram is in seconds and has the buckets [`LATENCY_BUCKETS`].
 
 mod collect;
+mod scrape;
 mod server;
 
 pub use collect::{register, Collect, CollectFuture};
+pub use scrape::{scrape, Sample, Samples};
 pub use server::{bind, serve, spawn, MetricsServer, CONTENT_TYPE};
 
 use std::sync::OnceLock;
