@@ -19,6 +19,10 @@ use crate::service::Shared;
 /// after dispatch, `refused` before it) and `code` (the gRPC status code's name; `ok` for
 /// finished, `cancelled` for cancelled).
 pub const REQUESTS_TOTAL: &str = "nibble_router_requests_total";
+/// Counter: HTTP API responses, labelled `route` (the matched route, e.g.
+/// `/v1/chat/completions`, or `unmatched`) and `status` (e.g. `200`, `400`, `429`). Requests
+/// refused by the HTTP layer itself (a bad body, a wrong key) are counted only here.
+pub const HTTP_RESPONSES_TOTAL: &str = "nibble_router_http_responses_total";
 /// Histogram: from a request's arrival to its first generated token, queueing included.
 pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "nibble_router_time_to_first_token_seconds";
 /// Histogram: between consecutive generated tokens of one request.
@@ -89,6 +93,10 @@ pub fn describe() {
     describe_counter!(
         REQUESTS_TOTAL,
         "Generate requests by outcome and gRPC code."
+    );
+    describe_counter!(
+        HTTP_RESPONSES_TOTAL,
+        "HTTP API responses by route and status."
     );
     describe_histogram!(
         TIME_TO_FIRST_TOKEN_SECONDS,
@@ -172,6 +180,12 @@ pub(crate) fn request(outcome: Outcome, code: tonic::Code) {
         "code" => nibble_telemetry::code_label(code)
     )
     .increment(1);
+}
+
+/// Counts one HTTP response.
+pub(crate) fn http_response(route: String, status: axum::http::StatusCode) {
+    metrics::counter!(HTTP_RESPONSES_TOTAL, "route" => route, "status" => status.as_str().to_string())
+        .increment(1);
 }
 
 /// Records one routing decision and how long it took.

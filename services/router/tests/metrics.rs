@@ -11,6 +11,7 @@ use nibble_discovery::{Role, StaticRegistry};
 use nibble_kvfmt::KvDtype;
 use nibble_router::metrics as m;
 use nibble_telemetry::Samples;
+use support::http_client::post_json;
 use support::{generate, greedy_request, prompt, RouterServer, Worker, NEW_TOKENS};
 use tokio::net::TcpListener;
 use tonic::Code;
@@ -41,6 +42,15 @@ async fn router_exports_outcomes_latencies_decisions_queue_and_workers() {
     stream.message().await.unwrap().expect("a first chunk");
     drop(stream);
 
+    // Through the HTTP API: one completion (the same generate path), and one refused by the
+    // HTTP layer's own checks, which only the HTTP counter sees.
+    let body = serde_json::json!({ "prompt": support::PROMPT, "max_tokens": NEW_TOKENS });
+    let ok = post_json(&router.http_address, "/v1/completions", &body).await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let body = serde_json::json!({ "prompt": "x", "max_tokens": 0 });
+    let bad = post_json(&router.http_address, "/v1/completions", &body).await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+
     let mut s = Samples::default();
     for _ in 0..200 {
         s = Samples::parse(&nibble_telemetry::scrape(metrics.address()).await.unwrap());
@@ -52,39 +62,44 @@ async fn router_exports_outcomes_latencies_decisions_queue_and_workers() {
     }
     let requests =
         |outcome, code| s.value(m::REQUESTS_TOTAL, &[("outcome", outcome), ("code", code)]);
-    assert_eq!(requests("finished", "ok"), 2.0);
+    assert_eq!(requests("finished", "ok"), 3.0);
     assert_eq!(requests("refused", "invalid_argument"), 1.0);
     assert_eq!(requests("cancelled", "cancelled"), 1.0);
     assert_eq!(s.get(m::REQUESTS_TOTAL, &[("outcome", "failed")]), None);
 
     // Latencies: a first token for each dispatched request, an end for each finished one.
     let count = |name: &str| s.value(&format!("{name}_count"), &[]);
-    assert_eq!(count(m::TIME_TO_FIRST_TOKEN_SECONDS), 3.0);
-    assert_eq!(count(m::REQUEST_DURATION_SECONDS), 2.0);
-    assert!(count(m::INTER_TOKEN_LATENCY_SECONDS) >= f64::from(2 * (NEW_TOKENS - 1)));
-    assert!(s.value(m::GENERATION_TOKENS_TOTAL, &[]) >= f64::from(2 * NEW_TOKENS + 1));
+    assert_eq!(count(m::TIME_TO_FIRST_TOKEN_SECONDS), 4.0);
+    assert_eq!(count(m::REQUEST_DURATION_SECONDS), 3.0);
+    assert!(count(m::INTER_TOKEN_LATENCY_SECONDS) >= f64::from(3 * (NEW_TOKENS - 1)));
+    assert!(s.value(m::GENERATION_TOKENS_TOTAL, &[]) >= f64::from(3 * NEW_TOKENS + 1));
     let ttft = s.value(&format!("{}_sum", m::TIME_TO_FIRST_TOKEN_SECONDS), &[]);
     let e2e = s.value(&format!("{}_sum", m::REQUEST_DURATION_SECONDS), &[]);
     assert!(ttft > 0.0 && e2e > 0.0, "ttft {ttft} s, e2e {e2e} s");
 
-    // Admission and routing: three requests got a place and a decision, all disaggregated
+    let http = |status| {
+        s.value(
+            m::HTTP_RESPONSES_TOTAL,
+            &[("route", "/v1/completions"), ("status", status)],
+        )
+    };
+    assert_eq!((http("200"), http("400")), (1.0, 1.0));
+
+    // Admission and routing: four requests got a place and a decision, all disaggregated
     // (every uncached token goes to the prefill worker in these tests).
-    assert_eq!(count(m::QUEUE_WAIT_SECONDS), 3.0);
-    assert_eq!(count(m::PREPROCESS_DURATION_SECONDS), 3.0);
-    assert_eq!(count(m::DECISION_DURATION_SECONDS), 3.0);
-    assert_eq!(s.value(m::DECISIONS_TOTAL, &[]), 3.0);
+    assert_eq!(count(m::QUEUE_WAIT_SECONDS), 4.0);
+    assert_eq!(count(m::PREPROCESS_DURATION_SECONDS), 4.0);
+    assert_eq!(count(m::DECISION_DURATION_SECONDS), 4.0);
+    assert_eq!(s.value(m::DECISIONS_TOTAL, &[]), 4.0);
     assert_eq!(
         s.value(m::DECISIONS_TOTAL, &[("reason", "disaggregated")]),
-        3.0
+        4.0
     );
     assert_eq!(
         s.value(m::DECISIONS_TOTAL, &[("reason", "local_prefill")]),
         0.0
     );
-    assert_eq!(
-        s.value(m::PROMPT_TOKENS_TOTAL, &[]),
-        3.0 * prompt().len() as f64
-    );
+    assert!(s.value(m::PROMPT_TOKENS_TOTAL, &[]) >= 3.0 * prompt().len() as f64);
     assert!(s.value(m::CACHED_PROMPT_TOKENS_TOTAL, &[]) > 0.0);
     assert_eq!(s.value(m::QUEUED_REQUESTS, &[]), 0.0);
     assert_eq!(s.value(m::RUNNING_REQUESTS, &[]), 0.0);

@@ -439,7 +439,7 @@ impl WorkerState {
             .reservations
             .request_id(reservation)
             .ok_or(Error::UnknownReservation(reservation))?;
-        tracing::Span::current().record("request_id", request_id.as_str());
+        tracing::Span::current().record("request_id", tracing::field::display(&request_id));
         let role = metrics::role_label(self);
         let page_bytes = self.engine.info().page_bytes;
         let (mut pages, mut bytes, mut complete) = (0usize, 0u64, false);
@@ -572,7 +572,7 @@ pub struct WorkerService(pub Arc<WorkerState>);
 /// The span every log line about one request carries: `request{request_id=... call=...}`.
 /// The router names the request; the same id reaches every worker it touches.
 fn request_span(call: &'static str, request_id: &str) -> tracing::Span {
-    tracing::info_span!("request", request_id, call)
+    tracing::info_span!("request", request_id = %request_id, call)
 }
 
 impl WorkerState {
