@@ -445,7 +445,12 @@ impl v1::inference_server::Inference for InferenceService {
         }
         // Every log line about the request, here and on its workers, carries its id.
         let span = tracing::info_span!("request", request_id = %req.request_id);
-        match self.start(req, arrived).instrument(span.clone()).await {
+        // A client that goes away while its request waits for a place drops this future.
+        let mut unanswered = Unanswered(Some(span.clone()));
+        let started = self.start(req, arrived).instrument(span.clone()).await;
+        unanswered.0 = None;
+        match started {
+            // The flow counts it from here.
             Ok(stream) => Ok(Response::new(stream)),
             Err(status) => {
                 metrics::request(Outcome::Refused, status.code());
@@ -487,6 +492,19 @@ impl v1::inference_server::Inference for InferenceService {
                 is_default: true,
             }],
         }))
+    }
+}
+
+/// Counts a request as cancelled if dropped while it holds the request's span: its client left
+/// before it was dispatched.
+struct Unanswered(Option<tracing::Span>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(span) = self.0.take() {
+            metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
+            span.in_scope(|| tracing::info!("cancelled by the client before dispatch"));
+        }
     }
 }
 

@@ -575,18 +575,40 @@ fn request_span(call: &'static str, request_id: &str) -> tracing::Span {
     tracing::info_span!("request", request_id = %request_id, call)
 }
 
-impl WorkerState {
-    /// Counts a call that ended with `result`, and logs a failure.
-    fn finished<T>(&self, call: &'static str, result: Result<T>) -> std::result::Result<T, Status> {
-        let result = result.map_err(Status::from);
-        if let Err(status) = &result {
-            tracing::warn!(%status, "{call} failed");
+/// Counts one call when it ends: by its result's code, or `cancelled` when the caller went
+/// away first (tonic then drops the handler's future, and this with it).
+struct Call {
+    role: &'static str,
+    call: &'static str,
+    code: tonic::Code,
+}
+
+impl Call {
+    fn start(state: &WorkerState, call: &'static str) -> Self {
+        Self {
+            role: metrics::role_label(state),
+            call,
+            code: tonic::Code::Cancelled,
         }
-        let code = result
-            .as_ref()
-            .map_or_else(Status::code, |_| tonic::Code::Ok);
-        metrics::call(metrics::role_label(self), call, code);
+    }
+
+    /// The call's result as a gRPC status; a failure is logged.
+    fn end<T>(mut self, result: Result<T>) -> std::result::Result<T, Status> {
+        let result = result.map_err(Status::from);
+        match &result {
+            Ok(_) => self.code = tonic::Code::Ok,
+            Err(status) => {
+                self.code = status.code();
+                tracing::warn!(%status, "{} failed", self.call);
+            }
+        }
         result
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        metrics::call(self.role, self.call, self.code);
     }
 }
 
@@ -606,8 +628,8 @@ impl Worker for WorkerService {
         let request = request.into_inner();
         let span = request_span("reserve", &request.request_id);
         async {
-            let result = self.0.reserve(request).await;
-            self.0.finished("reserve", result).map(Response::new)
+            let call = Call::start(&self.0, "reserve");
+            call.end(self.0.reserve(request).await).map(Response::new)
         }
         .instrument(span)
         .await
@@ -620,8 +642,8 @@ impl Worker for WorkerService {
         let request = request.into_inner();
         let span = request_span("prefill", &request.request_id);
         async {
-            let result = self.0.prefill(request).await;
-            self.0.finished("prefill", result).map(Response::new)
+            let call = Call::start(&self.0, "prefill");
+            call.end(self.0.prefill(request).await).map(Response::new)
         }
         .instrument(span)
         .await
@@ -639,7 +661,7 @@ impl Worker for WorkerService {
             match self.0.decode(request).await {
                 // The stream counts the call when it ends.
                 Ok(stream) => Ok(Response::new(stream)),
-                Err(e) => self.0.finished("decode", Err(e)),
+                Err(e) => Call::start(&self.0, "decode").end(Err(e)),
             }
         }
         .instrument(span)
@@ -709,8 +731,9 @@ impl KvTransfer for TransferService {
             call = "push_pages"
         );
         async {
-            let result = self.0.receive(request.into_inner()).await;
-            self.0.finished("push_pages", result).map(Response::new)
+            let call = Call::start(&self.0, "push_pages");
+            call.end(self.0.receive(request.into_inner()).await)
+                .map(Response::new)
         }
         .instrument(span)
         .await
