@@ -117,15 +117,8 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     );
     let discovery: Arc<dyn Discovery> =
         Arc::new(EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?);
-    let _metrics = match args.no_metrics {
-        true => None,
-        false => {
-            let server =
-                nibble_telemetry::spawn(nibble_telemetry::bind(args.metrics_listen).await?)?;
-            println!("nibble-router metrics on {}", server.address());
-            Some(server)
-        }
-    };
+    let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
+    let _metrics = nibble_telemetry::start(metrics_listen, "nibble-router").await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("--listen {}", args.listen))?;

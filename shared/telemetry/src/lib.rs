@@ -24,7 +24,7 @@ mod server;
 
 pub use collect::{register, Collect, CollectFuture};
 pub use scrape::{scrape, Sample, Samples};
-pub use server::{bind, serve, spawn, MetricsServer, CONTENT_TYPE};
+pub use server::{bind, serve, spawn, start, MetricsServer, CONTENT_TYPE};
 
 use std::sync::OnceLock;
 

@@ -74,6 +74,21 @@ impl Drop for MetricsServer {
     }
 }
 
+/// What a binary's `--metrics-listen` / `--no-metrics` flags do: unless `address` is `None`,
+/// binds it, serves `/metrics` there in the background ([`spawn`]) and prints
+/// `{who} metrics on ADDRESS` on stdout (the bound address, so port 0 can be found).
+pub async fn start(
+    address: Option<SocketAddr>,
+    who: &str,
+) -> std::io::Result<Option<MetricsServer>> {
+    let Some(address) = address else {
+        return Ok(None);
+    };
+    let server = spawn(bind(address).await?)?;
+    println!("{who} metrics on {}", server.address());
+    Ok(Some(server))
+}
+
 /// Installs the process's recorder and serves `/metrics` on `listener` in the background until
 /// the returned [`MetricsServer`] is dropped.
 pub fn spawn(listener: TcpListener) -> std::io::Result<MetricsServer> {

@@ -152,15 +152,8 @@ pub async fn run_on(
     }
     let local = listener.local_addr()?;
     let address = args.advertise.clone().unwrap_or_else(|| local.to_string());
-    let _metrics = match args.no_metrics {
-        true => None,
-        false => {
-            let server =
-                nibble_telemetry::spawn(nibble_telemetry::bind(args.metrics_listen).await?)?;
-            println!("nibble-{role} metrics on {}", server.address());
-            Some(server)
-        }
-    };
+    let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
+    let _metrics = nibble_telemetry::start(metrics_listen, &format!("nibble-{role}")).await?;
     let state = {
         let args = args.clone();
         tokio::task::spawn_blocking(move || start_engine(&args, role, local.port()))
