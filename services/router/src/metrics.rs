@@ -196,6 +196,11 @@ pub(crate) fn decision(reason: Reason, took: Duration, prompt_tokens: usize, cac
     metrics::counter!(CACHED_PROMPT_TOKENS_TOTAL).increment(cached as u64);
 }
 
+/// Adds `n` to the unlabelled counter `name`.
+pub(crate) fn count(name: &'static str, n: u64) {
+    metrics::counter!(name).increment(n);
+}
+
 /// Records a duration in the histogram `name`.
 pub(crate) fn duration(name: &'static str, took: Duration) {
     metrics::histogram!(name).record(took);

@@ -646,7 +646,7 @@ impl Flow {
                         Ok(response) => break response.into_inner(),
                         Err(status) if retryable(&status) && attempt < PREFILL_ATTEMPTS => {
                             tracing::warn!(worker = %prefill.worker.id, %status, "prefill failed; retrying");
-                            ::metrics::counter!(metrics::PREFILL_RETRIES_TOTAL).increment(1);
+                            metrics::count(metrics::PREFILL_RETRIES_TOTAL, 1);
                             let next = self
                                 .shared
                                 .router()
@@ -724,7 +724,7 @@ impl Flow {
         }
         self.last_token = Some(now);
         self.generated += n as u64;
-        ::metrics::counter!(metrics::GENERATION_TOKENS_TOTAL).increment(n as u64);
+        metrics::count(metrics::GENERATION_TOKENS_TOTAL, n as u64);
     }
 }
 
