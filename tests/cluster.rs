@@ -385,6 +385,187 @@ async fn the_cluster_survives_an_etcd_restart_and_lost_leases() {
     cluster.assert_pages_back().await;
 }
 
+/// The JSON log lines of `log` (a process run with `NIBBLE_LOG_FORMAT=json`) that carry
+/// `request_id` in their span.
+fn lines_of_request(log: &str, request_id: &str) -> Vec<serde_json::Value> {
+    log.lines()
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"))
+        })
+        .filter(|line| line["span"]["request_id"] == request_id)
+        .collect()
+}
+
+/// Scrapes `address` until `ready` holds (a worker counts a decode call when it drops the
+/// stream, just after the router saw its end), for at most 10 s.
+async fn scrape_until(
+    address: std::net::SocketAddr,
+    ready: impl Fn(&nibble_telemetry::Samples) -> bool,
+) -> nibble_telemetry::Samples {
+    let start = Instant::now();
+    loop {
+        let text = nibble_telemetry::scrape(address)
+            .await
+            .expect("GET /metrics");
+        let samples = nibble_telemetry::Samples::parse(&text);
+        if ready(&samples) {
+            return samples;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{address}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Sends an OpenAI completion to the router's HTTP API and returns its `x-request-id`.
+async fn http_completion(address: std::net::SocketAddr, prompt: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = serde_json::json!({ "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0 })
+        .to_string();
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!(
+        "POST /v1/completions HTTP/1.0\r\nHost: {address}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.0 200"), "{response}");
+    response
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("x-request-id")
+                .then(|| value.trim().to_string())
+        })
+        .unwrap_or_else(|| panic!("no x-request-id: {response}"))
+}
+
+/// Every process serves /metrics, and what each counts agrees with the others (the prefill
+/// worker's bytes sent are the decode worker's received); every process's JSON log lines about
+/// a request carry the router's request id, from the gRPC API's id and from the HTTP API's
+/// `x-request-id` alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_process_serves_metrics_and_logs_one_request_id() {
+    use nibble_router::metrics as router;
+    use nibble_worker::metrics as worker;
+    let _serial = SERIAL.lock().await;
+    let mut spec = Spec::new("nvfp4");
+    spec.json_logs = true;
+    let cluster = Cluster::start(spec).await;
+    let mut client = cluster.client().await;
+    let mut stream = client
+        .generate(greedy("It is a truth universally acknowledged", NEW_TOKENS))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut grpc_id = String::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        grpc_id = chunk.request_id;
+    }
+    assert!(grpc_id.starts_with("router-"), "{grpc_id}");
+    let http = cluster
+        .router
+        .http
+        .expect("the router printed its HTTP address");
+    let http_id = http_completion(http, "However little known the feelings or views").await;
+    cluster.assert_pages_back().await;
+
+    let metrics = |p: &support::cluster::Proc| {
+        p.metrics
+            .unwrap_or_else(|| panic!("{} printed no metrics address", p.name))
+    };
+    let r = scrape_until(metrics(&cluster.router), |s| {
+        s.get(router::REQUESTS_TOTAL, &[("outcome", "finished")]) == Some(2.0)
+    })
+    .await;
+    let count = |s: &nibble_telemetry::Samples, name: &str| s.value(&format!("{name}_count"), &[]);
+    assert_eq!(count(&r, router::TIME_TO_FIRST_TOKEN_SECONDS), 2.0);
+    assert_eq!(count(&r, router::REQUEST_DURATION_SECONDS), 2.0);
+    assert_eq!(
+        r.value(router::DECISIONS_TOTAL, &[("reason", "disaggregated")]),
+        2.0
+    );
+    assert_eq!(r.value(router::WORKERS, &[("role", "decode")]), 1.0);
+
+    let p = scrape_until(metrics(&cluster.prefills[0]), |_| true).await;
+    let d = scrape_until(metrics(&cluster.decodes[0]), |s| {
+        s.get(
+            worker::REQUESTS_TOTAL,
+            &[("call", "decode"), ("code", "ok")],
+        ) == Some(2.0)
+    })
+    .await;
+    assert_eq!(
+        p.value(
+            worker::REQUESTS_TOTAL,
+            &[("call", "prefill"), ("code", "ok")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        d.value(
+            worker::REQUESTS_TOTAL,
+            &[("call", "reserve"), ("code", "ok")]
+        ),
+        2.0
+    );
+    let sent = p.value(worker::KV_TRANSFER_BYTES_TOTAL, &[("direction", "sent")]);
+    let received = d.value(
+        worker::KV_TRANSFER_BYTES_TOTAL,
+        &[("direction", "received")],
+    );
+    assert!(
+        sent > 0.0 && sent == received,
+        "{sent} sent, {received} received"
+    );
+    assert_eq!(
+        d.value(worker::GENERATION_TOKENS_TOTAL, &[]),
+        f64::from(2 * NEW_TOKENS)
+    );
+    assert!(p.value(worker::KV_PAGES_TOTAL, &[]) > 0.0);
+    // Each process serves only its own series.
+    assert_eq!(p.get(router::REQUESTS_TOTAL, &[]), None);
+    assert_eq!(r.get(worker::KV_PAGES_TOTAL, &[]), None);
+
+    for id in [&grpc_id, &http_id] {
+        for proc in [&cluster.router, &cluster.prefills[0], &cluster.decodes[0]] {
+            let lines = lines_of_request(&proc.log(), id);
+            assert!(
+                !lines.is_empty(),
+                "{}'s log has no line of request {id}:\n{}",
+                proc.name,
+                proc.log()
+            );
+        }
+    }
+    // The workers say what they did for it, under its id.
+    let said = |proc: &support::cluster::Proc, id: &str| -> Vec<String> {
+        lines_of_request(&proc.log(), id)
+            .iter()
+            .map(|l| {
+                l["fields"]["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect()
+    };
+    for id in [&grpc_id, &http_id] {
+        let prefill = said(&cluster.prefills[0], id);
+        let decode = said(&cluster.decodes[0], id);
+        let router = said(&cluster.router, id);
+        assert!(prefill.iter().any(|m| m == "pushed pages"), "{prefill:?}");
+        assert!(decode.iter().any(|m| m == "received pages"), "{decode:?}");
+        assert!(decode.iter().any(|m| m == "decoded"), "{decode:?}");
+        assert!(router.iter().any(|m| m == "finished"), "{router:?}");
+    }
+}
+
 /// `nibble up` starts a cluster in one process without etcd, answers `--prompt` through its
 /// router, serves `nibble generate --url`, and stops cleanly on SIGINT.
 #[tokio::test(flavor = "multi_thread")]

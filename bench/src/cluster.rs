@@ -103,6 +103,8 @@ impl LocalCluster {
                 reservation_ttl_ms: 600_000,
                 etcd_endpoints: Vec::new(),
                 capacity_interval_ms: 1_000,
+                metrics_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                no_metrics: true,
             };
             let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
             tokio::spawn(nibble_worker::run_on(

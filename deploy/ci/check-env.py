@@ -18,7 +18,6 @@ import yaml
 # Flags the chart already sets ahead of the services (docs/DEPLOY.md, "Today, and what is landing").
 PENDING = {
     "NIBBLE_HTTP_LISTEN",
-    "NIBBLE_METRICS_LISTEN",
     "NIBBLE_TLS_CERT",
     "NIBBLE_TLS_KEY",
     "NIBBLE_TLS_CA",

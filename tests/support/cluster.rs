@@ -7,6 +7,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -50,17 +51,33 @@ pub struct Proc {
     log: PathBuf,
     /// The address it printed (`... listening on ADDR`).
     pub address: String,
+    /// Its /metrics address, if it printed one (`... metrics on ADDR`).
+    pub metrics: Option<SocketAddr>,
+    /// Its HTTP API's address, if it printed one (`... HTTP API on http://ADDR/v1`).
+    pub http: Option<SocketAddr>,
+}
+
+/// An address a process printed on stdout.
+enum Printed {
+    Listening(String),
+    Metrics(SocketAddr),
+    Http(SocketAddr),
 }
 
 impl Proc {
-    /// Starts `nibble ARGS` and waits for its `listening on` line.
-    pub fn start(name: &str, args: &[String], dir: &Path) -> Self {
+    /// Starts `nibble ARGS` and waits for its `listening on` line; its logs are text, or JSON
+    /// lines with `json_logs`.
+    pub fn start(name: &str, args: &[String], dir: &Path, json_logs: bool) -> Self {
         let log = dir.join(format!("{name}.log"));
         let stderr = File::create(&log).expect("log file");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
-            .args(args)
-            .env("RUST_LOG", "info")
-            .env_remove("NIBBLE_LOG_FORMAT")
+        let mut command = Command::new(env!("CARGO_BIN_EXE_nibble"));
+        command.args(args).env("RUST_LOG", "info");
+        if json_logs {
+            command.env("NIBBLE_LOG_FORMAT", "json");
+        } else {
+            command.env_remove("NIBBLE_LOG_FORMAT");
+        }
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -71,9 +88,17 @@ impl Proc {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { return };
-                if let Some((_, address)) = line.split_once(" listening on ") {
-                    let _ = tx.send(address.trim().to_string());
-                }
+                let printed = if let Some((_, address)) = line.split_once(" listening on ") {
+                    Printed::Listening(address.trim().to_string())
+                } else if let Some((_, address)) = line.split_once(" metrics on ") {
+                    Printed::Metrics(address.trim().parse().expect("a metrics address"))
+                } else if let Some((_, url)) = line.split_once(" HTTP API on http://") {
+                    let address = url.trim().trim_end_matches("/v1");
+                    Printed::Http(address.parse().expect("an HTTP address"))
+                } else {
+                    continue;
+                };
+                let _ = tx.send(printed);
             }
         });
         let mut proc = Self {
@@ -81,12 +106,19 @@ impl Proc {
             child: Some(child),
             log,
             address: String::new(),
+            metrics: None,
+            http: None,
         };
         let start = Instant::now();
         loop {
-            if let Ok(address) = rx.recv_timeout(Duration::from_millis(100)) {
-                proc.address = address;
-                return proc;
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(Printed::Listening(address)) => {
+                    proc.address = address;
+                    return proc;
+                }
+                Ok(Printed::Metrics(address)) => proc.metrics = Some(address),
+                Ok(Printed::Http(address)) => proc.http = Some(address),
+                Err(_) => {}
             }
             if let Some(status) = proc
                 .child
@@ -159,6 +191,8 @@ pub struct Spec {
     pub router_args: Vec<String>,
     /// MiB of KV pages per worker.
     pub kv_budget_mib: usize,
+    /// Every process logs JSON lines (`NIBBLE_LOG_FORMAT=json`) instead of text.
+    pub json_logs: bool,
 }
 
 impl Spec {
@@ -171,6 +205,7 @@ impl Spec {
             decodes: 1,
             router_args: vec!["--local-prefill-threshold".into(), "0".into()],
             kv_budget_mib: 32,
+            json_logs: false,
         }
     }
 }
@@ -213,10 +248,16 @@ impl Cluster {
             .to_vec()
         };
         let prefills = (0..spec.prefills)
-            .map(|i| Proc::start(&format!("prefill-{i}"), &worker_args("prefill"), dir.path()))
+            .map(|i| {
+                let args = worker_args("prefill");
+                Proc::start(&format!("prefill-{i}"), &args, dir.path(), spec.json_logs)
+            })
             .collect();
         let decodes = (0..spec.decodes)
-            .map(|i| Proc::start(&format!("decode-{i}"), &worker_args("decode"), dir.path()))
+            .map(|i| {
+                let args = worker_args("decode");
+                Proc::start(&format!("decode-{i}"), &args, dir.path(), spec.json_logs)
+            })
             .collect();
         let mut router_args: Vec<String> = [
             "router",
@@ -230,11 +271,13 @@ impl Cluster {
             "100",
             "--http-listen",
             "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
         ]
         .map(String::from)
         .to_vec();
         router_args.extend(spec.router_args.iter().cloned());
-        let router = Proc::start("router", &router_args, dir.path());
+        let router = Proc::start("router", &router_args, dir.path(), spec.json_logs);
         let cluster = Self {
             etcd,
             prefills,

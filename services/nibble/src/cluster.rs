@@ -60,6 +60,10 @@ pub struct UpArgs {
     /// (greedy, at most 128 tokens) and stream the answer, then keep serving.
     #[arg(long, value_name = "TEXT")]
     pub prompt: Option<String>,
+    /// Address of the Prometheus endpoint, GET /metrics, for the router and both workers
+    /// (their series told apart by `role`; port 0: any free port). Unset: none.
+    #[arg(long, env = "NIBBLE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub serving: ServingArgs,
 }
@@ -111,6 +115,23 @@ pub async fn up_until(
         .service_config(&source, model_name.clone(), args.page_size as u32)
         .map_err(|e| fail("router", &e))?;
     drop(source);
+    // Installed before any service starts, so that all three record into it.
+    let _metrics = match args.metrics_listen {
+        None => None,
+        Some(listen) => {
+            let listener = nibble_telemetry::bind(listen)
+                .await
+                .map_err(|e| fail("metrics", &e))?;
+            let server = nibble_telemetry::spawn(listener).map_err(|e| fail("metrics", &e))?;
+            writeln!(
+                out,
+                "nibble up: metrics on http://{}/metrics",
+                server.address()
+            )
+            .map_err(Error::Stdout)?;
+            Some(server)
+        }
+    };
     let registry = StaticRegistry::new();
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = move || {
@@ -143,6 +164,9 @@ pub async fn up_until(
             reservation_ttl_ms: 30_000,
             etcd_endpoints: Vec::new(),
             capacity_interval_ms: 1_000,
+            // One /metrics for the whole process, the router's (`--metrics-listen`).
+            metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            no_metrics: true,
         };
         let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
         workers.push(tokio::spawn(nibble_worker::run_on(

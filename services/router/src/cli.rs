@@ -37,6 +37,12 @@ pub struct RouterArgs {
         required = true
     )]
     pub etcd_endpoints: Vec<String>,
+    /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
+    #[arg(long, env = "NIBBLE_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: SocketAddr,
+    /// Serve no /metrics.
+    #[arg(long, env = "NIBBLE_NO_METRICS")]
+    pub no_metrics: bool,
     #[command(flatten)]
     pub serving: ServingArgs,
 }
@@ -111,12 +117,20 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     );
     let discovery: Arc<dyn Discovery> =
         Arc::new(EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?);
+    let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
+    let _metrics = nibble_telemetry::start(metrics_listen, "nibble-router").await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("--listen {}", args.listen))?;
+    let http = args.serving.http.bind().await?;
+    if let Some(http) = &http {
+        let address = http.listener.local_addr()?;
+        println!("nibble-router OpenAI HTTP API on http://{address}/v1");
+    }
     println!("nibble-router listening on {}", listener.local_addr()?);
-    let served = crate::serve(
+    let served = crate::serve_with_http(
         listener,
+        http,
         config,
         Arc::clone(&discovery),
         nibble_proto::serving::interrupted(),

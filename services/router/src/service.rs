@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nibble_discovery::{Discovery, Role, WorkerEvent, WorkerId, WorkerInfo};
 use nibble_engine::{ChatMessage, Tokenizer};
@@ -20,8 +20,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::admission::{Admission, AdmissionConfig, Place};
+use crate::metrics::{self, Outcome};
 use crate::{Error, LoadReport, Prompt, Router, RouterConfig, SyncStatus, WorkerSet};
 
 /// Largest gRPC message the router's worker clients accept.
@@ -78,20 +80,28 @@ pub struct Shared {
     router: Mutex<Router>,
     config: ServiceConfig,
     clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
+    /// Names requests that come without an id: `router-{prefix}-{n}`, the prefix unique to this
+    /// process so that ids stay unique across routers (and across a router's restarts).
+    id_prefix: String,
     next_request: AtomicU64,
     admission: Admission,
 }
 
 impl Shared {
-    /// Shared state over a new [`Router`].
+    /// Shared state over a new [`Router`]. Its gauges are sampled whenever the process's
+    /// metrics are scraped ([`nibble_telemetry::register`]), for as long as it lives.
     pub fn new(config: ServiceConfig) -> crate::Result<Arc<Self>> {
-        Ok(Arc::new(Self {
+        let shared = Arc::new(Self {
             router: Mutex::new(Router::new(config.router.clone())?),
             admission: Admission::new(config.admission),
             config,
             clients: Mutex::new(HashMap::new()),
+            id_prefix: process_prefix(),
             next_request: AtomicU64::new(1),
-        }))
+        });
+        metrics::describe();
+        nibble_telemetry::register(&shared);
+        Ok(shared)
     }
 
     /// What the router serves.
@@ -124,6 +134,14 @@ impl Shared {
         clients.insert(address.to_string(), client.clone());
         Ok(client)
     }
+}
+
+/// Eight hex digits from the clock, telling this process's request ids from another's.
+fn process_prefix() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("{:08x}", now.subsec_nanos() ^ now.as_secs() as u32)
 }
 
 /// Follows `discovery`'s membership until the watch ends: applies every event to the router
@@ -236,15 +254,17 @@ async fn subscribe_once(shared: &Shared, info: &WorkerInfo) -> Result<(), Status
             .router()
             .apply_kv_batch(info.role, &info.id, batch)
             .map_err(|e| Status::internal(e.to_string()))?;
+        metrics::kv_sync(info.role, &report);
         if matches!(report.status, SyncStatus::SnapshotNeeded(_)) {
             let snapshot = client
                 .kv_snapshot(v1::KvSnapshotRequest {})
                 .await?
                 .into_inner();
-            shared
+            let report = shared
                 .router()
                 .apply_kv_snapshot_response(info.role, &info.id, &snapshot)
                 .map_err(|e| Status::internal(e.to_string()))?;
+            metrics::kv_sync(info.role, &report);
         }
     }
     Ok(())
@@ -353,34 +373,42 @@ impl InferenceService {
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateResponse, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl v1::inference_server::Inference for InferenceService {
-    type GenerateStream = GenerateStream;
-
-    async fn generate(
+impl InferenceService {
+    /// Validates, admits and routes `req` (in its `request` span), then dispatches it on its
+    /// own task and returns its response stream. An error refuses the request.
+    async fn start(
         &self,
-        request: Request<v1::GenerateRequest>,
-    ) -> Result<Response<GenerateStream>, Status> {
-        let mut req = request.into_inner();
+        req: v1::GenerateRequest,
+        arrived: Instant,
+    ) -> Result<GenerateStream, Status> {
         let tokens = self.prompt_tokens(&req)?;
-        let place = self.0.admission.admit().await?;
-        if req.request_id.is_empty() {
-            let n = self.0.next_request.fetch_add(1, Ordering::Relaxed);
-            req.request_id = format!("router-{n}");
-        }
         let prompt = Prompt::new(&tokens, self.0.config.router.page_size)
             .map_err(|e| invalid("prompt", e))?;
-        let routed = self
-            .0
-            .router()
-            .route(&prompt, WorkerSet::EMPTY)
-            .map_err(route_error)?;
+        metrics::duration(metrics::PREPROCESS_DURATION_SECONDS, arrived.elapsed());
+        let queued = Instant::now();
+        let place = self.0.admission.admit().await?;
+        metrics::duration(metrics::QUEUE_WAIT_SECONDS, queued.elapsed());
+        let routed = {
+            let mut router = self.0.router();
+            let deciding = Instant::now();
+            let routed = router
+                .route(&prompt, WorkerSet::EMPTY)
+                .map_err(route_error)?;
+            let decision = &routed.decision;
+            metrics::decision(
+                decision.reason,
+                deciding.elapsed(),
+                decision.prompt_tokens,
+                decision.decode.cached_tokens,
+            );
+            routed
+        };
         tracing::debug!(
-            request_id = %req.request_id,
             ticket = %routed.ticket,
             decode = %routed.decision.decode.worker.id,
             prefill = ?routed.decision.prefill.as_ref().map(|p| p.worker.id.to_string()),
             reason = %routed.decision.reason,
+            prompt_tokens = tokens.len(),
             "routed"
         );
         let (tx, rx) = mpsc::channel(16);
@@ -391,9 +419,45 @@ impl v1::inference_server::Inference for InferenceService {
             prompt,
             routed,
             _place: place,
+            arrived,
+            first_token: None,
+            last_token: None,
+            generated: 0,
         };
-        tokio::spawn(flow.run(tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        tokio::spawn(flow.run(tx).in_current_span());
+        Ok(Box::pin(ReceiverStream::new(rx)))
+    }
+}
+
+#[tonic::async_trait]
+impl v1::inference_server::Inference for InferenceService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<v1::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        let arrived = Instant::now();
+        let mut req = request.into_inner();
+        if req.request_id.is_empty() {
+            let n = self.0.next_request.fetch_add(1, Ordering::Relaxed);
+            req.request_id = format!("router-{}-{n}", self.0.id_prefix);
+        }
+        // Every log line about the request, here and on its workers, carries its id.
+        let span = tracing::info_span!("request", request_id = %req.request_id);
+        // A client that goes away while its request waits for a place drops this future.
+        let mut unanswered = Unanswered(Some(span.clone()));
+        let started = self.start(req, arrived).instrument(span.clone()).await;
+        unanswered.0 = None;
+        match started {
+            // The flow counts it from here.
+            Ok(stream) => Ok(Response::new(stream)),
+            Err(status) => {
+                metrics::request(Outcome::Refused, status.code());
+                span.in_scope(|| tracing::info!(%status, "refused"));
+                Err(status)
+            }
+        }
     }
 
     async fn tokenize(
@@ -431,6 +495,19 @@ impl v1::inference_server::Inference for InferenceService {
     }
 }
 
+/// Counts a request as cancelled if dropped while it holds the request's span: its client left
+/// before it was dispatched.
+struct Unanswered(Option<tracing::Span>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(span) = self.0.take() {
+            metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
+            span.in_scope(|| tracing::info!("cancelled by the client before dispatch"));
+        }
+    }
+}
+
 /// One dispatched request, driven on its own task.
 struct Flow {
     shared: Arc<Shared>,
@@ -440,6 +517,12 @@ struct Flow {
     routed: crate::Routed,
     /// The running place, held until the flow ends.
     _place: Place,
+    /// When the request arrived, and when its first and latest tokens were sent.
+    arrived: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Tokens sent.
+    generated: u64,
 }
 
 /// Why a flow stopped early.
@@ -462,6 +545,22 @@ impl Flow {
             outcome = self.drive(&tx, &mut prefill_address) => outcome,
             () = tx.closed() => Err(Stop::Cancelled),
         };
+        let ended = Instant::now();
+        let ttft_ms = self
+            .first_token
+            .map(|t| (t - self.arrived).as_secs_f64() * 1e3);
+        if outcome.is_ok() {
+            metrics::request(Outcome::Finished, tonic::Code::Ok);
+            metrics::duration(metrics::REQUEST_DURATION_SECONDS, ended - self.arrived);
+            tracing::info!(
+                prompt_tokens = self.tokens.len(),
+                completion_tokens = self.generated,
+                reason = %self.routed.decision.reason,
+                ttft_ms,
+                millis = (ended - self.arrived).as_millis() as u64,
+                "finished"
+            );
+        }
         if let Err(stop) = outcome {
             // Free whatever the workers hold for the request.
             let abort = v1::AbortRequest {
@@ -475,10 +574,15 @@ impl Flow {
             }
             match stop {
                 Stop::Cancelled => {
-                    tracing::debug!(request_id = %self.req.request_id, "cancelled by the client")
+                    metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
+                    tracing::info!(
+                        completion_tokens = self.generated,
+                        "cancelled by the client"
+                    )
                 }
                 Stop::Failed(status) => {
-                    tracing::warn!(request_id = %self.req.request_id, %status, "request failed");
+                    metrics::request(Outcome::Failed, status.code());
+                    tracing::warn!(%status, "request failed");
                     let _ = tx.send(Err(status)).await;
                 }
             }
@@ -541,7 +645,8 @@ impl Flow {
                     match result {
                         Ok(response) => break response.into_inner(),
                         Err(status) if retryable(&status) && attempt < PREFILL_ATTEMPTS => {
-                            tracing::warn!(%request_id, worker = %prefill.worker.id, %status, "prefill failed; retrying");
+                            tracing::warn!(worker = %prefill.worker.id, %status, "prefill failed; retrying");
+                            metrics::count(metrics::PREFILL_RETRIES_TOTAL, 1);
                             let next = self
                                 .shared
                                 .router()
@@ -582,6 +687,9 @@ impl Flow {
             .await?
             .into_inner();
         while let Some(chunk) = stream.message().await? {
+            if !chunk.token_ids.is_empty() {
+                self.sent_tokens(chunk.token_ids.len());
+            }
             let usage = chunk.usage.map(|mut u| {
                 u.cached_tokens = u.cached_tokens.max(reserved_cached);
                 u
@@ -599,6 +707,24 @@ impl Flow {
             }
         }
         Ok(())
+    }
+}
+
+impl Flow {
+    /// Times `n` tokens about to be sent: the first one's time to first token, and each later
+    /// one's gap after the previous.
+    fn sent_tokens(&mut self, n: usize) {
+        let now = Instant::now();
+        match self.last_token {
+            None => {
+                self.first_token = Some(now);
+                metrics::duration(metrics::TIME_TO_FIRST_TOKEN_SECONDS, now - self.arrived);
+            }
+            Some(last) => metrics::duration(metrics::INTER_TOKEN_LATENCY_SECONDS, now - last),
+        }
+        self.last_token = Some(now);
+        self.generated += n as u64;
+        metrics::count(metrics::GENERATION_TOKENS_TOTAL, n as u64);
     }
 }
 

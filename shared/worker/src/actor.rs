@@ -18,7 +18,7 @@ use std::thread;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
 use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
-use nibble_kvcache::PageId;
+use nibble_kvcache::{CacheStats, PageId};
 use nibble_proto::v1;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tonic::codegen::Bytes;
@@ -63,6 +63,8 @@ pub struct LoadSnapshot {
     pub waiting: usize,
     /// Requests holding pages outside the batch (prefilled, or reserved).
     pub held: usize,
+    /// The prefix cache's lookup, hit and eviction counts since the engine started.
+    pub cache: CacheStats,
 }
 
 /// A request to the engine thread.
@@ -439,6 +441,7 @@ impl<B: Backend> Actor<B> {
                     running: s.running(),
                     waiting: s.waiting(),
                     held: s.held(),
+                    cache: s.cache.stats(),
                 });
             }
             Command::KvSnapshot { reply } => {

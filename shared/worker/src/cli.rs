@@ -56,6 +56,12 @@ pub struct WorkerArgs {
     /// How often the registered capacity is refreshed, in milliseconds.
     #[arg(long, env = "NIBBLE_CAPACITY_INTERVAL_MS", default_value_t = 1_000)]
     pub capacity_interval_ms: u64,
+    /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
+    #[arg(long, env = "NIBBLE_METRICS_LISTEN", default_value = "127.0.0.1:0")]
+    pub metrics_listen: SocketAddr,
+    /// Serve no /metrics.
+    #[arg(long, env = "NIBBLE_NO_METRICS")]
+    pub no_metrics: bool,
 }
 
 fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
@@ -129,8 +135,9 @@ pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
 }
 
 /// Runs a worker of `role` on a bound `listener` until `shutdown` completes, registered in
-/// `discovery` when one is given. Prints `nibble-ROLE listening on ADDRESS` once the engine is
-/// loaded and the worker registered.
+/// `discovery` when one is given. Unless `--no-metrics`, serves /metrics and prints
+/// `nibble-ROLE metrics on ADDRESS`; prints `nibble-ROLE listening on ADDRESS` once the engine
+/// is loaded and the worker registered.
 pub async fn run_on(
     role: Role,
     args: WorkerArgs,
@@ -145,6 +152,8 @@ pub async fn run_on(
     }
     let local = listener.local_addr()?;
     let address = args.advertise.clone().unwrap_or_else(|| local.to_string());
+    let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
+    let _metrics = nibble_telemetry::start(metrics_listen, &format!("nibble-{role}")).await?;
     let state = {
         let args = args.clone();
         tokio::task::spawn_blocking(move || start_engine(&args, role, local.port()))

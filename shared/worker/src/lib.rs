@@ -11,6 +11,8 @@
 //! * [`server`]: [`serve`] on a bound listener until a shutdown future completes, with
 //!   `grpc.health.v1` and reflection.
 //! * [`registration`]: membership through a [`nibble_discovery::Discovery`].
+//! * [`metrics`]: metric names and what records them; every call's logs carry its request id
+//!   in a `request` span.
 //! * [`error`]: [`Error`] and its one mapping to `tonic::Status`.
 //!
 //! The flow (DESIGN.md): the router calls `Reserve` on decode worker D, `Prefill` on prefill
@@ -21,6 +23,7 @@ pub mod cli;
 pub mod convert;
 pub mod error;
 mod kv_events;
+pub mod metrics;
 pub mod registration;
 pub mod server;
 pub mod service;

@@ -16,10 +16,12 @@ use nibble_proto::v1::worker_server::Worker;
 use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::actor::EngineHandle;
 use crate::convert;
 use crate::error::{Error, Result};
+use crate::metrics::{self, Direction};
 use crate::transfer::{self, Pending, Reservations, TransferCounters};
 
 /// What a worker says about itself.
@@ -48,15 +50,20 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
+    /// The state of a worker over `engine`. Its gauges are sampled whenever the process's
+    /// metrics are scraped ([`nibble_telemetry::register`]), for as long as it lives.
     pub fn new(engine: EngineHandle, identity: WorkerIdentity) -> Arc<Self> {
-        Arc::new(Self {
+        let state = Arc::new(Self {
             engine,
             identity,
             reservations: Reservations::default(),
             requests: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             counters: TransferCounters::default(),
-        })
+        });
+        metrics::describe();
+        nibble_telemetry::register(&state);
+        state
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -157,15 +164,24 @@ impl WorkerState {
         let ttl = r.ttl_ms.map_or(self.identity.reservation_ttl, |ms| {
             Duration::from_millis(ms.into())
         });
+        tracing::debug!(
+            reservation = id.0,
+            cached_tokens = reservation.cached_tokens,
+            pages = count,
+            "reserved"
+        );
         let state = Arc::clone(self);
-        tokio::spawn(async move {
-            tokio::time::sleep(ttl).await;
-            if let Some(p) = state.reservations.remove(id.0) {
-                tracing::info!(request_id = p.request_id, "reservation expired unfilled");
-                state.forget(&p.request_id, id);
-                state.engine.abort_now(id);
+        tokio::spawn(
+            async move {
+                tokio::time::sleep(ttl).await;
+                if let Some(p) = state.reservations.remove(id.0) {
+                    tracing::info!(reservation = id.0, "reservation expired unfilled");
+                    state.forget(&p.request_id, id);
+                    state.engine.abort_now(id);
+                }
             }
-        });
+            .in_current_span(),
+        );
         Ok(v1::ReserveResponse {
             reservation_id: id.0,
             cached_tokens: reservation.cached_tokens as u32,
@@ -194,6 +210,8 @@ impl WorkerState {
             request_id: &r.request_id,
             id,
         };
+        let started = Instant::now();
+        let prompt_tokens = r.token_ids.len();
         let mut events = self.engine.submit_prefill(id, r.token_ids, params).await?;
         let (token, logprob, pages, usage) = loop {
             match events.recv().await {
@@ -214,6 +232,15 @@ impl WorkerState {
                 None => return Err(Error::Aborted(r.request_id.clone())),
             }
         };
+        let role = metrics::role_label(self);
+        let took = started.elapsed();
+        metrics::prefill_duration(role, took);
+        tracing::info!(
+            prompt_tokens,
+            cached_tokens = usage.cached_tokens,
+            millis = took.as_millis() as u64,
+            "prefilled"
+        );
         let transfer = match &r.target {
             Some(target) => {
                 let first = target.first_page_index as usize;
@@ -232,6 +259,8 @@ impl WorkerState {
                     &self.counters,
                 )
                 .await?;
+                metrics::transfer(role, Direction::Sent, summary.pages as u64, summary.bytes);
+                metrics::transfer_duration(role, Direction::Sent, summary.duration);
                 Some(v1::TransferSummary {
                     pages: summary.pages as u32,
                     bytes: summary.bytes,
@@ -284,17 +313,23 @@ impl WorkerState {
                 }
             }
         };
-        let tracked = Tracked {
+        let role = metrics::role_label(self);
+        let mut tracked = Tracked {
             state: Arc::clone(self),
             request_id: r.request_id,
             id,
+            span: tracing::Span::current(),
+            role,
+            tokens: metrics::generation_tokens(role),
+            outcome: None,
         };
         let mut last_token = None;
         // The engine starts a handed-off decode from its first token without a log-probability;
         // the prefill worker computed it and it travels in the hand-off.
         let mut first_logprob = r.handoff.as_ref().and_then(|h| h.first_logprob.clone());
         let stream = UnboundedReceiverStream::new(events).map(move |event| {
-            let _keep = &tracked; // forgets the request id when the stream is dropped
+            // `tracked` forgets the request id and counts the call when the stream is dropped.
+            let _span = tracked.span.clone().entered();
             match event {
                 Event::Token {
                     token,
@@ -306,6 +341,7 @@ impl WorkerState {
                         .or_else(|| first_logprob.take().filter(|l| l.token_id == token));
                     first_logprob = None;
                     last_token = Some(token);
+                    tracked.tokens.increment(1);
                     Ok(v1::DecodeResponse {
                         token_ids: vec![token],
                         text,
@@ -320,19 +356,21 @@ impl WorkerState {
                     error,
                     ..
                 } => {
-                    if let Some(e) = error {
-                        return Err(Error::Failed(e).into());
-                    }
-                    if reason == nibble_engine::scheduler::FinishReason::Aborted {
-                        return Err(Error::Aborted(tracked.request_id.clone()).into());
-                    }
-                    let stop_token = last_token.is_some_and(|t| stop_tokens.contains(&t));
-                    Ok(v1::DecodeResponse {
-                        text,
-                        finish_reason: convert::finish_reason(reason, stop_token) as i32,
-                        usage: Some(convert::usage(&usage)),
-                        ..Default::default()
-                    })
+                    let result = if let Some(e) = error {
+                        Err(Error::Failed(e).into())
+                    } else if reason == nibble_engine::scheduler::FinishReason::Aborted {
+                        Err(Error::Aborted(tracked.request_id.clone()).into())
+                    } else {
+                        let stop_token = last_token.is_some_and(|t| stop_tokens.contains(&t));
+                        Ok(v1::DecodeResponse {
+                            text,
+                            finish_reason: convert::finish_reason(reason, stop_token) as i32,
+                            usage: Some(convert::usage(&usage)),
+                            ..Default::default()
+                        })
+                    };
+                    tracked.finish(&result, &usage);
+                    result
                 }
                 Event::Prefilled { .. } => Err(Status::internal("unexpected prefill event")),
             }
@@ -401,6 +439,8 @@ impl WorkerState {
             .reservations
             .request_id(reservation)
             .ok_or(Error::UnknownReservation(reservation))?;
+        tracing::Span::current().record("request_id", tracing::field::display(&request_id));
+        let role = metrics::role_label(self);
         let page_bytes = self.engine.info().page_bytes;
         let (mut pages, mut bytes, mut complete) = (0usize, 0u64, false);
         let mut next = Some(first);
@@ -431,10 +471,12 @@ impl WorkerState {
             self.counters
                 .bytes_received
                 .fetch_add(len, Ordering::Relaxed);
+            let count = message.page_indices.len() as u64;
+            metrics::transfer(role, Direction::Received, count, len);
             next = stream.message().await.map_err(push_status)?;
         }
+        metrics::transfer_duration(role, Direction::Received, start.elapsed());
         tracing::info!(
-            request_id,
             reservation,
             pages,
             bytes,
@@ -469,16 +511,54 @@ impl Drop for Held<'_> {
     }
 }
 
-/// Forgets a decoding request's id when its stream is dropped.
+/// A decoding request while its stream lives: counts its tokens and, when the stream is
+/// dropped, forgets its id and counts the call (`cancelled` when it never finished).
 struct Tracked {
     state: Arc<WorkerState>,
     request_id: String,
     id: SeqId,
+    /// The call's `request` span, entered for every event.
+    span: tracing::Span,
+    role: &'static str,
+    tokens: ::metrics::Counter,
+    outcome: Option<tonic::Code>,
+}
+
+impl Tracked {
+    fn finish(
+        &mut self,
+        result: &std::result::Result<v1::DecodeResponse, Status>,
+        usage: &nibble_engine::Usage,
+    ) {
+        match result {
+            Ok(response) => {
+                self.outcome = Some(tonic::Code::Ok);
+                tracing::info!(
+                    prompt_tokens = usage.prompt_tokens,
+                    cached_tokens = usage.cached_tokens,
+                    completion_tokens = usage.completion_tokens,
+                    finish_reason = v1::FinishReason::try_from(response.finish_reason)
+                        .map_or("unknown", |r| r.as_str_name()),
+                    "decoded"
+                );
+            }
+            Err(status) => {
+                self.outcome = Some(status.code());
+                tracing::warn!(%status, "decode failed");
+            }
+        }
+    }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
         self.state.forget(&self.request_id, self.id);
+        let code = self.outcome.unwrap_or_else(|| {
+            let _span = self.span.enter();
+            tracing::debug!("decode stream dropped before it finished");
+            tonic::Code::Cancelled
+        });
+        metrics::call(self.role, "decode", code);
     }
 }
 
@@ -488,6 +568,49 @@ type KvEventStream = Pin<Box<dyn Stream<Item = Result<v1::KvEventBatch, Status>>
 /// The `Worker` gRPC service.
 #[derive(Clone)]
 pub struct WorkerService(pub Arc<WorkerState>);
+
+/// The span every log line about one request carries: `request{request_id=... call=...}`.
+/// The router names the request; the same id reaches every worker it touches.
+fn request_span(call: &'static str, request_id: &str) -> tracing::Span {
+    tracing::info_span!("request", request_id = %request_id, call)
+}
+
+/// Counts one call when it ends: by its result's code, or `cancelled` when the caller went
+/// away first (tonic then drops the handler's future, and this with it).
+struct Call {
+    role: &'static str,
+    call: &'static str,
+    code: tonic::Code,
+}
+
+impl Call {
+    fn start(state: &WorkerState, call: &'static str) -> Self {
+        Self {
+            role: metrics::role_label(state),
+            call,
+            code: tonic::Code::Cancelled,
+        }
+    }
+
+    /// The call's result as a gRPC status; a failure is logged.
+    fn end<T>(mut self, result: Result<T>) -> std::result::Result<T, Status> {
+        let result = result.map_err(Status::from);
+        match &result {
+            Ok(_) => self.code = tonic::Code::Ok,
+            Err(status) => {
+                self.code = status.code();
+                tracing::warn!(%status, "{} failed", self.call);
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        metrics::call(self.role, self.call, self.code);
+    }
+}
 
 #[tonic::async_trait]
 impl Worker for WorkerService {
@@ -502,14 +625,28 @@ impl Worker for WorkerService {
         &self,
         request: Request<v1::ReserveRequest>,
     ) -> Result<Response<v1::ReserveResponse>, Status> {
-        Ok(Response::new(self.0.reserve(request.into_inner()).await?))
+        let request = request.into_inner();
+        let span = request_span("reserve", &request.request_id);
+        async {
+            let call = Call::start(&self.0, "reserve");
+            call.end(self.0.reserve(request).await).map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 
     async fn prefill(
         &self,
         request: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
-        Ok(Response::new(self.0.prefill(request.into_inner()).await?))
+        let request = request.into_inner();
+        let span = request_span("prefill", &request.request_id);
+        async {
+            let call = Call::start(&self.0, "prefill");
+            call.end(self.0.prefill(request).await).map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 
     type DecodeStream = DecodeStream;
@@ -518,16 +655,36 @@ impl Worker for WorkerService {
         &self,
         request: Request<v1::DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
-        Ok(Response::new(self.0.decode(request.into_inner()).await?))
+        let request = request.into_inner();
+        let span = request_span("decode", &request.request_id);
+        async {
+            match self.0.decode(request).await {
+                // The stream counts the call when it ends.
+                Ok(stream) => Ok(Response::new(stream)),
+                Err(e) => Call::start(&self.0, "decode").end(Err(e)),
+            }
+        }
+        .instrument(span)
+        .await
     }
 
     async fn abort(
         &self,
         request: Request<v1::AbortRequest>,
     ) -> Result<Response<v1::AbortResponse>, Status> {
-        Ok(Response::new(
-            self.0.abort(&request.into_inner().request_id).await?,
-        ))
+        let request_id = request.into_inner().request_id;
+        let span = request_span("abort", &request_id);
+        async {
+            let response = self.0.abort(&request_id).await?;
+            tracing::debug!(
+                found = response.found,
+                freed_pages = response.freed_pages,
+                "aborted"
+            );
+            Ok(Response::new(response))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn load(
@@ -567,6 +724,18 @@ impl KvTransfer for TransferService {
         &self,
         request: Request<Streaming<v1::PushPagesRequest>>,
     ) -> Result<Response<v1::PushPagesResponse>, Status> {
-        Ok(Response::new(self.0.receive(request.into_inner()).await?))
+        // The request id is known once the first message names the reservation.
+        let span = tracing::info_span!(
+            "request",
+            request_id = tracing::field::Empty,
+            call = "push_pages"
+        );
+        async {
+            let call = Call::start(&self.0, "push_pages");
+            call.end(self.0.receive(request.into_inner()).await)
+                .map(Response::new)
+        }
+        .instrument(span)
+        .await
     }
 }

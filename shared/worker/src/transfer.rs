@@ -174,7 +174,6 @@ pub async fn push_pages(
         .bytes_sent
         .fetch_add(summary.bytes, Ordering::Relaxed);
     tracing::info!(
-        request_id,
         to = %address,
         reservation = target.reservation_id,
         pages = summary.pages,

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -133,7 +133,19 @@ pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(count))
         .with_state(state)
+}
+
+/// Counts every response by route and status ([`crate::metrics::HTTP_RESPONSES_TOTAL`]).
+async fn count(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let response = next.run(request).await;
+    crate::metrics::http_response(route, response.status());
+    response
 }
 
 /// Serves the API on `listener` until `shutdown` completes (open streams are let finish).

@@ -1,0 +1,103 @@
+//! `GET /metrics`: the Prometheus text exposition of the process's [`Metrics`], on a listener
+//! the caller bound. Nothing else is served there.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::http::{header, StatusCode};
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::Metrics;
+
+/// The exposition format's content type.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// How often histogram samples are drained into buckets between scrapes.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Binds the metrics listener; the error names the flag that gave `address`.
+pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(address)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("--metrics-listen {address}: {e}")))
+}
+
+/// Serves `GET /metrics` from `metrics` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: &'static Metrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || async move {
+                let body = metrics.render().await;
+                ([(header::CONTENT_TYPE, CONTENT_TYPE)], body)
+            }),
+        )
+        .fallback(|| async { (StatusCode::NOT_FOUND, "nibble serves GET /metrics here\n") });
+    let upkeep = tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(UPKEEP_INTERVAL);
+        loop {
+            ticks.tick().await;
+            metrics.upkeep();
+        }
+    });
+    let served = axum::serve(listener, app.into_make_service())
+        .with_graceful_shutdown(shutdown)
+        .await;
+    upkeep.abort();
+    served
+}
+
+/// A metrics endpoint served in the background; dropping it stops it.
+#[derive(Debug)]
+pub struct MetricsServer {
+    address: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl MetricsServer {
+    /// The address it listens on.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What a binary's `--metrics-listen` / `--no-metrics` flags do: unless `address` is `None`,
+/// binds it, serves `/metrics` there in the background ([`spawn`]) and prints
+/// `{who} metrics on ADDRESS` on stdout (the bound address, so port 0 can be found).
+pub async fn start(
+    address: Option<SocketAddr>,
+    who: &str,
+) -> std::io::Result<Option<MetricsServer>> {
+    let Some(address) = address else {
+        return Ok(None);
+    };
+    let server = spawn(bind(address).await?)?;
+    println!("{who} metrics on {}", server.address());
+    Ok(Some(server))
+}
+
+/// Installs the process's recorder and serves `/metrics` on `listener` in the background until
+/// the returned [`MetricsServer`] is dropped.
+pub fn spawn(listener: TcpListener) -> std::io::Result<MetricsServer> {
+    let address = listener.local_addr()?;
+    let metrics = crate::install();
+    let task = tokio::spawn(async move {
+        if let Err(e) = serve(listener, metrics, std::future::pending()).await {
+            tracing::error!(error = %e, "the metrics endpoint stopped");
+        }
+    });
+    Ok(MetricsServer { address, task })
+}
