@@ -58,6 +58,10 @@ pub struct UpArgs {
     pub threads: Option<usize>,
     #[command(flatten)]
     pub serving: ServingArgs,
+    /// TLS and the internal token, for the router and both workers (certificates must then
+    /// name 127.0.0.1, or the addresses given).
+    #[command(flatten)]
+    pub security: nibble_security::SecurityArgs,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -97,15 +101,35 @@ pub async fn up_until(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
     let fail = |what: &str, e: &dyn std::fmt::Display| Error::Cluster(format!("{what}: {e}"));
+    // Bad TLS files fail before the model loads; workers and router share the settings, and
+    // the workers' rules (certificate, key and CA together) apply.
+    let security = args.security.load().map_err(|e| fail("nibble up", &e))?;
+    if security
+        .tls
+        .as_ref()
+        .is_some_and(|t| !t.serves() || !t.has_ca())
+    {
+        return Err(Error::Cluster(
+            "nibble up: TLS needs --tls-cert, --tls-key and --tls-ca together (the services \
+             serve with the certificate and verify each other with the CA)"
+                .into(),
+        ));
+    }
     let source = ModelSource::open(&args.model).map_err(|source| Error::Model {
         path: args.model.clone(),
         source,
     })?;
     let model_name = ModelSource::default_name(&args.model);
-    let config = args
+    let mut config = args
         .serving
         .service_config(&source, model_name.clone(), args.page_size as u32)
         .map_err(|e| fail("router", &e))?;
+    let scheme = if security.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    config.security = security;
     drop(source);
     let registry = StaticRegistry::new();
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -139,6 +163,7 @@ pub async fn up_until(
             reservation_ttl_ms: 30_000,
             etcd_endpoints: Vec::new(),
             capacity_interval_ms: 1_000,
+            security: args.security.clone(),
         };
         let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
         workers.push(tokio::spawn(nibble_worker::run_on(
@@ -163,8 +188,11 @@ pub async fn up_until(
     let http_address = match &http {
         Some(http) => {
             let address = http.listener.local_addr().map_err(|e| fail("router", &e))?;
-            writeln!(out, "nibble-router OpenAI HTTP API on http://{address}/v1")
-                .map_err(Error::Stdout)?;
+            writeln!(
+                out,
+                "nibble-router OpenAI HTTP API on {scheme}://{address}/v1"
+            )
+            .map_err(Error::Stdout)?;
             Some(address)
         }
         None => None,
@@ -203,7 +231,7 @@ pub async fn up_until(
             if let Some(http) = http_address {
                 writeln!(
                     out,
-                    "nibble up: OpenAI API: curl http://{http}/v1/completions -H \
+                    "nibble up: OpenAI API: curl {scheme}://{http}/v1/completions -H \
                      'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \
                      \"max_tokens\": 16}}'"
                 )
@@ -320,11 +348,28 @@ pub fn generate_remote(
     diag: &mut impl Write,
 ) -> Result<()> {
     let request = generate_request(args)?;
-    let endpoint = if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("http://{url}")
+    let flag = |flag: &'static str| {
+        move |e: nibble_security::Error| Error::Flag {
+            flag,
+            reason: e.to_string(),
+        }
     };
+    let tls = nibble_security::TlsArgs {
+        tls_ca: args.tls_ca.clone(),
+        ..Default::default()
+    }
+    .load()
+    .map_err(flag("--tls-ca"))?;
+    let peers = nibble_security::Peers::new(
+        tls.map(|t| t.grpc_client())
+            .transpose()
+            .map_err(flag("--tls-ca"))?
+            .flatten(),
+        args.api_key
+            .as_deref()
+            .and_then(nibble_security::Secret::new),
+    )
+    .map_err(flag("--api-key"))?;
     let remote = |status: tonic::Status| Error::Remote {
         url: url.to_string(),
         code: status.code(),
@@ -332,11 +377,9 @@ pub fn generate_remote(
     };
     runtime()?.block_on(async {
         let start = Instant::now();
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .map_err(|e| Error::Flag {
-                flag: "--url",
-                reason: format!("{url:?} is not an address: {e}"),
-            })?
+        let channel = peers
+            .endpoint(url)
+            .map_err(flag("--url"))?
             .connect_timeout(Duration::from_secs(10))
             .connect()
             .await
@@ -345,7 +388,7 @@ pub fn generate_remote(
                 code: tonic::Code::Unavailable,
                 message: format!("cannot connect: {e}"),
             })?;
-        let mut client = InferenceClient::new(channel);
+        let mut client = InferenceClient::new(peers.with_token(channel));
         let mut stream = client.generate(request).await.map_err(remote)?.into_inner();
         let mut first_token = None;
         let mut logprobs = Vec::new();

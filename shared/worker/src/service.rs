@@ -13,6 +13,7 @@ use nibble_engine::Event;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_server::KvTransfer;
 use nibble_proto::v1::worker_server::Worker;
+use nibble_security::{Peers, Security};
 use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -40,6 +41,10 @@ pub struct WorkerIdentity {
 pub struct WorkerState {
     engine: EngineHandle,
     identity: WorkerIdentity,
+    /// TLS and the internal token: what this worker's server requires and how it dials decode
+    /// workers.
+    security: Security,
+    peers: Peers,
     reservations: Reservations,
     /// Request id → engine id, for Abort.
     requests: Mutex<HashMap<String, SeqId>>,
@@ -48,15 +53,28 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
+    /// A worker without TLS or internal token.
     pub fn new(engine: EngineHandle, identity: WorkerIdentity) -> Arc<Self> {
-        Arc::new(Self {
+        Self::with_security(engine, identity, Security::default())
+            .expect("no security settings cannot be invalid")
+    }
+
+    /// A worker that serves and dials peers with `security`.
+    pub fn with_security(
+        engine: EngineHandle,
+        identity: WorkerIdentity,
+        security: Security,
+    ) -> Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            peers: security.peers()?,
+            security,
             engine,
             identity,
             reservations: Reservations::default(),
             requests: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             counters: TransferCounters::default(),
-        })
+        }))
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -65,6 +83,11 @@ impl WorkerState {
 
     pub fn identity(&self) -> &WorkerIdentity {
         &self.identity
+    }
+
+    /// What this worker's server requires (TLS, the internal token).
+    pub fn security(&self) -> &Security {
+        &self.security
     }
 
     /// Pages and bytes this worker moved.
@@ -226,6 +249,7 @@ impl WorkerState {
                 }
                 let summary = transfer::push_pages(
                     &self.engine,
+                    &self.peers,
                     &r.request_id,
                     target,
                     &pages[first..],

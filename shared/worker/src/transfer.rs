@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use nibble_kvcache::PageId;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
+use nibble_security::Peers;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -72,6 +73,7 @@ pub struct PushSummary {
 /// decode worker's reservation named by `target`.
 pub async fn push_pages(
     engine: &EngineHandle,
+    peers: &Peers,
     request_id: &str,
     target: &v1::TransferTarget,
     pages: &[PageId],
@@ -79,17 +81,15 @@ pub async fn push_pages(
 ) -> Result<PushSummary> {
     let start = Instant::now();
     let address = target.address.clone();
-    let uri = if address.contains("://") {
-        address.clone()
-    } else {
-        format!("http://{address}")
-    };
-    let mut client = KvTransferClient::connect(uri)
+    let channel = peers
+        .endpoint(&address)?
+        .connect()
         .await
         .map_err(|source| Error::Connect {
             address: address.clone(),
             source,
         })?;
+    let mut client = KvTransferClient::new(peers.with_token(channel));
     let (tx, rx) = mpsc::channel(2);
     let first = target.first_page_index as usize;
     let chunks: Vec<Vec<PageId>> = pages.chunks(PAGES_PER_MESSAGE).map(<[_]>::to_vec).collect();

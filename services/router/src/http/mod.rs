@@ -11,7 +11,8 @@
 //!
 //! Errors are OpenAI's `{"error": {...}}` with their status ([`error`]). With an API key
 //! configured, every `/v1` route wants `Authorization: Bearer <key>` (compared in constant
-//! time); `/health` and `/ready` stay open for probes.
+//! time); `/health` and `/ready` stay open for probes. With a certificate the API is served
+//! over HTTPS ([`tls`]).
 
 pub mod args;
 pub mod chat;
@@ -19,6 +20,7 @@ pub mod completions;
 pub mod error;
 pub mod generate;
 pub mod params;
+pub mod tls;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -146,6 +148,27 @@ pub async fn serve(
     axum::serve(listener, router(shared, config))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// [`serve`], over HTTPS when `tls` is given.
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    shared: Arc<Shared>,
+    config: HttpConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    match tls {
+        None => serve(listener, shared, config, shutdown).await,
+        Some(tls) => {
+            axum::serve(
+                tls::TlsListener::new(listener, tls)?,
+                router(shared, config),
+            )
+            .with_graceful_shutdown(shutdown)
+            .await
+        }
+    }
 }
 
 /// The request body, or 413 / 400.
