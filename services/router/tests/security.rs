@@ -514,6 +514,20 @@ async fn bad_certificate_files_fail_before_serving_and_name_the_flag() {
         assert!(e.starts_with(flag) && e.contains(&missing), "worker: {e}");
     }
 
+    // A router with a CA but no certificate could not pass the workers' mutual TLS.
+    let router = RouterCli::try_parse_from(common.iter().copied().chain([
+        "--tls-ca",
+        ca.as_str(),
+        "--etcd-endpoints",
+        "http://127.0.0.1:1",
+    ]))
+    .unwrap();
+    let e = format!(
+        "{:#}",
+        nibble_router::cli::run(router.args).await.unwrap_err()
+    );
+    assert!(e.contains("--tls-ca needs --tls-cert"), "{e}");
+
     // A worker serving TLS needs the CA to dial its peers.
     let worker = WorkerCli::try_parse_from(common.iter().copied().chain([
         "--tls-cert",
@@ -550,4 +564,41 @@ fn security_flags_come_from_the_environment_names_the_chart_sets() {
         assert!(help.contains(var), "{var} in {help}");
     }
     let _: Security = Security::default();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_with_a_certificate_and_no_ca_serves_tls_and_dials_plaintext_workers() {
+    let (expected, _) = reference(DTYPE).await;
+    let pki = TestPki::new("nibble test CA");
+    let node = pki.issue("node", &["127.0.0.1"]);
+    let registry = StaticRegistry::new();
+    let prefill = Worker::start(&registry, Role::Prefill, "p0", DTYPE).await;
+    let decode = Worker::start(&registry, Role::Decode, "d0", DTYPE).await;
+    let public_only = SecurityArgs {
+        tls: nibble_security::TlsArgs {
+            tls_ca: None,
+            ..pki.args(&node)
+        },
+        internal_token: None,
+    }
+    .load()
+    .unwrap();
+    let router = RouterServer::start_configured(
+        &registry,
+        prefill.state.engine().info().page_size as u32,
+        HttpConfig::default(),
+        move |config| config.security = public_only,
+    )
+    .await;
+    router.wait_for_workers(1, 1).await;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(&pki.ca).unwrap()));
+    let peers = Peers::new(Some(tls), None).unwrap();
+    let channel = peers.endpoint(&router.address).unwrap().connect().await;
+    let mut client = InferenceClient::new(peers.with_token(channel.unwrap()));
+    let tokens = generate(&mut client, greedy_request("public-tls"))
+        .await
+        .unwrap();
+    assert_eq!(tokens, expected);
+    assert!(decode.state.counters().totals().pages_received > 0);
 }
