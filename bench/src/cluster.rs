@@ -105,6 +105,7 @@ impl LocalCluster {
                 capacity_interval_ms: 1_000,
                 metrics_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 no_metrics: true,
+                security: Default::default(),
             };
             let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
             tokio::spawn(nibble_worker::run_on(

@@ -17,12 +17,6 @@ import yaml
 
 # Flags the chart already sets ahead of the services (docs/DEPLOY.md, "Today, and what is landing").
 PENDING = {
-    "NIBBLE_HTTP_LISTEN",
-    "NIBBLE_TLS_CERT",
-    "NIBBLE_TLS_KEY",
-    "NIBBLE_TLS_CA",
-    "NIBBLE_API_KEY",
-    "NIBBLE_INTERNAL_TOKEN",
 }
 
 DECLARED = re.compile(r'env\s*=\s*"(NIBBLE_[A-Z0-9_]+)"')

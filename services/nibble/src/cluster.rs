@@ -66,6 +66,10 @@ pub struct UpArgs {
     pub metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     pub serving: ServingArgs,
+    /// TLS and the internal token, for the router and both workers (certificates must then
+    /// name 127.0.0.1, or the addresses given).
+    #[command(flatten)]
+    pub security: nibble_security::SecurityArgs,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -105,15 +109,51 @@ pub async fn up_until(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
     let fail = |what: &str, e: &dyn std::fmt::Display| Error::Cluster(format!("{what}: {e}"));
+    // Bad TLS files fail before the model loads; workers and router share the settings, and
+    // the workers' rules (certificate, key and CA together) apply.
+    let security = args.security.load().map_err(|e| fail("nibble up", &e))?;
+    if security
+        .tls
+        .as_ref()
+        .is_some_and(|t| !t.serves() || !t.has_ca())
+    {
+        return Err(Error::Cluster(
+            "nibble up: TLS needs --tls-cert, --tls-key and --tls-ca together (the services \
+             serve with the certificate and verify each other with the CA)"
+                .into(),
+        ));
+    }
     let source = ModelSource::open(&args.model).map_err(|source| Error::Model {
         path: args.model.clone(),
         source,
     })?;
     let model_name = ModelSource::default_name(&args.model);
-    let config = args
+    let mut config = args
         .serving
         .service_config(&source, model_name.clone(), args.page_size as u32)
         .map_err(|e| fail("router", &e))?;
+    let scheme = if security.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    // How `--prompt` reaches the router: its CA, and the API key when one is set.
+    let prompt_peers = nibble_security::Peers::new(
+        security
+            .tls
+            .as_ref()
+            .map(|t| t.grpc_client())
+            .transpose()
+            .map_err(|e| fail("nibble up", &e))?
+            .flatten(),
+        args.serving
+            .http
+            .api_key
+            .as_deref()
+            .and_then(nibble_security::Secret::new),
+    )
+    .map_err(|e| fail("nibble up", &e))?;
+    config.security = security;
     drop(source);
     // Installed before any service starts, so that all three record into it.
     let _metrics = match args.metrics_listen {
@@ -167,6 +207,7 @@ pub async fn up_until(
             // One /metrics for the whole process, the router's (`--metrics-listen`).
             metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             no_metrics: true,
+            security: args.security.clone(),
         };
         let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
         workers.push(tokio::spawn(nibble_worker::run_on(
@@ -191,8 +232,11 @@ pub async fn up_until(
     let http_address = match &http {
         Some(http) => {
             let address = http.listener.local_addr().map_err(|e| fail("router", &e))?;
-            writeln!(out, "nibble-router OpenAI HTTP API on http://{address}/v1")
-                .map_err(Error::Stdout)?;
+            writeln!(
+                out,
+                "nibble-router OpenAI HTTP API on {scheme}://{address}/v1"
+            )
+            .map_err(Error::Stdout)?;
             Some(address)
         }
         None => None,
@@ -232,12 +276,13 @@ pub async fn up_until(
                 let request = up_prompt(prompt);
                 writeln!(out, "> {prompt}").map_err(Error::Stdout)?;
                 let url = address.to_string();
-                stream_remote(&url, request, false, out, &mut std::io::stderr()).await?;
+                let diag = &mut std::io::stderr();
+                stream_remote(&url, &prompt_peers, request, false, out, diag).await?;
             }
             if let Some(http) = http_address {
                 writeln!(
                     out,
-                    "nibble up: OpenAI API: curl http://{http}/v1/completions -H \
+                    "nibble up: OpenAI API: curl {scheme}://{http}/v1/completions -H \
                      'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \
                      \"max_tokens\": 16}}'"
                 )
@@ -376,8 +421,31 @@ pub fn generate_remote(
     diag: &mut impl Write,
 ) -> Result<()> {
     let request = generate_request(args)?;
+    let flag = |flag: &'static str| {
+        move |e: nibble_security::Error| Error::Flag {
+            flag,
+            reason: e.to_string(),
+        }
+    };
+    let tls = nibble_security::TlsArgs {
+        tls_ca: args.tls_ca.clone(),
+        ..Default::default()
+    }
+    .load()
+    .map_err(flag("--tls-ca"))?;
+    let peers = nibble_security::Peers::new(
+        tls.map(|t| t.grpc_client())
+            .transpose()
+            .map_err(flag("--tls-ca"))?
+            .flatten(),
+        args.api_key
+            .as_deref()
+            .and_then(nibble_security::Secret::new),
+    )
+    .map_err(flag("--api-key"))?;
     runtime()?.block_on(stream_remote(
         url,
+        &peers,
         request,
         args.sampling.logprobs,
         out,
@@ -385,92 +453,88 @@ pub fn generate_remote(
     ))
 }
 
-/// Sends `request` to the router at `url` and streams its text to `out`; the summary line (and
-/// the logprobs JSON line when `logprobs`) goes to `diag`.
+/// Sends `request` to the router at `url` (dialed as `peers` says: TLS, API key) and streams
+/// its text to `out`; the summary line (and the logprobs JSON line when `logprobs_line`) goes
+/// to `diag`.
 pub async fn stream_remote(
     url: &str,
+    peers: &nibble_security::Peers,
     request: v1::GenerateRequest,
     logprobs_line: bool,
     out: &mut impl Write,
     diag: &mut impl Write,
 ) -> Result<()> {
-    let endpoint = if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("http://{url}")
-    };
     let remote = |status: tonic::Status| Error::Remote {
         url: url.to_string(),
         code: status.code(),
         message: status.message().to_string(),
     };
-    {
-        let start = Instant::now();
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .map_err(|e| Error::Flag {
-                flag: "--url",
-                reason: format!("{url:?} is not an address: {e}"),
-            })?
-            .connect_timeout(Duration::from_secs(10))
-            .connect()
-            .await
-            .map_err(|e| Error::Remote {
-                url: url.to_string(),
-                code: tonic::Code::Unavailable,
-                message: format!("cannot connect: {e}"),
-            })?;
-        let mut client = InferenceClient::new(channel);
-        let mut stream = client.generate(request).await.map_err(remote)?.into_inner();
-        let mut first_token = None;
-        let mut logprobs = Vec::new();
-        let mut finish = v1::FinishReason::Unspecified;
-        let mut usage = None;
-        while let Some(chunk) = stream.message().await.map_err(remote)? {
-            if !chunk.token_ids.is_empty() {
-                first_token.get_or_insert_with(Instant::now);
-            }
-            out.write_all(chunk.text.as_bytes())
-                .and_then(|()| out.flush())
-                .map_err(Error::Stdout)?;
-            logprobs.extend(
-                chunk
-                    .logprobs
-                    .iter()
-                    .map(|l| serde_json::json!({ "token": l.token_id, "logprob": l.logprob })),
-            );
-            if chunk.finish_reason != v1::FinishReason::Unspecified as i32 {
-                finish = v1::FinishReason::try_from(chunk.finish_reason)
-                    .unwrap_or(v1::FinishReason::Unspecified);
-            }
-            usage = chunk.usage.or(usage);
+    let start = Instant::now();
+    let channel = peers
+        .endpoint(url)
+        .map_err(|e| Error::Flag {
+            flag: "--url",
+            reason: e.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| Error::Remote {
+            url: url.to_string(),
+            code: tonic::Code::Unavailable,
+            message: format!("cannot connect: {e}"),
+        })?;
+    let mut client = InferenceClient::new(peers.with_token(channel));
+    let mut stream = client.generate(request).await.map_err(remote)?.into_inner();
+    let mut first_token = None;
+    let mut logprobs = Vec::new();
+    let mut finish = v1::FinishReason::Unspecified;
+    let mut usage = None;
+    while let Some(chunk) = stream.message().await.map_err(remote)? {
+        if !chunk.token_ids.is_empty() {
+            first_token.get_or_insert_with(Instant::now);
         }
-        writeln!(out).map_err(Error::Stdout)?;
-        let end = Instant::now();
-        let first = first_token.unwrap_or(end);
-        let u = usage.unwrap_or_default();
-        writeln!(
-            diag,
-            "prompt {} tokens ({} cached), completion {} tokens, finish {}; first token after \
-             {:.0} ms, {:.1} tok/s after it (through {url})",
-            u.prompt_tokens,
-            u.cached_tokens,
-            u.completion_tokens,
-            finish
-                .as_str_name()
-                .trim_start_matches("FINISH_REASON_")
-                .to_lowercase(),
-            (first - start).as_secs_f64() * 1e3,
-            if end > first && u.completion_tokens > 1 {
-                f64::from(u.completion_tokens - 1) / (end - first).as_secs_f64()
-            } else {
-                0.0
-            }
-        )
-        .map_err(Error::Stderr)?;
-        if logprobs_line {
-            let json = serde_json::json!({ "logprobs": logprobs });
-            writeln!(diag, "{json}").map_err(Error::Stderr)?;
+        out.write_all(chunk.text.as_bytes())
+            .and_then(|()| out.flush())
+            .map_err(Error::Stdout)?;
+        logprobs.extend(
+            chunk
+                .logprobs
+                .iter()
+                .map(|l| serde_json::json!({ "token": l.token_id, "logprob": l.logprob })),
+        );
+        if chunk.finish_reason != v1::FinishReason::Unspecified as i32 {
+            finish = v1::FinishReason::try_from(chunk.finish_reason)
+                .unwrap_or(v1::FinishReason::Unspecified);
         }
-        Ok(())
+        usage = chunk.usage.or(usage);
     }
+    writeln!(out).map_err(Error::Stdout)?;
+    let end = Instant::now();
+    let first = first_token.unwrap_or(end);
+    let u = usage.unwrap_or_default();
+    writeln!(
+        diag,
+        "prompt {} tokens ({} cached), completion {} tokens, finish {}; first token after \
+         {:.0} ms, {:.1} tok/s after it (through {url})",
+        u.prompt_tokens,
+        u.cached_tokens,
+        u.completion_tokens,
+        finish
+            .as_str_name()
+            .trim_start_matches("FINISH_REASON_")
+            .to_lowercase(),
+        (first - start).as_secs_f64() * 1e3,
+        if end > first && u.completion_tokens > 1 {
+            f64::from(u.completion_tokens - 1) / (end - first).as_secs_f64()
+        } else {
+            0.0
+        }
+    )
+    .map_err(Error::Stderr)?;
+    if logprobs_line {
+        let json = serde_json::json!({ "logprobs": logprobs });
+        writeln!(diag, "{json}").map_err(Error::Stderr)?;
+    }
+    Ok(())
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery};
+use nibble_engine::sampling::MAX_TOKENS_LIMIT;
 use nibble_engine::ModelSource;
+use nibble_security::{Secret, SecurityArgs};
 
 use crate::http::HttpArgs;
 use crate::{AdmissionConfig, RouterConfig, ServiceConfig};
@@ -45,6 +47,9 @@ pub struct RouterArgs {
     pub no_metrics: bool,
     #[command(flatten)]
     pub serving: ServingArgs,
+    /// TLS and the internal token (sent to workers).
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 /// How the router places and admits requests (shared by `nibble router` and `nibble up`).
@@ -66,6 +71,10 @@ pub struct ServingArgs {
     /// How often each worker's load is polled, in milliseconds.
     #[arg(long, env = "NIBBLE_LOAD_INTERVAL_MS", default_value_t = 250)]
     pub load_interval_ms: u64,
+    /// Largest max_tokens a request may ask for (INVALID_ARGUMENT, or HTTP 400, above).
+    #[arg(long, env = "NIBBLE_MAX_TOKENS_LIMIT", default_value_t = MAX_TOKENS_LIMIT,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_TOKENS_LIMIT)))]
+    pub max_tokens_limit: u32,
     #[command(flatten)]
     pub http: HttpArgs,
 }
@@ -89,6 +98,8 @@ impl ServingArgs {
             queue_timeout: Duration::from_millis(self.queue_timeout_ms),
         };
         config.load_interval = Duration::from_millis(self.load_interval_ms.max(1));
+        config.max_tokens_limit = self.max_tokens_limit;
+        config.api_key = self.http.api_key.as_deref().and_then(Secret::new);
         Ok(config)
     }
 }
@@ -96,15 +107,24 @@ impl ServingArgs {
 /// Serves the router described by `args` until Ctrl-C, following membership in etcd.
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     use anyhow::Context;
+    // Bad TLS files fail first, before anything is loaded or bound.
+    let security = args.security.load()?;
+    if security.tls.as_ref().is_some_and(|t| !t.serves()) {
+        anyhow::bail!(
+            "--tls-ca needs --tls-cert and --tls-key on the router (it serves TLS with them and \
+             presents them to the workers)"
+        );
+    }
     let source = ModelSource::open(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
     let model_name = args
         .model_name
         .clone()
         .unwrap_or_else(|| ModelSource::default_name(&args.model));
-    let config = args
+    let mut config = args
         .serving
         .service_config(&source, model_name, args.page_size)?;
+    config.security = security;
     let endpoints: Vec<&String> = args
         .etcd_endpoints
         .iter()
@@ -123,9 +143,14 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("--listen {}", args.listen))?;
     let http = args.serving.http.bind().await?;
+    // The HTTP line comes first: `listening on` is the last line a starting router prints.
+    let tls = config.security.tls.as_ref().is_some_and(|t| t.serves());
     if let Some(http) = &http {
-        let address = http.listener.local_addr()?;
-        println!("nibble-router OpenAI HTTP API on http://{address}/v1");
+        let scheme = if tls { "https" } else { "http" };
+        println!(
+            "nibble-router OpenAI HTTP API on {scheme}://{}/v1",
+            http.listener.local_addr()?
+        );
     }
     println!("nibble-router listening on {}", listener.local_addr()?);
     let served = crate::serve_with_http(

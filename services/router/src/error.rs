@@ -95,6 +95,10 @@ pub enum Error {
     #[error("request ticket {0} is not in flight")]
     UnknownTicket(u64),
 
+    /// TLS settings or the internal token cannot be used to dial workers.
+    #[error(transparent)]
+    Security(#[from] nibble_security::Error),
+
     /// No decode worker can take the request.
     #[error("no decode worker is available")]
     NoDecodeWorkers,

@@ -1,14 +1,21 @@
 //! Serving the router: the `Inference` service, `grpc.health.v1` and server reflection on a
 //! listener the caller bound, and optionally the OpenAI-compatible HTTP API on a second one,
 //! with membership followed from a [`Discovery`] watch.
+//!
+//! Security comes from the [`ServiceConfig`]: with a certificate both APIs serve TLS (no client
+//! certificates: the public's clients authenticate with the API key), and with an API key every
+//! `Inference` call must carry `authorization: Bearer <key>` (UNAUTHENTICATED otherwise), as
+//! every `/v1` HTTP request must. Health and reflection stay open (they change nothing).
 
 use std::future::Future;
 use std::sync::Arc;
 
 use nibble_discovery::Discovery;
 use nibble_proto::v1::inference_server::InferenceServer;
+use nibble_security::{ClientCerts, RequireBearer};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::http::HttpConfig;
 use crate::service::{follow_membership, InferenceService, ServiceConfig, Shared};
@@ -24,7 +31,13 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("HTTP API: {0}")]
     Http(std::io::Error),
+    #[error(transparent)]
+    Security(#[from] nibble_security::Error),
 }
+
+/// Largest `Inference` request message, in bytes (a prompt of about a million tokens); larger
+/// ones fail OUT_OF_RANGE before they are decoded.
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
 
 /// Serves the router on `listener` until `shutdown` completes, following worker membership
 /// from `discovery`.
@@ -75,13 +88,23 @@ pub async fn serve_shared_with_http(
 ) -> Result<(), ServeError> {
     let reflection =
         nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let tls = shared.config().security.tls.clone();
+    let http_tls = match &tls {
+        Some(tls) => tls.http_server(ClientCerts::None)?,
+        None => None,
+    };
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls.as_ref().and_then(|t| t.grpc_server(ClientCerts::None)) {
+        builder = builder.tls_config(tls)?;
+    }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let signal = move |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|&s| s).await;
     };
     let http = http.map(|HttpListener { listener, config }| {
-        tokio::spawn(crate::http::serve(
+        tokio::spawn(crate::http::serve_tls(
             listener,
+            http_tls,
             Arc::clone(&shared),
             config,
             signal(stopped.clone()),
@@ -97,10 +120,13 @@ pub async fn serve_shared_with_http(
     health
         .set_serving::<InferenceServer<InferenceService>>()
         .await;
-    let router = tonic::transport::Server::builder()
+    let api_key = RequireBearer::new(shared.config().api_key.clone(), "API key");
+    let inference =
+        InferenceServer::new(InferenceService(shared)).max_decoding_message_size(MAX_REQUEST_BYTES);
+    let router = builder
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(InferenceServer::new(InferenceService(shared)));
+        .add_service(InterceptedService::new(inference, api_key));
     let result = nibble_proto::serving::serve_with_drain(
         |stop| router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop),
         signal(stopped),

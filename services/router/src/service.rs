@@ -14,11 +14,11 @@ use nibble_discovery::{Discovery, Role, WorkerEvent, WorkerId, WorkerInfo};
 use nibble_engine::{ChatMessage, Tokenizer};
 use nibble_proto::v1;
 use nibble_proto::v1::worker_client::WorkerClient;
+use nibble_security::{AuthChannel, Peers, Secret, Security};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
-use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -48,6 +48,13 @@ pub struct ServiceConfig {
     pub admission: AdmissionConfig,
     /// How often each worker's `Load` is polled.
     pub load_interval: Duration,
+    /// Largest `stopping.max_tokens` a request may ask for (INVALID_ARGUMENT above).
+    pub max_tokens_limit: u32,
+    /// The bearer key every `Inference` call must carry (`None`: open). The HTTP API checks
+    /// its own [`HttpConfig::api_key`](crate::HttpConfig), set from the same flag.
+    pub api_key: Option<Secret>,
+    /// TLS of the public APIs and of the worker clients, and the internal token they send.
+    pub security: Security,
 }
 
 impl ServiceConfig {
@@ -59,6 +66,9 @@ impl ServiceConfig {
             max_context,
             admission: AdmissionConfig::default(),
             load_interval: DEFAULT_LOAD_INTERVAL,
+            max_tokens_limit: nibble_engine::sampling::MAX_TOKENS_LIMIT,
+            api_key: None,
+            security: Security::default(),
         }
     }
 }
@@ -70,6 +80,9 @@ impl std::fmt::Debug for ServiceConfig {
             .field("max_context", &self.max_context)
             .field("admission", &self.admission)
             .field("load_interval", &self.load_interval)
+            .field("max_tokens_limit", &self.max_tokens_limit)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("security", &self.security)
             .finish_non_exhaustive()
     }
 }
@@ -79,7 +92,9 @@ impl std::fmt::Debug for ServiceConfig {
 pub struct Shared {
     router: Mutex<Router>,
     config: ServiceConfig,
-    clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
+    /// How workers are dialed (TLS, the internal token).
+    peers: Peers,
+    clients: Mutex<HashMap<String, WorkerClient<AuthChannel>>>,
     /// Names requests that come without an id: `router-{prefix}-{n}`, the prefix unique to this
     /// process so that ids stay unique across routers (and across a router's restarts).
     id_prefix: String,
@@ -93,6 +108,7 @@ impl Shared {
     pub fn new(config: ServiceConfig) -> crate::Result<Arc<Self>> {
         let shared = Arc::new(Self {
             router: Mutex::new(Router::new(config.router.clone())?),
+            peers: config.security.peers()?,
             admission: Admission::new(config.admission),
             config,
             clients: Mutex::new(HashMap::new()),
@@ -119,15 +135,17 @@ impl Shared {
         &self.admission
     }
 
-    /// A client of the worker at `address` (`host:port`), cached per address.
-    pub fn client(&self, address: &str) -> Result<WorkerClient<Channel>, Status> {
+    /// A client of the worker at `address` (`host:port`: `https://` when TLS is on), cached per
+    /// address; its calls carry the internal token when one is set.
+    pub fn client(&self, address: &str) -> Result<WorkerClient<AuthChannel>, Status> {
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(client) = clients.get(address) {
             return Ok(client.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| Status::internal(format!("worker address {address:?}: {e}")))?
-            .connect_lazy();
+        let channel = self
+            .peers
+            .connect_lazy(address)
+            .map_err(|e| Status::internal(format!("worker: {e}")))?;
         let client = WorkerClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -314,8 +332,12 @@ impl InferenceService {
             }
         }
         let max_tokens = req.stopping.as_ref().and_then(|s| s.max_tokens);
-        if max_tokens == Some(0) {
-            return Err(invalid("stopping.max_tokens", "must be positive"));
+        let limit = self.0.config.max_tokens_limit;
+        if let Some(max) = max_tokens.filter(|m| !(1..=limit).contains(m)) {
+            return Err(invalid(
+                "stopping.max_tokens",
+                format!("must be between 1 and {limit}, got {max}"),
+            ));
         }
         let tokenizer = &self.0.config.tokenizer;
         let internal = |e: nibble_engine::Error| Status::internal(format!("tokenizer: {e}"));

@@ -11,6 +11,7 @@ use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
+use nibble_security::{Security, SecurityArgs};
 use tokio::net::TcpListener;
 
 use crate::actor::EngineHandle;
@@ -62,6 +63,9 @@ pub struct WorkerArgs {
     /// Serve no /metrics.
     #[arg(long, env = "NIBBLE_NO_METRICS")]
     pub no_metrics: bool,
+    /// TLS and the internal token.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
@@ -71,8 +75,30 @@ fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
         .ok_or_else(|| format!("unknown KV dtype {s:?} (expected bf16, fp8 or nvfp4)"))
 }
 
+/// The worker's security settings, checked: a worker serving TLS dials other workers over TLS,
+/// so it needs the CA too.
+pub fn load_security(args: &WorkerArgs) -> Result<Security> {
+    let security = args.security.load()?;
+    if let Some(tls) = &security.tls {
+        if !tls.serves() {
+            return Err(Error::InvalidArgument(
+                "--tls-ca needs --tls-cert and --tls-key on a worker (it serves TLS with them)"
+                    .into(),
+            ));
+        }
+        if !tls.has_ca() {
+            return Err(Error::InvalidArgument(
+                "--tls-cert needs --tls-ca on a worker (the CA it verifies its peers against)"
+                    .into(),
+            ));
+        }
+    }
+    Ok(security)
+}
+
 /// Loads the model, starts the engine thread and returns the worker's state.
 pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result<Arc<WorkerState>> {
+    let security = load_security(args)?;
     let source = ModelSource::open(&args.model)?;
     let model = source.load_model(Arc::new(CpuBackend::new(args.threads)?))?;
     let tokenizer = Arc::new(source.load_tokenizer()?);
@@ -91,7 +117,7 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
         .model_name
         .clone()
         .unwrap_or_else(|| ModelSource::default_name(&args.model));
-    Ok(WorkerState::new(
+    WorkerState::with_security(
         engine,
         WorkerIdentity {
             worker_id: args
@@ -107,11 +133,14 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
             transfer_address: String::new(),
             reservation_ttl: Duration::from_millis(args.reservation_ttl_ms),
         },
-    ))
+        security,
+    )
 }
 
 /// Runs a worker of `role` until Ctrl-C, registered in etcd when `--etcd-endpoints` names it.
 pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
+    // Bad TLS files fail here, before the port is bound or the model loaded.
+    load_security(&args)?;
     let listener = TcpListener::bind(args.listen).await?;
     // An empty value (`NIBBLE_ETCD_ENDPOINTS=`) means none.
     let endpoints: Vec<&String> = args
@@ -164,7 +193,7 @@ pub async fn run_on(
         // Pages arrive on the same listener.
         let mut identity = state.identity().clone();
         identity.transfer_address = address.clone();
-        WorkerState::new(state.engine().clone(), identity)
+        WorkerState::with_security(state.engine().clone(), identity, state.security().clone())?
     } else {
         state
     };

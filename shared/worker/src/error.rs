@@ -56,6 +56,9 @@ pub enum Error {
     /// The engine thread is gone.
     #[error("the engine has stopped")]
     EngineStopped,
+    /// TLS files or the internal token are unusable, or a peer address cannot be dialed.
+    #[error(transparent)]
+    Security(#[from] nibble_security::Error),
     /// Membership registration failed.
     #[error("discovery: {0}")]
     Discovery(#[from] nibble_discovery::Error),
@@ -94,8 +97,12 @@ impl From<Error> for tonic::Status {
             // The peer's classification stands (a fingerprint refusal stays FAILED_PRECONDITION).
             Error::Push { status, .. } => Status::new(status.code(), message),
             Error::Connect { .. } | Error::EngineStopped => Status::unavailable(message),
+            Error::Security(nibble_security::Error::Address { .. }) => {
+                Status::invalid_argument(message)
+            }
             Error::Engine(_)
             | Error::Failed(_)
+            | Error::Security(_)
             | Error::Discovery(_)
             | Error::Serve(_)
             | Error::Io(_) => Status::internal(message),

@@ -1,5 +1,10 @@
 //! Serving a worker: its `Worker` service, `KvTransfer` on decode workers, `grpc.health.v1` and
 //! server reflection, on a listener the caller bound, until a shutdown future completes.
+//!
+//! With the state's [`Security`](nibble_security::Security): TLS when it has a certificate
+//! (client certificates required when it has a CA), and every `Worker` and `KvTransfer` call
+//! must carry the internal token when one is set (UNAUTHENTICATED otherwise). Health and
+//! reflection need no token: they change nothing and say nothing about requests.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -9,6 +14,7 @@ use nibble_proto::v1::kv_transfer_server::KvTransferServer;
 use nibble_proto::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::error::Result;
 use crate::service::{TransferService, WorkerService, WorkerState};
@@ -29,21 +35,33 @@ pub async fn serve(
     let reflection = nibble_proto::serving::reflection()
         .map_err(|e| std::io::Error::other(format!("reflection: {e}")))?;
     let accepts_pages = state.identity().role == v1::WorkerRole::Decode;
+    let security = state.security().clone();
+    let token = security.require_internal_token();
     let transfer = accepts_pages.then(|| {
-        KvTransferServer::new(TransferService(Arc::clone(&state)))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        InterceptedService::new(
+            KvTransferServer::new(TransferService(Arc::clone(&state)))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES),
+            token.clone(),
+        )
     });
     if accepts_pages {
         health
             .set_serving::<KvTransferServer<TransferService>>()
             .await;
     }
-    let worker = WorkerServer::new(WorkerService(state))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let router = tonic::transport::Server::builder()
+    let worker = InterceptedService::new(
+        WorkerServer::new(WorkerService(state))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        token,
+    );
+    let mut builder = tonic::transport::Server::builder()
         .initial_stream_window_size(crate::transfer::STREAM_WINDOW_BYTES)
-        .initial_connection_window_size(crate::transfer::CONNECTION_WINDOW_BYTES)
+        .initial_connection_window_size(crate::transfer::CONNECTION_WINDOW_BYTES);
+    if let Some(tls) = security.internal_server_tls() {
+        builder = builder.tls_config(tls)?;
+    }
+    let router = builder
         .add_service(health_service)
         .add_service(reflection)
         .add_service(worker)

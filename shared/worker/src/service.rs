@@ -13,6 +13,7 @@ use nibble_engine::Event;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_server::KvTransfer;
 use nibble_proto::v1::worker_server::Worker;
+use nibble_security::{Peers, Security};
 use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -42,6 +43,10 @@ pub struct WorkerIdentity {
 pub struct WorkerState {
     engine: EngineHandle,
     identity: WorkerIdentity,
+    /// TLS and the internal token: what this worker's server requires and how it dials decode
+    /// workers.
+    security: Security,
+    peers: Peers,
     reservations: Reservations,
     /// Request id → engine id, for Abort.
     requests: Mutex<HashMap<String, SeqId>>,
@@ -50,10 +55,23 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
-    /// The state of a worker over `engine`. Its gauges are sampled whenever the process's
-    /// metrics are scraped ([`nibble_telemetry::register`]), for as long as it lives.
+    /// A worker without TLS or internal token.
     pub fn new(engine: EngineHandle, identity: WorkerIdentity) -> Arc<Self> {
+        Self::with_security(engine, identity, Security::default())
+            .expect("no security settings cannot be invalid")
+    }
+
+    /// A worker that serves and dials peers with `security`. Its gauges are sampled whenever
+    /// the process's metrics are scraped ([`nibble_telemetry::register`]), for as long as it
+    /// lives.
+    pub fn with_security(
+        engine: EngineHandle,
+        identity: WorkerIdentity,
+        security: Security,
+    ) -> Result<Arc<Self>> {
         let state = Arc::new(Self {
+            peers: security.peers()?,
+            security,
             engine,
             identity,
             reservations: Reservations::default(),
@@ -63,7 +81,7 @@ impl WorkerState {
         });
         metrics::describe();
         nibble_telemetry::register(&state);
-        state
+        Ok(state)
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -72,6 +90,11 @@ impl WorkerState {
 
     pub fn identity(&self) -> &WorkerIdentity {
         &self.identity
+    }
+
+    /// What this worker's server requires (TLS, the internal token).
+    pub fn security(&self) -> &Security {
+        &self.security
     }
 
     /// Pages and bytes this worker moved.
@@ -253,6 +276,7 @@ impl WorkerState {
                 }
                 let summary = transfer::push_pages(
                     &self.engine,
+                    &self.peers,
                     &r.request_id,
                     target,
                     &pages[first..],

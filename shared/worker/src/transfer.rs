@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use nibble_kvcache::PageId;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
+use nibble_security::Peers;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -84,6 +85,7 @@ pub struct PushSummary {
 /// decode worker's reservation named by `target`.
 pub async fn push_pages(
     engine: &EngineHandle,
+    peers: &Peers,
     request_id: &str,
     target: &v1::TransferTarget,
     pages: &[PageId],
@@ -91,24 +93,18 @@ pub async fn push_pages(
 ) -> Result<PushSummary> {
     let start = Instant::now();
     let address = target.address.clone();
-    let uri = if address.contains("://") {
-        address.clone()
-    } else {
-        format!("http://{address}")
-    };
-    let connect = |source| Error::Connect {
-        address: address.clone(),
-        source,
-    };
-    let channel = tonic::transport::Endpoint::from_shared(uri)
-        .map_err(connect)?
+    let channel = peers
+        .endpoint(&address)?
         .initial_stream_window_size(STREAM_WINDOW_BYTES)
         .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
         .connect()
         .await
-        .map_err(connect)?;
-    let mut client =
-        KvTransferClient::new(channel).max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
+        .map_err(|source| Error::Connect {
+            address: address.clone(),
+            source,
+        })?;
+    let mut client = KvTransferClient::new(peers.with_token(channel))
+        .max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(2);
     let first = target.first_page_index as usize;
     let per_message = pages_per_message(engine.info().page_bytes);

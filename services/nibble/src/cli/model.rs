@@ -83,6 +83,13 @@ pub struct GenerateArgs {
     /// cluster's, not these.
     #[arg(long, value_name = "ADDR", env = "NIBBLE_URL")]
     pub url: Option<String>,
+    /// With --url: the PEM CA the router's certificate is verified against; the address is
+    /// then dialed over TLS (`https://`).
+    #[arg(long, value_name = "PEM", env = "NIBBLE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// With --url: the router's API key, sent as `authorization: Bearer`.
+    #[arg(long, env = "NIBBLE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// The prompt.
     #[arg(value_name = "PROMPT")]
     pub prompt: String,

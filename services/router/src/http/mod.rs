@@ -11,7 +11,8 @@
 //!
 //! Errors are OpenAI's `{"error": {...}}` with their status ([`error`]). With an API key
 //! configured, every `/v1` route wants `Authorization: Bearer <key>` (compared in constant
-//! time); `/health` and `/ready` stay open for probes.
+//! time); `/health` and `/ready` stay open for probes. With a certificate the API is served
+//! over HTTPS ([`tls`]).
 
 pub mod args;
 pub mod chat;
@@ -19,6 +20,7 @@ pub mod completions;
 pub mod error;
 pub mod generate;
 pub mod params;
+pub mod tls;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,7 +34,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 
 use crate::{InferenceService, Shared};
@@ -160,6 +161,27 @@ pub async fn serve(
         .await
 }
 
+/// [`serve`], over HTTPS when `tls` is given.
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    shared: Arc<Shared>,
+    config: HttpConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    match tls {
+        None => serve(listener, shared, config, shutdown).await,
+        Some(tls) => {
+            axum::serve(
+                tls::TlsListener::new(listener, tls)?,
+                router(shared, config),
+            )
+            .with_graceful_shutdown(shutdown)
+            .await
+        }
+    }
+}
+
 /// The request body, or 413 / 400.
 fn read_body(state: &HttpState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
@@ -194,13 +216,9 @@ async fn authorize(State(state): State<HttpState>, request: Request, next: Next)
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map_or("", |(_, key)| key.trim());
-        // Constant time in the key's bytes (a length mismatch fails at once: lengths are not
-        // secret enough to matter for random keys).
-        if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
+            .and_then(|v| v.to_str().ok());
+        // Constant time in the key's bytes, as the gRPC API checks it.
+        if !nibble_security::bearer_matches(given, key) {
             return ApiError::unauthorized().into_response();
         }
     }

@@ -20,6 +20,7 @@ use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_router::{HttpConfig, HttpListener, RouterConfig, ServiceConfig, Shared};
+use nibble_security::{Peers, Security};
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -103,6 +104,8 @@ pub async fn reference(dtype: KvDtype) -> (Vec<u32>, Vec<u32>) {
 pub struct Worker {
     pub address: String,
     pub state: Arc<WorkerState>,
+    /// How the test dials it (its own TLS and token).
+    pub peers: Peers,
     _session: Arc<dyn Discovery>,
     _stop: oneshot::Sender<()>,
 }
@@ -119,13 +122,25 @@ impl Worker {
         name: &str,
         engine: EngineHandle,
     ) -> Self {
+        Self::start_secured(registry, role, name, engine, Security::default()).await
+    }
+
+    /// A worker that serves (and dials decode workers) with `security`.
+    pub async fn start_secured(
+        registry: &StaticRegistry,
+        role: Role,
+        name: &str,
+        engine: EngineHandle,
+        security: Security,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let wire_role = match role {
             Role::Prefill => v1::WorkerRole::Prefill,
             _ => v1::WorkerRole::Decode,
         };
-        let state = WorkerState::new(
+        let peers = security.peers().unwrap();
+        let state = WorkerState::with_security(
             engine,
             WorkerIdentity {
                 worker_id: name.into(),
@@ -138,7 +153,9 @@ impl Worker {
                 },
                 reservation_ttl: Duration::from_secs(30),
             },
-        );
+            security,
+        )
+        .unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(nibble_worker::serve(
             Arc::clone(&state),
@@ -160,15 +177,14 @@ impl Worker {
         Self {
             address,
             state,
+            peers,
             _session: session,
             _stop: stop,
         }
     }
 
     pub async fn load(&self) -> v1::LoadResponse {
-        WorkerClient::connect(format!("http://{}", self.address))
-            .await
-            .unwrap()
+        WorkerClient::new(self.peers.connect_lazy(&self.address).unwrap())
             .load(v1::LoadRequest {})
             .await
             .unwrap()
@@ -218,9 +234,21 @@ impl RouterServer {
 
     /// A router with its HTTP API configured by `http`.
     pub async fn start_with(registry: &StaticRegistry, page_size: u32, http: HttpConfig) -> Self {
+        Self::start_configured(registry, page_size, http, |_| {}).await
+    }
+
+    /// [`start_with`](Self::start_with), its service configuration changed by `configure`
+    /// (security, limits).
+    pub async fn start_configured(
+        registry: &StaticRegistry,
+        page_size: u32,
+        http: HttpConfig,
+        configure: impl FnOnce(&mut ServiceConfig),
+    ) -> Self {
         let mut config = service_config(page_size);
         // Every uncached token goes to a prefill worker, so the hand-off path is exercised.
         config.router.policy.local_prefill_threshold_tokens = 1;
+        configure(&mut config);
         let shared = Shared::new(config).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
