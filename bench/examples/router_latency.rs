@@ -37,7 +37,9 @@ fn stopping() -> Option<v1::StoppingCriteria> {
 async fn main() {
     let mut args = std::env::args().skip(1);
     let requests: usize = args.next().map_or(400, |a| a.parse().expect("REQUESTS"));
-    let prompt_tokens: usize = args.next().map_or(64, |a| a.parse().expect("PROMPT_TOKENS"));
+    let prompt_tokens: usize = args
+        .next()
+        .map_or(64, |a| a.parse().expect("PROMPT_TOKENS"));
     let prompt = text_tokens(prompt_tokens);
     let cluster = LocalCluster::start(&Setup {
         kv_dtype: KvDtype::Nvfp4,
@@ -98,7 +100,10 @@ async fn main() {
     println!(
         "| path | requests | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms |\n| --- | --- | --- | --- | --- |"
     );
-    for (name, samples) in [("direct to decode", &mut direct), ("through the router", &mut routed)] {
+    for (name, samples) in [
+        ("direct to decode", &mut direct),
+        ("through the router", &mut routed),
+    ] {
         println!(
             "| {name} | {} | {:.3} | {:.3} | {:.3} |",
             samples.len(),

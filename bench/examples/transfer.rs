@@ -17,7 +17,9 @@ use nibble_proto::v1::worker_client::WorkerClient;
 #[tokio::main]
 async fn main() {
     let mut args = std::env::args().skip(1);
-    let prompt_tokens: usize = args.next().map_or(4096, |a| a.parse().expect("PROMPT_TOKENS"));
+    let prompt_tokens: usize = args
+        .next()
+        .map_or(4096, |a| a.parse().expect("PROMPT_TOKENS"));
     let iterations: usize = args.next().map_or(20, |a| a.parse().expect("ITERATIONS"));
     let prompt = text_tokens(prompt_tokens);
     println!(
@@ -41,7 +43,10 @@ async fn main() {
                     .max_decoding_message_size(64 << 20)
             }
         };
-        let (mut p, mut d) = (connect(&cluster.prefill).await, connect(&cluster.decode).await);
+        let (mut p, mut d) = (
+            connect(&cluster.prefill).await,
+            connect(&cluster.decode).await,
+        );
         let info = d.info(v1::InfoRequest {}).await.expect("Info").into_inner();
         let mut rates = Vec::new();
         let mut pushed = (0, 0);

@@ -107,8 +107,8 @@ pub async fn push_pages(
         .connect()
         .await
         .map_err(connect)?;
-    let mut client = KvTransferClient::new(channel)
-        .max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
+    let mut client =
+        KvTransferClient::new(channel).max_encoding_message_size(crate::server::MAX_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(2);
     let first = target.first_page_index as usize;
     let per_message = pages_per_message(engine.info().page_bytes);
