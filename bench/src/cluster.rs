@@ -99,6 +99,7 @@ impl LocalCluster {
                 page_size: 16,
                 kv_budget_mib: setup.kv_budget_mib,
                 threads: setup.threads,
+                device: Default::default(),
                 reservation_ttl_ms: 30_000,
                 etcd_endpoints: Vec::new(),
                 capacity_interval_ms: 1_000,

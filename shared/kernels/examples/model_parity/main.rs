@@ -40,6 +40,8 @@ struct Args {
     logit_tol: Option<f32>,
     /// Run only the CPU side (a sanity check of the model file where there is no GPU); exits 2.
     cpu_only: bool,
+    /// The prompt (default: [`PROMPT`]).
+    prompt: String,
 }
 
 fn parse() -> Result<Args> {
@@ -48,6 +50,7 @@ fn parse() -> Result<Args> {
         tokens: 64,
         logit_tol: None,
         cpu_only: false,
+        prompt: PROMPT.to_string(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -57,6 +60,7 @@ fn parse() -> Result<Args> {
             "--tokens" => args.tokens = value()?.parse()?,
             "--logit-tol" => args.logit_tol = Some(value()?.parse()?),
             "--cpu-only" => args.cpu_only = true,
+            "--prompt" => args.prompt = value()?,
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -105,7 +109,7 @@ fn generate<B: Backend>(
     let mut logits = Vec::new();
     let mut all = Vec::new();
     let mut tokens = Vec::new();
-    let split = prompt.len() * 2 / 3;
+    let split = (prompt.len() * 2 / 3).max(1);
     let start = Instant::now();
     match dtype {
         Some(dtype) => {
@@ -169,7 +173,7 @@ fn run() -> Result<bool> {
     let cpu = Arc::new(CpuBackend::new(threads)?);
     let file = GgufFile::open(&args.model)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
-    let prompt = tokenizer.encode(PROMPT, true)?;
+    let prompt = tokenizer.encode(&args.prompt, true)?;
     if args.cpu_only {
         let cpu_model = Model::from_gguf(cpu.clone(), &file)?;
         for dtype in [Some(KvDtype::Bf16), None] {
