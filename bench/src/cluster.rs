@@ -100,7 +100,8 @@ impl LocalCluster {
                 kv_budget_mib: setup.kv_budget_mib,
                 threads: setup.threads,
                 device: Default::default(),
-                reservation_ttl_ms: 30_000,
+                // A cold prefill of a long prompt on a busy machine can take a while.
+                reservation_ttl_ms: 600_000,
                 etcd_endpoints: Vec::new(),
                 capacity_interval_ms: 1_000,
             };

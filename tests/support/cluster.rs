@@ -116,6 +116,28 @@ impl Proc {
         }
     }
 
+    /// Sends SIGTERM and waits up to `limit` for the process to exit; its exit status.
+    pub fn terminate(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let pid = child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{} still running {limit:?} after SIGTERM; its log:\n{}",
+                self.name,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     pub fn is_running(&self) -> bool {
         self.child.is_some()
     }

@@ -56,6 +56,10 @@ pub struct UpArgs {
     /// CPU threads of each worker's engine [default: half the available cores, at least 1].
     #[arg(long, env = "NIBBLE_THREADS")]
     pub threads: Option<usize>,
+    /// Once the cluster is ready, send this prompt through the router as one chat message
+    /// (greedy, at most 128 tokens) and stream the answer, then keep serving.
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
     #[command(flatten)]
     pub serving: ServingArgs,
 }
@@ -201,6 +205,12 @@ pub async fn up_until(
                 started.elapsed().as_secs_f64()
             )
             .map_err(Error::Stdout)?;
+            if let Some(prompt) = &args.prompt {
+                let request = up_prompt(prompt);
+                writeln!(out, "> {prompt}").map_err(Error::Stdout)?;
+                let url = address.to_string();
+                stream_remote(&url, request, false, out, &mut std::io::stderr()).await?;
+            }
             if let Some(http) = http_address {
                 writeln!(
                     out,
@@ -223,6 +233,28 @@ pub async fn up_until(
     };
     let _ = stop_tx.send(true);
     outcome
+}
+
+/// The request `nibble up --prompt` sends: one user message, greedy, at most 128 tokens.
+fn up_prompt(prompt: &str) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::Chat(v1::ChatPrompt {
+            messages: vec![v1::ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+            }],
+            add_generation_prompt: Some(true),
+        })),
+        sampling: Some(v1::SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        stopping: Some(v1::StoppingCriteria {
+            max_tokens: Some(128),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
 }
 
 /// Completes when the first of `tasks` ends, with its result.
@@ -321,6 +353,24 @@ pub fn generate_remote(
     diag: &mut impl Write,
 ) -> Result<()> {
     let request = generate_request(args)?;
+    runtime()?.block_on(stream_remote(
+        url,
+        request,
+        args.sampling.logprobs,
+        out,
+        diag,
+    ))
+}
+
+/// Sends `request` to the router at `url` and streams its text to `out`; the summary line (and
+/// the logprobs JSON line when `logprobs`) goes to `diag`.
+pub async fn stream_remote(
+    url: &str,
+    request: v1::GenerateRequest,
+    logprobs_line: bool,
+    out: &mut impl Write,
+    diag: &mut impl Write,
+) -> Result<()> {
     let endpoint = if url.contains("://") {
         url.to_string()
     } else {
@@ -331,7 +381,7 @@ pub fn generate_remote(
         code: status.code(),
         message: status.message().to_string(),
     };
-    runtime()?.block_on(async {
+    {
         let start = Instant::now();
         let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
             .map_err(|e| Error::Flag {
@@ -394,10 +444,10 @@ pub fn generate_remote(
             }
         )
         .map_err(Error::Stderr)?;
-        if args.sampling.logprobs {
+        if logprobs_line {
             let json = serde_json::json!({ "logprobs": logprobs });
             writeln!(diag, "{json}").map_err(Error::Stderr)?;
         }
         Ok(())
-    })
+    }
 }

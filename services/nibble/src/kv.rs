@@ -40,7 +40,7 @@ impl Codec {
     /// Encodes little-endian f32 bytes read from `path` into the interchange layout.
     pub fn encode_bytes(&self, path: &Path, input: &[u8]) -> Result<Vec<u8>> {
         let unit = self.head_dim * F32_BYTES;
-        if input.len() % unit != 0 {
+        if !input.len().is_multiple_of(unit) {
             return Err(Error::Length {
                 path: path.to_path_buf(),
                 len: input.len(),
@@ -70,7 +70,7 @@ impl Codec {
     /// Decodes interchange bytes read from `path` into little-endian f32 bytes.
     pub fn decode_bytes(&self, path: &Path, input: &[u8]) -> Result<Vec<u8>> {
         let unit = self.dtype.vector_bytes(self.head_dim);
-        if input.len() % unit != 0 {
+        if !input.len().is_multiple_of(unit) {
             return Err(Error::Length {
                 path: path.to_path_buf(),
                 len: input.len(),

@@ -172,13 +172,13 @@ impl ModelConfig {
                 self.num_layers, self.num_heads, self.num_kv_heads
             ));
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} KV heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head dim {} must be even and positive",
                 self.head_dim

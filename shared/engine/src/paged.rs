@@ -182,7 +182,7 @@ pub struct Heads {
 impl Heads {
     fn of(layout: &PageLayout, q_heads: usize) -> Result<Self> {
         let kv_heads = layout.kv_heads();
-        if q_heads == 0 || q_heads % kv_heads != 0 {
+        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
             return Err(AttentionError::Heads { q_heads, kv_heads });
         }
         Ok(Self {

@@ -502,7 +502,7 @@ impl Backend for CudaBackend {
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32, out: &mut CudaTensor) {
         let w = weight.len();
         assert!(
-            w > 0 && x.cols % w == 0,
+            w > 0 && x.cols.is_multiple_of(w),
             "rms_norm: weight width {w} vs {} cols",
             x.cols
         );
@@ -536,7 +536,7 @@ impl Backend for CudaBackend {
         let d = rope.head_dim;
         assert_eq!(positions.len(), x.rows, "rope: one position per row");
         assert!(
-            d % 2 == 0 && x.cols % d == 0,
+            d.is_multiple_of(2) && x.cols.is_multiple_of(d),
             "rope: row is not whole heads"
         );
         assert_eq!(rope.cos.cols, d / 2, "rope: table width");
@@ -586,7 +586,7 @@ impl Backend for CudaBackend {
         let g = args.geometry;
         let n = args.q_rows.len();
         assert!(
-            g.num_kv_heads > 0 && g.num_heads % g.num_kv_heads == 0,
+            g.num_kv_heads > 0 && g.num_heads.is_multiple_of(g.num_kv_heads),
             "attention: heads"
         );
         assert!(args.kv_len >= n, "attention: kv_len below the new rows");

@@ -41,7 +41,7 @@ impl PageGeom {
                 actual: layer,
             });
         }
-        if layout.part_bytes() % 16 != 0 {
+        if !layout.part_bytes().is_multiple_of(16) {
             return Err(Error::Unsupported(format!(
                 "{} bytes per (layer, K|V) part: the kernels need a multiple of 16 (a larger page)",
                 layout.part_bytes()

@@ -366,7 +366,7 @@ impl Kernels {
         };
         let kv_heads = geom.kv_heads as usize;
         let q_heads = batch.q_heads;
-        if q_heads == 0 || q_heads % kv_heads != 0 || q_heads / kv_heads > 8 {
+        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) || q_heads / kv_heads > 8 {
             return Err(Error::Unsupported(format!(
                 "{q_heads} query heads over {kv_heads} KV heads (a group of 1 to 8)"
             )));

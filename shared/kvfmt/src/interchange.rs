@@ -14,7 +14,7 @@ pub const MAX_HEAD_DIM: usize = 1024;
 
 /// Checks that `head_dim` is a positive multiple of 16, at most [`MAX_HEAD_DIM`].
 pub fn check_head_dim(head_dim: usize) -> Result<()> {
-    if head_dim == 0 || head_dim % nvfp4::BLOCK != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(nvfp4::BLOCK) {
         return Err(Error::BadHeadDim {
             head_dim,
             multiple: nvfp4::BLOCK,
@@ -37,7 +37,7 @@ pub fn check_head_dim(head_dim: usize) -> Result<()> {
 pub fn encode(dtype: KvDtype, head_dim: usize, g: f32, values: &[f32]) -> Result<Vec<u8>> {
     check_head_dim(head_dim)?;
     check_global_scale(g)?;
-    if values.len() % head_dim != 0 {
+    if !values.len().is_multiple_of(head_dim) {
         return Err(Error::BadLength {
             what: "values (whole head vectors)",
             expected: values.len().next_multiple_of(head_dim),
@@ -72,7 +72,7 @@ pub fn decode(dtype: KvDtype, head_dim: usize, g: f32, bytes: &[u8]) -> Result<V
     check_head_dim(head_dim)?;
     check_global_scale(g)?;
     let vector_bytes = dtype.vector_bytes(head_dim);
-    if bytes.len() % vector_bytes != 0 {
+    if !bytes.len().is_multiple_of(vector_bytes) {
         return Err(Error::BadLength {
             what: "encoded bytes (whole head vectors)",
             expected: bytes.len().next_multiple_of(vector_bytes),

@@ -91,7 +91,7 @@ pub fn dequantize_unchecked(packed: &[u8], scales: &[u8], g: f32, out: &mut [f32
 }
 
 fn check_lengths(values: usize, packed: usize, scales: usize) -> Result<()> {
-    if values % BLOCK != 0 {
+    if !values.is_multiple_of(BLOCK) {
         return Err(Error::BadLength {
             what: "NVFP4 values (a multiple of 16)",
             expected: values.next_multiple_of(BLOCK),

@@ -449,7 +449,8 @@ impl<B: Backend> Actor<B> {
     }
 
     fn export(&self, pages: &[PageId]) -> Result<Vec<u8>> {
-        let mut out = Vec::new();
+        let page_bytes = self.engine.state().pool.layout().page_bytes();
+        let mut out = Vec::with_capacity(pages.len() * page_bytes);
         let mut page = Vec::new();
         for &id in pages {
             page.clear();

@@ -181,23 +181,42 @@ pub async fn run_on(
     } else {
         state
     };
-    let registration = match discovery {
+    let registration = match &discovery {
         None => None,
         Some(discovery) => Some(
             crate::registration::register(
-                discovery,
+                Arc::clone(discovery),
                 Arc::clone(&state),
                 role,
                 &address,
                 Duration::from_millis(args.capacity_interval_ms),
             )
-            .await?,
+            .await
+            .map(AbortOnDrop)?,
         ),
     };
     println!("nibble-{role} listening on {address}");
-    let served = crate::server::serve(state, listener, shutdown).await;
-    if let Some(task) = registration {
-        task.abort();
+    // Stopping: leave the membership first, so routers stop sending new requests while open
+    // ones drain.
+    let id = state.identity().worker_id.clone();
+    let shutdown = async move {
+        shutdown.await;
+        drop(registration);
+        if let (Some(discovery), Ok(id)) = (discovery, nibble_discovery::WorkerId::new(id)) {
+            if let Err(err) = discovery.deregister(role, &id).await {
+                tracing::warn!(%err, "deregistering failed; the registration expires with its lease");
+            }
+        }
+        tracing::info!(%role, "stopping: draining open calls");
+    };
+    crate::server::serve(state, listener, shutdown).await
+}
+
+/// Aborts a background task when dropped (a detached task would outlive a failed server).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
-    served
 }

@@ -24,8 +24,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> bool {
     let (Some(block_len), Some(block_bytes)) = (ty.block_len(), ty.block_bytes()) else {
         return false;
     };
-    if bytes.len() % block_bytes != 0
-        || out.len() % block_len != 0
+    if !bytes.len().is_multiple_of(block_bytes)
+        || !out.len().is_multiple_of(block_len)
         || bytes.len() / block_bytes != out.len() / block_len
     {
         return false;

@@ -183,7 +183,7 @@ impl GgufFile {
 
     /// Checks that a tensor's data lies inside the file (when its size is computable).
     fn check_range(&self, t: &TensorInfo) -> Result<()> {
-        if t.offset % self.alignment != 0 {
+        if !t.offset.is_multiple_of(self.alignment) {
             return Err(Error::Malformed(format!(
                 "tensor `{}` offset {} is not a multiple of the alignment {}",
                 t.name, t.offset, self.alignment

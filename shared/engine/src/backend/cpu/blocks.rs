@@ -89,7 +89,7 @@ impl BlockMatrix {
         matches!(
             ty,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K
-        ) && ty.block_len().is_some_and(|l| cols % l == 0)
+        ) && ty.block_len().is_some_and(|l| cols.is_multiple_of(l))
     }
 
     /// Copies `bytes`, a `rows × cols` matrix of `ty` blocks.

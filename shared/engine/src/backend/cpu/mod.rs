@@ -298,7 +298,7 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32, out: &mut CpuTensor) {
         let w = weight.data.len();
         assert!(
-            w > 0 && x.cols % w == 0,
+            w > 0 && x.cols.is_multiple_of(w),
             "rms_norm: weight width {w} vs {} cols",
             x.cols
         );
@@ -320,7 +320,7 @@ impl Backend for CpuBackend {
         let d = rope.head_dim;
         let half = d / 2;
         assert_eq!(positions.len(), x.rows, "rope: one position per row");
-        assert!(x.cols % d == 0, "rope: row is not whole heads");
+        assert!(x.cols.is_multiple_of(d), "rope: row is not whole heads");
         assert_eq!(rope.cos.cols, half, "rope: table width");
         for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
             let (cos, sin) = (rope.cos.row(pos as usize), rope.sin.row(pos as usize));

@@ -250,9 +250,8 @@ mod avx2 {
     }
 }
 
-// AVX-512 intrinsics are stable since Rust 1.89, which the workspace already needs for gemm's
-// `x86-v4` kernels (its `rust-version` still says 1.85).
-#[clippy::msrv = "1.89"]
+// AVX-512 intrinsics are stable since Rust 1.89, the workspace's `rust-version` (gemm's `x86-v4`
+// kernels need it too).
 mod avx512 {
     use super::{half, nibbles, Kernel, PREFETCH_BYTES};
     use std::arch::x86_64::*;
