@@ -99,6 +99,7 @@ impl LocalCluster {
                 page_size: 16,
                 kv_budget_mib: setup.kv_budget_mib,
                 threads: setup.threads,
+                device: Default::default(),
                 // A cold prefill of a long prompt on a busy machine can take a while.
                 reservation_ttl_ms: 600_000,
                 etcd_endpoints: Vec::new(),

@@ -28,7 +28,12 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     }
     let (model, _) = opened.load()?;
     let source = args.text.display().to_string();
-    let calibration = calibrate::calibrate(&model, &tokens, args.window, &source)?;
+    let calibration = crate::with_model!(model, |model| calibrate::calibrate(
+        &model,
+        &tokens,
+        args.window,
+        &source
+    )?);
     let mut json = calibration.to_json()?;
     json.push('\n');
     files::write_atomically(&args.output, json.as_bytes())

@@ -201,6 +201,7 @@ pub async fn up_until(
             page_size: args.page_size,
             kv_budget_mib: args.kv_budget_mib,
             threads,
+            device: Default::default(),
             reservation_ttl_ms: 30_000,
             etcd_endpoints: Vec::new(),
             capacity_interval_ms: 1_000,

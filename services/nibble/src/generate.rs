@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nibble_engine::scheduler::{FinishReason, SchedulerConfig, SeqId};
-use nibble_engine::{ChatMessage, CpuBackend, Engine, EngineConfig, Event, Tokenizer, Usage};
+use nibble_engine::{Backend, ChatMessage, Engine, EngineConfig, Event, Tokenizer, Usage};
 use serde::Serialize;
 
 use crate::cli::GenerateArgs;
@@ -111,9 +111,12 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write, diag: &mut impl Write) -> 
         kv_budget_bytes: budget,
         scheduler: SchedulerConfig::default(),
     };
-    let mut engine = Engine::new(model, Arc::new(tokenizer), config)?;
-    engine.submit(SeqId(0), prompt, params)?;
-    let summary = stream(&mut engine, out)?;
+    let tokenizer = Arc::new(tokenizer);
+    let summary = crate::with_model!(model, |model| {
+        let mut engine = Engine::new(model, tokenizer, config)?;
+        engine.submit(SeqId(0), prompt, params)?;
+        stream(&mut engine, out)?
+    });
     writeln!(diag, "{}", summary.line()).map_err(Error::Stderr)?;
     if args.sampling.logprobs {
         let json = serde_json::json!({ "logprobs": summary.logprobs });
@@ -123,7 +126,7 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write, diag: &mut impl Write) -> 
 }
 
 /// Steps `engine` until its one request finishes, writing text as it comes.
-pub fn stream(engine: &mut Engine<CpuBackend>, out: &mut impl Write) -> Result<Summary> {
+pub fn stream<B: Backend>(engine: &mut Engine<B>, out: &mut impl Write) -> Result<Summary> {
     let mut write = |text: &str| -> Result<()> {
         out.write_all(text.as_bytes())
             .and_then(|()| out.flush())

@@ -2,14 +2,15 @@
 //!
 //! The order is fixed so that a bad input fails fast: the model path must exist, its config and
 //! tokenizer are read (cheap: the weights are only memory-mapped), a calibration file is checked
-//! against the model's layer count, and only then are the weights converted to f32 on a
-//! [`CpuBackend`] with the requested threads.
+//! against the model's layer count, and only then are the weights converted to f32 on the
+//! `--device`'s backend: a [`CpuBackend`] with the requested threads, or a [`CudaBackend`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nibble_engine::calibrate::Calibration;
-use nibble_engine::{CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
+use nibble_engine::{Backend, CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
+use nibble_kernels::{CudaBackend, Device};
 use nibble_kvfmt::KvDtype;
 
 use crate::cli::{ModelArgs, QuantArgs};
@@ -19,6 +20,7 @@ use crate::{files, Error, Result};
 pub struct Opened {
     path: PathBuf,
     threads: usize,
+    device: Device,
     source: ModelSource,
     config: ModelConfig,
     tokenizer: Tokenizer,
@@ -38,6 +40,7 @@ impl Opened {
         let tokenizer = source.load_tokenizer().map_err(fail)?;
         Ok(Self {
             threads: args.threads(),
+            device: args.device,
             path,
             source,
             config,
@@ -96,16 +99,65 @@ impl Opened {
         })
     }
 
-    /// Loads the weights; returns the model and its tokenizer.
-    pub fn load(self) -> Result<(Model<CpuBackend>, Tokenizer)> {
-        let fail = |source| Error::Model {
-            path: self.path.clone(),
-            source,
+    /// Loads the weights on `--device`'s backend; returns the model and its tokenizer. Run
+    /// the command on it with [`with_model!`](crate::with_model).
+    pub fn load(self) -> Result<(LoadedModel, Tokenizer)> {
+        let cuda = if self.device.wants_cuda() {
+            match CudaBackend::new(0) {
+                Ok(b) => Some(b),
+                Err(e) if self.device == Device::Auto => {
+                    eprintln!("nibble: --device auto: CUDA unavailable ({e}); using the CPU");
+                    None
+                }
+                Err(e) => {
+                    return Err(Error::Flag {
+                        flag: "--device",
+                        reason: format!("cuda: {e}"),
+                    })
+                }
+            }
+        } else {
+            None
         };
-        let backend = CpuBackend::new(self.threads).map_err(fail)?;
-        let model = self.source.load_model(Arc::new(backend)).map_err(fail)?;
+        let model = match cuda {
+            Some(backend) => LoadedModel::Cuda(self.load_on(backend)?),
+            None => {
+                let backend = CpuBackend::new(self.threads).map_err(|source| Error::Model {
+                    path: self.path.clone(),
+                    source,
+                })?;
+                LoadedModel::Cpu(self.load_on(backend)?)
+            }
+        };
         Ok((model, self.tokenizer))
     }
+
+    fn load_on<B: Backend>(&self, backend: B) -> Result<Model<B>> {
+        self.source
+            .load_model(Arc::new(backend))
+            .map_err(|source| Error::Model {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
+/// A model on the backend `--device` chose.
+pub enum LoadedModel {
+    Cpu(Model<CpuBackend>),
+    Cuda(Model<CudaBackend>),
+}
+
+/// Runs `$body` with `$model` bound to the [`LoadedModel`]'s `Model<B>`, whichever `B` it is
+/// (the body is compiled once per backend).
+#[macro_export]
+macro_rules! with_model {
+    ($loaded:expr, |$model:ident| $body:expr) => {
+        match $loaded {
+            $crate::load::LoadedModel::Cpu($model) => $body,
+            $crate::load::LoadedModel::Cuda($model) => $body,
+        }
+    };
 }
 
 /// Reads a calibration file written by `nibble calibrate` for a model of `layers` layers.

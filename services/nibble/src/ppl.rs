@@ -172,17 +172,19 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
     let model_path = opened.path().to_path_buf();
     let (model, _) = opened.load()?;
     let mut windows = Vec::with_capacity(args.windows);
-    for (index, window) in tokens[..needed].chunks_exact(args.window).enumerate() {
-        let reference = eval::score_window(&model, window)?;
-        let report = match &kv {
-            Some(kv) => {
-                let scored = eval::score_window_paged(&model, kv, args.path, window)?;
-                WindowReport::new(index, &scored, &reference)
-            }
-            None => WindowReport::new(index, &reference, &reference),
-        };
-        windows.push(report);
-    }
+    crate::with_model!(model, |model| {
+        for (index, window) in tokens[..needed].chunks_exact(args.window).enumerate() {
+            let reference = eval::score_window(&model, window)?;
+            let report = match &kv {
+                Some(kv) => {
+                    let scored = eval::score_window_paged(&model, kv, args.path, window)?;
+                    WindowReport::new(index, &scored, &reference)
+                }
+                None => WindowReport::new(index, &reference, &reference),
+            };
+            windows.push(report);
+        }
+    });
     Ok(PplReport {
         settings: Settings {
             model: model_path,

@@ -13,11 +13,15 @@
 //! pages written by the CPU are read by the GPU and the other way round; [`PageGeom`] carries
 //! that geometry to the kernels.
 
+pub mod backend;
+mod device;
 mod error;
 mod geom;
 mod launch;
 pub mod nvrtc;
 
+pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor};
+pub use device::Device;
 pub use error::{Error, Result};
 pub use geom::PageGeom;
 pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};

@@ -119,7 +119,7 @@ fn open_file(file: &Path) -> std::result::Result<(), String> {
 }
 
 /// The `site-packages` (or `dist-packages`) directories of `python3`, if it runs.
-fn python_site_dirs() -> Vec<PathBuf> {
+pub(crate) fn python_site_dirs() -> Vec<PathBuf> {
     let script = "import site,sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))";
     let Ok(out) = Command::new("python3").args(["-c", script]).output() else {
         return Vec::new();
@@ -142,28 +142,38 @@ pub struct Compiled {
 
 /// Compiles every kernel source for `arch` ("sm_90", "sm_80", ...). Needs NVRTC, not a GPU.
 pub fn compile_all(arch: &'static str) -> Result<Vec<Compiled>> {
-    load()?;
     crate::SOURCES
         .iter()
-        .map(|(name, body)| {
-            let src = format!("{}\n{}", crate::PRELUDE, body);
-            let opts = CompileOptions {
-                arch: Some(arch),
-                options: vec!["--std=c++17".into()],
-                name: Some(format!("{name}.cu")),
-                ..Default::default()
-            };
-            let ptx = compile_ptx_with_opts(src, opts).map_err(|e| Error::Compile {
-                source_name: name,
-                arch,
-                log: match &e {
-                    cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                        log.to_string_lossy().into_owned()
-                    }
-                    other => format!("{other:?}"),
-                },
-            })?;
-            Ok(Compiled { name, ptx })
-        })
+        .map(|(name, body)| compile(name, body, arch, &[]))
         .collect()
+}
+
+/// Compiles one source (the prelude prepended) for `arch` with extra NVRTC options.
+pub fn compile(
+    name: &'static str,
+    body: &str,
+    arch: &'static str,
+    extra: &[&str],
+) -> Result<Compiled> {
+    load()?;
+    let src = format!("{}\n{}", crate::PRELUDE, body);
+    let mut options = vec!["--std=c++17".to_string()];
+    options.extend(extra.iter().map(|o| o.to_string()));
+    let opts = CompileOptions {
+        arch: Some(arch),
+        options,
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| Error::Compile {
+        source_name: name,
+        arch,
+        log: match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        },
+    })?;
+    Ok(Compiled { name, ptx })
 }

@@ -30,3 +30,19 @@ fn every_kernel_compiles_for_sm_90_and_sm_80() {
         }
     }
 }
+
+#[test]
+fn the_backend_ops_compile_for_sm_90_and_sm_80() {
+    for arch in ["sm_90", "sm_80"] {
+        let ptx = nibble_kernels::backend::compile_ops(arch)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .ptx
+            .to_src();
+        for entry in nibble_kernels::backend::OPS_ENTRY_POINTS {
+            assert!(
+                ptx.contains(&format!(".entry {entry}(")),
+                "ops.cu for {arch} lacks kernel {entry}"
+            );
+        }
+    }
+}

@@ -9,6 +9,7 @@ use std::time::Duration;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, Role};
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
+use nibble_kernels::{CudaBackend, Device};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_security::{Security, SecurityArgs};
@@ -48,6 +49,10 @@ pub struct WorkerArgs {
     /// CPU threads of the engine.
     #[arg(long, env = "NIBBLE_THREADS", default_value_t = 2)]
     pub threads: usize,
+    /// Where the engine runs: cpu, cuda (GPU 0; the worker fails to start without it) or auto
+    /// (CUDA when a GPU is found, else the CPU).
+    #[arg(long, env = "NIBBLE_DEVICE", default_value = "cpu")]
+    pub device: Device,
     /// How long an unfilled reservation is kept, in milliseconds.
     #[arg(long, env = "NIBBLE_RESERVATION_TTL_MS", default_value_t = 30_000)]
     pub reservation_ttl_ms: u64,
@@ -100,19 +105,36 @@ pub fn load_security(args: &WorkerArgs) -> Result<Security> {
 pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result<Arc<WorkerState>> {
     let security = load_security(args)?;
     let source = ModelSource::open(&args.model)?;
-    let model = source.load_model(Arc::new(CpuBackend::new(args.threads)?))?;
     let tokenizer = Arc::new(source.load_tokenizer()?);
     let mut kv = KvConfig::new(args.kv_dtype);
     kv.page_size = args.page_size;
-    let engine = EngineHandle::spawn(
-        model,
-        tokenizer,
-        EngineConfig {
-            kv,
-            kv_budget_bytes: args.kv_budget_mib << 20,
-            scheduler: SchedulerConfig::default(),
-        },
-    )?;
+    let config = EngineConfig {
+        kv,
+        kv_budget_bytes: args.kv_budget_mib << 20,
+        scheduler: SchedulerConfig::default(),
+    };
+    let cuda = if args.device.wants_cuda() {
+        match CudaBackend::new(0) {
+            Ok(b) => Some(b),
+            Err(e) if args.device == Device::Auto => {
+                tracing::warn!("--device auto: CUDA unavailable ({e}); using the CPU");
+                None
+            }
+            Err(e) => return Err(Error::InvalidArgument(format!("--device cuda: {e}"))),
+        }
+    } else {
+        None
+    };
+    let engine = match cuda {
+        Some(backend) => {
+            EngineHandle::spawn(source.load_model(Arc::new(backend))?, tokenizer, config)?
+        }
+        None => EngineHandle::spawn(
+            source.load_model(Arc::new(CpuBackend::new(args.threads)?))?,
+            tokenizer,
+            config,
+        )?,
+    };
     let model_name = args
         .model_name
         .clone()

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use clap::Args;
 use nibble_engine::eval::EvalPath;
 use nibble_engine::sampling::SamplingParams;
+use nibble_kernels::Device;
 use nibble_kvfmt::KvDtype;
 
 use super::parse_dtype;
@@ -28,6 +29,15 @@ pub struct ModelArgs {
     /// CPU threads [default: every available core].
     #[arg(long, value_name = "N", env = "NIBBLE_THREADS", value_parser = parse_positive)]
     pub threads: Option<usize>,
+    /// Where the model runs: cpu, cuda (GPU 0; an error if it cannot start) or auto (CUDA
+    /// when a GPU is found, else the CPU).
+    #[arg(
+        long,
+        value_name = "DEVICE",
+        env = "NIBBLE_DEVICE",
+        default_value = "cpu"
+    )]
+    pub device: Device,
 }
 
 impl ModelArgs {

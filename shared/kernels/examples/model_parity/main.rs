@@ -1,0 +1,275 @@
+//! Whole-model parity of the CUDA backend against the CPU backend: the same GGUF model on both,
+//! greedy decoding of `--tokens` tokens (64 by default) after a prompt, for each paged KV dtype
+//! (bf16, fp8, nvfp4) and for the contiguous f32 cache.
+//!
+//! Each backend follows its own greedy path; the check is that the token sequences are identical.
+//! The prompt runs as two chunks (initial prefill, then extend) and the generated tokens as
+//! decode steps, so all three paged attention paths run. The first step's logits (after the
+//! prompt) are compared too: max |CPU − CUDA| must be within the mode's tolerance (below). The
+//! tolerances were fixed after the first H200 run (docs/ACCURACY.md, "CUDA backend parity"): a
+//! uniform 0.05 held for bf16 and f32 but not for fp8 (0.19) and nvfp4 (0.24), where a last-bit
+//! difference upstream (cuBLAS vs the CPU GEMM) flips an E4M3/E2M1 rounding and the flip
+//! propagates; `--logit-tol` overrides them all.
+//! On a token mismatch it prints the first divergent position and the top-2 logit margin of
+//! both backends there.
+//!
+//! Exits 0 when everything matches, 1 on any mismatch, 2 when there is no GPU (or it cannot be
+//! used). Run: `model_parity --model models/SmolLM2-135M-Instruct.Q4_1.gguf`.
+
+mod ops;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use nibble_engine::gguf::GgufFile;
+use nibble_engine::{
+    Backend, CpuBackend, KvConfig, Logits, Model, PagedSession, SeqInput, Tokenizer,
+};
+use nibble_kernels::CudaBackend;
+use nibble_kvfmt::KvDtype;
+
+const PROMPT: &str = "The history of the printing press begins in the fifteenth century, when \
+                      Johannes Gutenberg combined movable metal type, oil-based ink and a wooden \
+                      screw press. Explain in a few sentences why this mattered:";
+
+struct Args {
+    model: String,
+    tokens: usize,
+    logit_tol: Option<f32>,
+    /// Run only the CPU side (a sanity check of the model file where there is no GPU); exits 2.
+    cpu_only: bool,
+    /// The prompt (default: [`PROMPT`]).
+    prompt: String,
+}
+
+fn parse() -> Result<Args> {
+    let mut args = Args {
+        model: "models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+        tokens: 64,
+        logit_tol: None,
+        cpu_only: false,
+        prompt: PROMPT.to_string(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = || it.next().context(format!("{a} needs a value"));
+        match a.as_str() {
+            "--model" => args.model = value()?,
+            "--tokens" => args.tokens = value()?.parse()?,
+            "--logit-tol" => args.logit_tol = Some(value()?.parse()?),
+            "--cpu-only" => args.cpu_only = true,
+            "--prompt" => args.prompt = value()?,
+            other => anyhow::bail!("unknown argument {other}"),
+        }
+    }
+    Ok(args)
+}
+
+/// What one backend produced for one cache mode.
+struct Run {
+    first_logits: Vec<f32>,
+    tokens: Vec<u32>,
+    /// Logits of every step (to report margins at a divergence).
+    logits: Vec<Vec<f32>>,
+    seconds: f64,
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// (top1 id, top1 − top2).
+fn margin(x: &[f32]) -> (u32, f32) {
+    let top = argmax(x);
+    let second = x
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i as u32 != top)
+        .map(|(_, v)| *v)
+        .fold(f32::NEG_INFINITY, f32::max);
+    (top, x[top as usize] - second)
+}
+
+/// Greedy decoding over a paged session (`Some(dtype)`) or the contiguous cache (`None`).
+fn generate<B: Backend>(
+    model: &Model<B>,
+    dtype: Option<KvDtype>,
+    prompt: &[u32],
+    n: usize,
+) -> Result<Run> {
+    let mut ws = model.workspace();
+    let mut logits = Vec::new();
+    let mut all = Vec::new();
+    let mut tokens = Vec::new();
+    let split = (prompt.len() * 2 / 3).max(1);
+    let start = Instant::now();
+    match dtype {
+        Some(dtype) => {
+            let kv = KvConfig::new(dtype);
+            let mut s = PagedSession::new(model, &kv, prompt.len() + n + 1)?;
+            s.forward(model, &mut ws, &prompt[..split], Logits::None, &mut logits)?;
+            s.forward(model, &mut ws, &prompt[split..], Logits::Last, &mut logits)?;
+            for _ in 0..n {
+                all.push(logits.clone());
+                let t = argmax(&logits);
+                tokens.push(t);
+                s.forward(model, &mut ws, &[t], Logits::Last, &mut logits)?;
+            }
+        }
+        None => {
+            let mut kv = model.new_kv(prompt.len() + n + 1);
+            for chunk in [&prompt[..split], &prompt[split..]] {
+                let mut batch = [SeqInput {
+                    tokens: chunk,
+                    kv: &mut kv,
+                }];
+                model.forward(&mut ws, &mut batch, Logits::Last, &mut logits)?;
+            }
+            for _ in 0..n {
+                all.push(logits.clone());
+                let t = argmax(&logits);
+                tokens.push(t);
+                let mut batch = [SeqInput {
+                    tokens: &[t],
+                    kv: &mut kv,
+                }];
+                model.forward(&mut ws, &mut batch, Logits::Last, &mut logits)?;
+            }
+        }
+    }
+    Ok(Run {
+        first_logits: all.first().cloned().unwrap_or_default(),
+        tokens,
+        logits: all,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            println!("PARITY FAILED");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            println!("ERROR: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> Result<bool> {
+    let args = parse()?;
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let cpu = Arc::new(CpuBackend::new(threads)?);
+    let file = GgufFile::open(&args.model)?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let prompt = tokenizer.encode(&args.prompt, true)?;
+    if args.cpu_only {
+        let cpu_model = Model::from_gguf(cpu.clone(), &file)?;
+        for dtype in [Some(KvDtype::Bf16), None] {
+            let r = generate(&cpu_model, dtype, &prompt, args.tokens)?;
+            println!(
+                "cpu {dtype:?} ({:.2} s): {:?}",
+                r.seconds,
+                tokenizer.decode(&r.tokens, true)?
+            );
+        }
+        anyhow::bail!("--cpu-only: no GPU comparison was made");
+    }
+    let gpu = Arc::new(CudaBackend::new(0).context("no usable GPU")?);
+    let t = Instant::now();
+    let gpu_model = Model::from_gguf(gpu.clone(), &file)?;
+    let gpu_load = t.elapsed().as_secs_f64();
+    let cpu_model = Model::from_gguf(cpu.clone(), &file)?;
+    let ops_ok = ops::check_ops(&cpu, &gpu)?;
+    println!("{}", if ops_ok { "OPS OK" } else { "OPS MISMATCH" });
+    let c = gpu_model.config();
+    println!(
+        "{{\"model\":\"{}\",\"layers\":{},\"hidden\":{},\"heads\":{},\"kv_heads\":{},\"head_dim\":{},\"vocab\":{},\"prompt_tokens\":{},\"generated\":{},\"gpu\":\"{}\",\"cpu\":\"{}\",\"gpu_load_s\":{gpu_load:.2}}}",
+        args.model,
+        c.num_layers,
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        prompt.len(),
+        args.tokens,
+        gpu.name(),
+        cpu.name()
+    );
+    let mut ok = ops_ok;
+    // (name, cache, first-step logit tolerance)
+    let modes = [
+        ("bf16", Some(KvDtype::Bf16), 0.05),
+        ("fp8", Some(KvDtype::Fp8), 0.5),
+        ("nvfp4", Some(KvDtype::Nvfp4), 0.5),
+        ("f32-contiguous", None, 1e-3),
+    ];
+    for (name, dtype, tol) in modes {
+        let tol = args.logit_tol.unwrap_or(tol);
+        let g = generate(&gpu_model, dtype, &prompt, args.tokens)
+            .with_context(|| format!("CUDA run, {name}"))?;
+        let cpu_run = generate(&cpu_model, dtype, &prompt, args.tokens)
+            .with_context(|| format!("CPU run, {name}"))?;
+        let max_abs = cpu_run
+            .first_logits
+            .iter()
+            .zip(&g.first_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let max_logit = cpu_run
+            .first_logits
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()));
+        let first_div = cpu_run
+            .tokens
+            .iter()
+            .zip(&g.tokens)
+            .position(|(a, b)| a != b);
+        let logits_ok = max_abs <= tol;
+        let tokens_ok = first_div.is_none() && cpu_run.tokens.len() == g.tokens.len();
+        ok &= logits_ok && tokens_ok;
+        // How close the CPU's greedy choices were: the smallest top-1 − top-2 gap over the run.
+        let (min_pos, min_margin) = cpu_run.logits.iter().map(|l| margin(l).1).enumerate().fold(
+            (0, f32::INFINITY),
+            |b, (i, m)| if m < b.1 { (i, m) } else { b },
+        );
+        let div = match first_div {
+            None => "null".to_string(),
+            Some(p) => {
+                let (ct, cm) = margin(&cpu_run.logits[p]);
+                let (gt, gm) = margin(&g.logits[p]);
+                format!(
+                    "{{\"position\":{p},\"cpu_token\":{ct},\"cpu_margin\":{cm:.4},\"cuda_token\":{gt},\"cuda_margin\":{gm:.4}}}"
+                )
+            }
+        };
+        println!(
+            "{{\"kv\":\"{name}\",\"tokens_identical\":{tokens_ok},\"first_divergence\":{div},\"first_step_max_abs_logit_diff\":{max_abs:.6},\"max_abs_logit\":{max_logit:.3},\"logit_tol\":{tol},\"logits_ok\":{logits_ok},\"cpu_min_margin\":{min_margin:.4},\"cpu_min_margin_step\":{min_pos},\"cuda_s\":{:.3},\"cpu_s\":{:.3}}}",
+            g.seconds, cpu_run.seconds
+        );
+        println!(
+            "  cuda text: {:?}",
+            tokenizer.decode(&g.tokens, true).unwrap_or_default()
+        );
+        if !tokens_ok {
+            println!(
+                "  cpu  text: {:?}",
+                tokenizer.decode(&cpu_run.tokens, true).unwrap_or_default()
+            );
+        }
+    }
+    println!("{}", if ok { "PARITY OK" } else { "PARITY MISMATCH" });
+    Ok(ok)
+}

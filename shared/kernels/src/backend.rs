@@ -1,0 +1,960 @@
+//! [`CudaBackend`]: nibble-engine's [`Backend`] on one CUDA device.
+//!
+//! * Tensors are f32 device buffers ([`CudaTensor`]), row-major, grown on demand and never
+//!   shrunk. Weights are dequantized on the host with the engine's exact GGML decoders (the
+//!   trait's default `upload_weight`) and kept as f32: the values equal the CPU backend's.
+//! * GEMMs (`matmul_t`) go to cuBLAS SGEMM (FP32, default math mode: no TF32), loaded at run time
+//!   like NVRTC; without cuBLAS a tiled f32 kernel of `cu/ops.cu` runs instead (also chosen by
+//!   `NIBBLE_CUDA_GEMM=tiled`). The elementwise kernels (embedding, RMSNorm, RoPE in both pairings,
+//!   SwiGLU, residual/bias adds) and the contiguous-cache f32 attention are in `cu/ops.cu`,
+//!   compiled with `--fmad=false`.
+//! * Paged KV ([`CudaPages`]) lives in device memory with exactly the bytes of
+//!   `nibble_kvfmt::PageLayout`: new tokens are written by [`Kernels::quantize`], decode reads
+//!   pages through [`Kernels::decode`], initial prefill and extend run [`Kernels::prefill`] over
+//!   the work-dtype workspace (the cached prefix gathered by [`Kernels::gather_work`], the new
+//!   tokens encoded by `encode_work`), as the CPU paths of `nibble_engine::paged` do.
+//! * Logits are copied to the host (`download_rows`); sampling stays on the host.
+//!
+//! The trait's kernels return `()`: a CUDA failure inside one of them (a lost device, out of
+//! memory) panics with the driver's message. Everything that can fail for a reason the caller
+//! controls (geometry, head dim, Hadamard) is rejected up front with an error.
+
+use std::fmt::Display;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use nibble_engine::backend::{AttentionArgs, Backend, PagedSeq, RopeArgs};
+use nibble_engine::kv::StepTokens;
+use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
+use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
+use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout};
+
+use crate::{nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result};
+
+/// The dense kernels' source (compiled separately: `--fmad=false`).
+pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
+
+/// Entry points of `cu/ops.cu`.
+pub const OPS_ENTRY_POINTS: [&str; 9] = [
+    "embed_rows",
+    "add_f32",
+    "add_bias_f32",
+    "silu_mul_f32",
+    "rms_norm_f32",
+    "rope_f32",
+    "attention_f32",
+    "encode_work",
+    "gemm_nt_f32",
+];
+
+/// Compiles `cu/ops.cu` for `arch` (the compile test calls this with no GPU).
+pub fn compile_ops(arch: &'static str) -> Result<nvrtc::Compiled> {
+    nvrtc::compile("ops", OPS_SOURCE, arch, &["--fmad=false"])
+}
+
+/// Largest context of the contiguous-cache attention kernel (its scores sit in 48 KiB of shared
+/// memory, next to 1 KiB of reductions).
+const MAX_CONTIGUOUS_CONTEXT: usize = 11 * 1024;
+
+/// A device tensor: `rows × cols` f32, row-major, in the first `rows * cols` values of `buf`.
+pub struct CudaTensor {
+    buf: CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaTensor {
+    fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+enum GemmImpl {
+    Cublas(CudaBlas),
+    Tiled,
+}
+
+struct Ops {
+    embed: CudaFunction,
+    add: CudaFunction,
+    add_bias: CudaFunction,
+    silu_mul: CudaFunction,
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    attention: CudaFunction,
+    encode_work: CudaFunction,
+    gemm: CudaFunction,
+}
+
+/// The CUDA backend: one device, its default stream, the nibble kernels and cuBLAS.
+pub struct CudaBackend {
+    ordinal: usize,
+    kernels: Kernels,
+    ops: Ops,
+    gemm: GemmImpl,
+}
+
+/// Whether a CUDA driver with at least one device is present (for `--device auto`).
+pub fn cuda_available() -> bool {
+    // SAFETY: only tries to open the driver library by name.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    matches!(CudaContext::device_count(), Ok(n) if n > 0)
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles every kernel and loads cuBLAS (falling back to the tiled
+    /// GEMM, with a note on stderr, when cuBLAS is not found).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let kernels = Kernels::new(ordinal)?;
+        let ctx = kernels.context().clone();
+        let module = ctx.load_module(compile_ops(kernels.arch())?.ptx)?;
+        let f = |name: &str| module.load_function(name);
+        let ops = Ops {
+            embed: f("embed_rows")?,
+            add: f("add_f32")?,
+            add_bias: f("add_bias_f32")?,
+            silu_mul: f("silu_mul_f32")?,
+            rms_norm: f("rms_norm_f32")?,
+            rope: f("rope_f32")?,
+            attention: f("attention_f32")?,
+            encode_work: f("encode_work")?,
+            gemm: f("gemm_nt_f32")?,
+        };
+        let forced_tiled = std::env::var("NIBBLE_CUDA_GEMM").is_ok_and(|v| v == "tiled");
+        let gemm = if forced_tiled {
+            GemmImpl::Tiled
+        } else {
+            match load_cublas() {
+                Ok(_) => GemmImpl::Cublas(
+                    CudaBlas::new(kernels.stream().clone())
+                        .map_err(|e| Error::NoDevice(format!("cuBLAS: {e:?}")))?,
+                ),
+                Err(why) => {
+                    eprintln!("nibble: cuBLAS not loaded ({why}); using the tiled f32 GEMM");
+                    GemmImpl::Tiled
+                }
+            }
+        };
+        Ok(Self {
+            ordinal,
+            kernels,
+            ops,
+            gemm,
+        })
+    }
+
+    /// "cublas" or "tiled".
+    pub fn gemm_name(&self) -> &'static str {
+        match self.gemm {
+            GemmImpl::Cublas(_) => "cublas",
+            GemmImpl::Tiled => "tiled",
+        }
+    }
+
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.kernels.stream()
+    }
+
+    fn bind(&self) {
+        self.kernels
+            .context()
+            .bind_to_thread()
+            .unwrap_or_else(|e| panic!("CUDA: cannot bind the context: {e}"));
+    }
+
+    fn alloc(&self, n: usize) -> CudaSlice<f32> {
+        self.stream()
+            .alloc_zeros(n.max(1))
+            .unwrap_or_else(|e| panic!("CUDA: cannot allocate {n} f32: {e}"))
+    }
+
+    fn htod_u32(&self, data: &[u32]) -> CudaSlice<u32> {
+        if data.is_empty() {
+            return self.stream().alloc_zeros(1).expect("CUDA alloc");
+        }
+        self.stream()
+            .clone_htod(data)
+            .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"))
+    }
+
+    /// Rows `rows` of `t` into a new exactly-sized buffer.
+    fn rows_of(&self, t: &CudaTensor, rows: Range<usize>) -> Result<CudaSlice<f32>> {
+        let c = t.cols;
+        let mut out = self.stream().alloc_zeros((rows.len() * c).max(1))?;
+        if !rows.is_empty() {
+            self.stream().memcpy_dtod(
+                &t.buf.slice(rows.start * c..rows.end * c),
+                &mut out.slice_mut(0..rows.len() * c),
+            )?;
+        }
+        Ok(out)
+    }
+}
+
+fn grid(n: u64) -> LaunchConfig {
+    const BLOCK: u64 = 256;
+    LaunchConfig {
+        grid_dim: (n.div_ceil(BLOCK).max(1) as u32, 1, 1),
+        block_dim: (BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn launched(r: std::result::Result<(), cudarc::driver::DriverError>, what: &str) {
+    if let Err(e) = r {
+        panic!("CUDA: {what} failed: {e}");
+    }
+}
+
+fn engine_err(e: impl Display) -> EngineError {
+    EngineError::InvalidInput(format!("CUDA backend: {e}"))
+}
+
+/// Opens cuBLAS (and cuBLASLt) by absolute path so that cudarc's by-name lookup finds them: from
+/// `NIBBLE_CUBLAS_LIB` (file or directory), the loader path, the PyPI wheels under python3's
+/// site-packages, or /usr/local/cuda/lib64.
+fn load_cublas() -> std::result::Result<PathBuf, String> {
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    const NAMES: [&str; 2] = ["libcublas.so.13", "libcublas.so.12"];
+    // SAFETY: loading cuBLAS runs its initializers, which have no preconditions.
+    let open = |p: &std::path::Path| unsafe { Library::open(Some(p), RTLD_NOW | RTLD_GLOBAL) };
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Some(v) = std::env::var_os("NIBBLE_CUBLAS_LIB") {
+        let p = PathBuf::from(v);
+        if p.is_file() {
+            if let Some(d) = p.parent() {
+                dirs.push(d.to_path_buf());
+            }
+        } else {
+            dirs.push(p);
+        }
+    }
+    // The loader path first.
+    for name in NAMES {
+        // SAFETY: as above.
+        if let Ok(lib) = unsafe { Library::open(Some(name), RTLD_NOW | RTLD_GLOBAL) } {
+            std::mem::forget(lib);
+            // SAFETY: only checks that the library opens by name.
+            if unsafe { cudarc::cublas::sys::is_culib_present() } {
+                return Ok(PathBuf::from(name));
+            }
+        }
+    }
+    for site in nvrtc::python_site_dirs() {
+        for d in ["nvidia/cu13/lib", "nvidia/cublas/lib"] {
+            dirs.push(site.join(d));
+        }
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
+    let mut tried = Vec::new();
+    for dir in dirs {
+        for name in NAMES {
+            let file = dir.join(name);
+            if !file.exists() {
+                tried.push(file.display().to_string());
+                continue;
+            }
+            let lt = dir.join(name.replace("cublas", "cublasLt"));
+            if let Ok(lib) = open(&lt) {
+                std::mem::forget(lib);
+            }
+            match open(&file) {
+                Ok(lib) => {
+                    std::mem::forget(lib);
+                    // SAFETY: as above.
+                    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+                        return Ok(file);
+                    }
+                    tried.push(format!("{} (opened, but not by name)", file.display()));
+                }
+                Err(e) => tried.push(format!("{}: {e}", file.display())),
+            }
+        }
+    }
+    Err(format!(
+        "libcublas not found; looked in {}",
+        tried.join(", ")
+    ))
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} ({}, {} GEMM)",
+            self.ordinal,
+            self.kernels.arch(),
+            self.gemm_name()
+        )
+    }
+
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.bind();
+        f()
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> EngineResult<CudaTensor> {
+        if data.len() != rows * cols {
+            return Err(EngineError::InvalidInput(format!(
+                "{} values do not make a {rows}x{cols} tensor",
+                data.len()
+            )));
+        }
+        self.bind();
+        let buf = if data.is_empty() {
+            self.alloc(0)
+        } else {
+            self.stream().clone_htod(data).map_err(engine_err)?
+        };
+        Ok(CudaTensor { buf, rows, cols })
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CudaTensor {
+        self.bind();
+        CudaTensor {
+            buf: self.alloc(rows * cols),
+            rows,
+            cols,
+        }
+    }
+
+    fn resize(&self, t: &mut CudaTensor, rows: usize, cols: usize) {
+        if t.buf.len() < rows * cols {
+            self.bind();
+            t.buf = self.alloc(rows * cols);
+        }
+        t.rows = rows;
+        t.cols = cols;
+    }
+
+    fn shape(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn download_rows(&self, t: &CudaTensor, rows: Range<usize>, out: &mut Vec<f32>) {
+        if rows.is_empty() {
+            return;
+        }
+        self.bind();
+        let host = self
+            .stream()
+            .clone_dtoh(&t.buf.slice(rows.start * t.cols..rows.end * t.cols))
+            .unwrap_or_else(|e| panic!("CUDA: device-to-host copy: {e}"));
+        out.extend_from_slice(&host);
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CudaTensor,
+        src_row: usize,
+        dst: &mut CudaTensor,
+        dst_row: usize,
+        n: usize,
+    ) {
+        assert_eq!(src.cols, dst.cols, "copy_rows: column counts differ");
+        assert!(
+            src_row + n <= src.rows && dst_row + n <= dst.rows,
+            "copy_rows: rows"
+        );
+        if n == 0 {
+            return;
+        }
+        self.bind();
+        let c = src.cols;
+        launched(
+            self.stream().memcpy_dtod(
+                &src.buf.slice(src_row * c..(src_row + n) * c),
+                &mut dst.buf.slice_mut(dst_row * c..(dst_row + n) * c),
+            ),
+            "copy_rows",
+        );
+    }
+
+    fn embed(&self, table: &CudaTensor, tokens: &[u32], out: &mut CudaTensor) {
+        assert_eq!(
+            (out.rows, out.cols),
+            (tokens.len(), table.cols),
+            "embed: output shape"
+        );
+        if tokens.is_empty() {
+            return;
+        }
+        assert!(
+            tokens.iter().all(|&t| (t as usize) < table.rows),
+            "embed: token out of range"
+        );
+        self.bind();
+        let dev = self.htod_u32(tokens);
+        let (n, cols) = (tokens.len() as u32, table.cols as u32);
+        let mut b = self.stream().launch_builder(&self.ops.embed);
+        b.arg(&mut out.buf)
+            .arg(&table.buf)
+            .arg(&dev)
+            .arg(&n)
+            .arg(&cols);
+        // SAFETY: matches embed_rows; out holds n*cols values, tokens are < table.rows.
+        launched(
+            unsafe { b.launch(grid(n as u64 * cols as u64)) }.map(|_| ()),
+            "embed",
+        );
+    }
+
+    fn matmul_t(&self, x: &CudaTensor, w: &CudaTensor, out: &mut CudaTensor) {
+        let (n, k, m) = (x.rows, x.cols, w.rows);
+        assert_eq!(w.cols, k, "matmul_t: inner dims differ");
+        assert_eq!((out.rows, out.cols), (n, m), "matmul_t: output shape");
+        if n == 0 || m == 0 {
+            return;
+        }
+        self.bind();
+        match &self.gemm {
+            GemmImpl::Cublas(blas) => {
+                // Row-major out[n][m] = x[n][k] · w[m][k]ᵀ is, column-major, outᵀ (m × n) =
+                // wᵀ (w read as k × m, transposed) · xᵀ (x read as k × n).
+                let cfg = GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_T,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: m as i32,
+                    n: n as i32,
+                    k: k as i32,
+                    alpha: 1.0f32,
+                    lda: k as i32,
+                    ldb: k as i32,
+                    beta: 0.0f32,
+                    ldc: m as i32,
+                };
+                let mut o = out.buf.slice_mut(0..n * m);
+                // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).
+                let r = unsafe {
+                    blas.gemm(cfg, &w.buf.slice(0..m * k), &x.buf.slice(0..n * k), &mut o)
+                };
+                if let Err(e) = r {
+                    panic!("cuBLAS SGEMM failed: {e:?}");
+                }
+            }
+            GemmImpl::Tiled => {
+                let (n32, m32, k32) = (n as u32, m as u32, k as u32);
+                let cfg = LaunchConfig {
+                    grid_dim: (m32.div_ceil(16), n32.div_ceil(16), 1),
+                    block_dim: (16, 16, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = self.stream().launch_builder(&self.ops.gemm);
+                b.arg(&x.buf)
+                    .arg(&w.buf)
+                    .arg(&mut out.buf)
+                    .arg(&n32)
+                    .arg(&m32)
+                    .arg(&k32);
+                // SAFETY: matches gemm_nt_f32; buffers hold at least n*k, m*k, n*m values.
+                launched(unsafe { b.launch(cfg) }.map(|_| ()), "gemm");
+            }
+        }
+    }
+
+    fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) {
+        assert_eq!(bias.len(), x.cols, "add_bias: bias width");
+        let n = x.len() as u64;
+        if n == 0 {
+            return;
+        }
+        self.bind();
+        let cols = x.cols as u32;
+        let mut b = self.stream().launch_builder(&self.ops.add_bias);
+        b.arg(&mut x.buf).arg(&bias.buf).arg(&n).arg(&cols);
+        // SAFETY: matches add_bias_f32; x holds n values, bias cols.
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add_bias");
+    }
+
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
+        let n = x.len() as u64;
+        if n == 0 {
+            return;
+        }
+        self.bind();
+        let mut b = self.stream().launch_builder(&self.ops.add);
+        b.arg(&mut x.buf).arg(&y.buf).arg(&n);
+        // SAFETY: matches add_f32; both hold n values.
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add");
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32, out: &mut CudaTensor) {
+        let w = weight.len();
+        assert!(
+            w > 0 && x.cols.is_multiple_of(w),
+            "rms_norm: weight width {w} vs {} cols",
+            x.cols
+        );
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, x.cols),
+            "rms_norm: output shape"
+        );
+        let groups = x.len() / w;
+        if groups == 0 {
+            return;
+        }
+        self.bind();
+        let width = w as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (groups as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream().launch_builder(&self.ops.rms_norm);
+        b.arg(&x.buf)
+            .arg(&weight.buf)
+            .arg(&mut out.buf)
+            .arg(&width)
+            .arg(&eps);
+        // SAFETY: matches rms_norm_f32; x and out hold groups*width values.
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "rms_norm");
+    }
+
+    fn rope(&self, x: &mut CudaTensor, positions: &[u32], rope: &RopeArgs<'_, CudaTensor>) {
+        let d = rope.head_dim;
+        assert_eq!(positions.len(), x.rows, "rope: one position per row");
+        assert!(
+            d.is_multiple_of(2) && x.cols.is_multiple_of(d),
+            "rope: row is not whole heads"
+        );
+        assert_eq!(rope.cos.cols, d / 2, "rope: table width");
+        assert!(
+            positions.iter().all(|&p| (p as usize) < rope.cos.rows),
+            "rope: position beyond the table"
+        );
+        let pairs = (x.rows * x.cols / 2) as u64;
+        if pairs == 0 {
+            return;
+        }
+        self.bind();
+        let pos = self.htod_u32(positions);
+        let (rows, cols, hd) = (x.rows as u32, x.cols as u32, d as u32);
+        let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
+        let mut b = self.stream().launch_builder(&self.ops.rope);
+        b.arg(&mut x.buf)
+            .arg(&pos)
+            .arg(&rope.cos.buf)
+            .arg(&rope.sin.buf)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&hd)
+            .arg(&half_split);
+        // SAFETY: matches rope_f32; positions index rows of the tables (checked above).
+        launched(unsafe { b.launch(grid(pairs)) }.map(|_| ()), "rope");
+    }
+
+    fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) {
+        assert_eq!(
+            (gate.rows, gate.cols),
+            (up.rows, up.cols),
+            "silu_mul: shapes differ"
+        );
+        let n = gate.len() as u64;
+        if n == 0 {
+            return;
+        }
+        self.bind();
+        let mut b = self.stream().launch_builder(&self.ops.silu_mul);
+        b.arg(&mut gate.buf).arg(&up.buf).arg(&n);
+        // SAFETY: matches silu_mul_f32; both hold n values.
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "silu_mul");
+    }
+
+    fn attention(&self, args: &AttentionArgs<'_, CudaTensor>, out: &mut CudaTensor) {
+        let g = args.geometry;
+        let n = args.q_rows.len();
+        assert!(
+            g.num_kv_heads > 0 && g.num_heads.is_multiple_of(g.num_kv_heads),
+            "attention: heads"
+        );
+        assert!(args.kv_len >= n, "attention: kv_len below the new rows");
+        assert!(
+            args.kv_len <= MAX_CONTIGUOUS_CONTEXT,
+            "CUDA contiguous-cache attention supports at most {MAX_CONTIGUOUS_CONTEXT} tokens \
+             (use the paged cache)"
+        );
+        if n == 0 {
+            return;
+        }
+        self.bind();
+        let (row0, n32, kv_len) = (args.q_rows.start as u32, n as u32, args.kv_len as u32);
+        let (qh, kvh, hd) = (g.num_heads as u32, g.num_kv_heads as u32, g.head_dim as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (n32, qh, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: kv_len * 4,
+        };
+        let mut b = self.stream().launch_builder(&self.ops.attention);
+        b.arg(&args.q.buf)
+            .arg(&args.k.buf)
+            .arg(&args.v.buf)
+            .arg(&mut out.buf)
+            .arg(&row0)
+            .arg(&n32)
+            .arg(&kv_len)
+            .arg(&qh)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&g.scale);
+        // SAFETY: matches attention_f32; q/out rows and the kv_len context rows exist (the
+        // caller's contract), and the scores fit the shared memory requested.
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "attention");
+    }
+
+    type Pages = CudaPages;
+
+    fn new_pages(
+        &self,
+        plan: PoolPlan,
+        scales: GlobalScales,
+        hadamard: bool,
+    ) -> EngineResult<CudaPages> {
+        if hadamard {
+            return Err(EngineError::Unsupported(
+                "the CUDA backend does not implement the Hadamard KV rotation".into(),
+            ));
+        }
+        let layout = plan.layout;
+        if !matches!(layout.head_dim(), 64 | 128) {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA attention kernels take head dim 64 or 128, not {}",
+                layout.head_dim()
+            )));
+        }
+        if layout.page_size() < 16 {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA decode kernel needs pages of at least 16 tokens, not {}",
+                layout.page_size()
+            )));
+        }
+        PageGeom::new(&layout, 0).map_err(|e| EngineError::Unsupported(e.to_string()))?;
+        let layers = layout.layers();
+        if scales.k.len() != layers || scales.v.len() != layers {
+            return Err(EngineError::InvalidInput(format!(
+                "expected {layers} K and V scales, got {} and {}",
+                scales.k.len(),
+                scales.v.len()
+            )));
+        }
+        self.bind();
+        let stream = self.stream();
+        Ok(CudaPages {
+            bytes: stream.alloc_zeros(plan.bytes.max(1)).map_err(engine_err)?,
+            layout,
+            scales,
+            ws_k: stream.alloc_zeros(1).map_err(engine_err)?,
+            ws_v: stream.alloc_zeros(1).map_err(engine_err)?,
+            decode: DecodeWorkspace::new(&self.kernels).map_err(engine_err)?,
+        })
+    }
+
+    fn paged_attention(
+        &self,
+        pages: &mut CudaPages,
+        pool: &PagePool,
+        layer: usize,
+        step: &StepTokens<'_, CudaTensor>,
+        seqs: &[PagedSeq<'_>],
+        out: &mut CudaTensor,
+    ) -> EngineResult<()> {
+        self.bind();
+        self.attend(pages, pool, layer, step, seqs, out)
+            .map_err(|e| match e {
+                Error::Unsupported(m) => EngineError::Unsupported(m),
+                other => engine_err(other),
+            })
+    }
+
+    fn read_page(&self, pages: &CudaPages, page: PageId, out: &mut Vec<u8>) -> EngineResult<()> {
+        let size = pages.layout.page_bytes();
+        let total = pages.bytes.len() / size;
+        if page.0 as usize >= total {
+            return Err(nibble_kvcache::Error::PageOutOfRange { page, total }.into());
+        }
+        self.bind();
+        let start = page.0 as usize * size;
+        let host = self
+            .stream()
+            .clone_dtoh(&pages.bytes.slice(start..start + size))
+            .map_err(engine_err)?;
+        out.clear();
+        out.extend_from_slice(&host);
+        Ok(())
+    }
+
+    fn write_page(
+        &self,
+        pages: &mut CudaPages,
+        pool: &PagePool,
+        page: PageId,
+        bytes: &[u8],
+    ) -> EngineResult<()> {
+        if pool.refcount(page)? == 0 {
+            return Err(nibble_kvcache::Error::NotAllocated(page).into());
+        }
+        let size = pages.layout.page_bytes();
+        if bytes.len() != size {
+            return Err(EngineError::InvalidInput(format!(
+                "page {page} is {size} bytes, received {}",
+                bytes.len()
+            )));
+        }
+        self.bind();
+        let start = page.0 as usize * size;
+        self.stream()
+            .memcpy_htod(bytes, &mut pages.bytes.slice_mut(start..start + size))
+            .map_err(engine_err)?;
+        Ok(())
+    }
+}
+
+/// Page bytes in device memory plus the work-dtype workspace and the decode partials.
+pub struct CudaPages {
+    bytes: CudaSlice<u8>,
+    layout: PageLayout,
+    scales: GlobalScales,
+    ws_k: CudaSlice<u8>,
+    ws_v: CudaSlice<u8>,
+    decode: DecodeWorkspace,
+}
+
+impl CudaPages {
+    /// All page bytes, copied to the host (tests compare them with the CPU backend's).
+    pub fn to_host(&self) -> Result<Vec<u8>> {
+        Ok(self.bytes.stream().clone_dtoh(&self.bytes)?)
+    }
+}
+
+impl CudaBackend {
+    fn attend(
+        &self,
+        pages: &mut CudaPages,
+        pool: &PagePool,
+        layer: usize,
+        step: &StepTokens<'_, CudaTensor>,
+        seqs: &[PagedSeq<'_>],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        if seqs.len() != step.spans.len() {
+            return Err(Error::Shape {
+                what: "sequences (one per span)",
+                expected: step.spans.len(),
+                actual: seqs.len(),
+            });
+        }
+        let stream = self.stream().clone();
+        let layout = pages.layout;
+        let dtype = layout.dtype();
+        let geometry = step.geometry;
+        if geometry.num_kv_heads != layout.kv_heads() || geometry.head_dim != layout.head_dim() {
+            return Err(Error::Unsupported(format!(
+                "step geometry {geometry:?} does not match the pages' layout"
+            )));
+        }
+        let (d, q_heads, kv_heads) = (geometry.head_dim, geometry.num_heads, layout.kv_heads());
+        let (q_row, kv_row) = (q_heads * d, kv_heads * d);
+        let geom = PageGeom::new(&layout, layer)?;
+        let g = (
+            pages.scales.get(layer, KvPart::K),
+            pages.scales.get(layer, KvPart::V),
+        );
+        // The work dtype's scales (see nibble_engine::paged): nvfp4 maps the same amax onto 448.
+        let work = match dtype {
+            KvDtype::Nvfp4 => (g.0 * e2m1::MAX, g.1 * e2m1::MAX),
+            KvDtype::Fp8 | KvDtype::Bf16 => g,
+        };
+        let work_dtype = if dtype == KvDtype::Bf16 {
+            KvDtype::Bf16
+        } else {
+            KvDtype::Fp8
+        };
+        let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+        // Every slot in range, allocated and unique before any kernel writes.
+        let all: Vec<Option<SlotId>> = seqs
+            .iter()
+            .flat_map(|s| s.slots.iter().copied().map(Some))
+            .collect();
+        pool.check_slots(&all)
+            .map_err(|e| Error::Unsupported(e.to_string()))?;
+        for (seq, span) in seqs.iter().zip(step.spans) {
+            if seq.slots.len() != span.len() {
+                return Err(Error::Shape {
+                    what: "slots of a sequence (one per new token)",
+                    expected: span.len(),
+                    actual: seq.slots.len(),
+                });
+            }
+            if seq.pages.len() * layout.page_size() < seq.stored + span.len() {
+                return Err(Error::Shape {
+                    what: "pages covering a sequence's context",
+                    expected: (seq.stored + span.len()).div_ceil(layout.page_size()),
+                    actual: seq.pages.len(),
+                });
+            }
+        }
+        let is_decode = |s: &PagedSeq<'_>| s.stored > 0 && s.slots.len() == 1;
+        let softmax_scale = geometry.scale;
+
+        // Prefill and extend, one sequence at a time.
+        for (seq, span) in seqs.iter().zip(step.spans) {
+            if is_decode(seq) {
+                continue;
+            }
+            let n = span.len();
+            let start = seq.stored;
+            let q = self.rows_of(step.q, span.clone())?;
+            let k = self.rows_of(step.k, span.clone())?;
+            let v = self.rows_of(step.v, span.clone())?;
+            let bytes = (start + n) * kv_row * width;
+            if pages.ws_k.len() < bytes {
+                pages.ws_k = stream.alloc_zeros(bytes)?;
+                pages.ws_v = stream.alloc_zeros(bytes)?;
+            }
+            if start > 0 {
+                let table: Vec<u32> = seq.pages[..start.div_ceil(layout.page_size())]
+                    .iter()
+                    .map(|p| p.0)
+                    .collect();
+                let table = stream.clone_htod(&table)?;
+                self.kernels.gather_work(
+                    (&mut pages.ws_k, &mut pages.ws_v),
+                    &pages.bytes,
+                    geom,
+                    dtype,
+                    &table,
+                    start,
+                    g,
+                    work,
+                )?;
+            }
+            let (values, at) = ((n * kv_row) as u64, (start * kv_row) as u64);
+            let bf16 = u32::from(dtype == KvDtype::Bf16);
+            let mut b = stream.launch_builder(&self.ops.encode_work);
+            b.arg(&mut pages.ws_k)
+                .arg(&mut pages.ws_v)
+                .arg(&k)
+                .arg(&v)
+                .arg(&values)
+                .arg(&at)
+                .arg(&bf16)
+                .arg(&work.0)
+                .arg(&work.1);
+            // SAFETY: matches encode_work; the workspace holds (start + n) tokens, k and v n.
+            unsafe { b.launch(grid(2 * values)) }?;
+            let mut o: CudaSlice<f32> = stream.alloc_zeros(n * q_row)?;
+            let batch = PrefillBatch {
+                q: &q,
+                n,
+                start,
+                q_heads,
+                kv_heads,
+                head_dim: d,
+                k: &pages.ws_k,
+                v: &pages.ws_v,
+                work: work_dtype,
+                work_scales: work,
+                softmax_scale,
+            };
+            self.kernels.prefill(&batch, &mut o)?;
+            stream.memcpy_dtod(
+                &o,
+                &mut out.buf.slice_mut(span.start * q_row..span.end * q_row),
+            )?;
+            let slots: Vec<u32> = seq.slots.iter().map(|s| s.0).collect();
+            let slots = stream.clone_htod(&slots)?;
+            self.kernels
+                .quantize(&mut pages.bytes, geom, dtype, &k, &v, &slots, g)?;
+        }
+
+        // Decode: write every decode token's K/V, then one batched split-KV launch.
+        let decodes: Vec<(&PagedSeq<'_>, &Range<usize>)> = seqs
+            .iter()
+            .zip(step.spans)
+            .filter(|(s, _)| is_decode(s))
+            .collect();
+        if decodes.is_empty() {
+            return Ok(());
+        }
+        let count = decodes.len();
+        let mut q: CudaSlice<f32> = stream.alloc_zeros(count * q_row)?;
+        let mut k: CudaSlice<f32> = stream.alloc_zeros(count * kv_row)?;
+        let mut v: CudaSlice<f32> = stream.alloc_zeros(count * kv_row)?;
+        let max_context = decodes.iter().map(|(s, _)| s.stored + 1).max().unwrap_or(1);
+        let max_pages = max_context.div_ceil(layout.page_size());
+        let mut table = vec![0u32; count * max_pages];
+        let mut context = Vec::with_capacity(count);
+        let mut slots = Vec::with_capacity(count);
+        for (i, (seq, span)) in decodes.iter().enumerate() {
+            let r = span.start;
+            stream.memcpy_dtod(
+                &step.q.buf.slice(r * q_row..(r + 1) * q_row),
+                &mut q.slice_mut(i * q_row..(i + 1) * q_row),
+            )?;
+            stream.memcpy_dtod(
+                &step.k.buf.slice(r * kv_row..(r + 1) * kv_row),
+                &mut k.slice_mut(i * kv_row..(i + 1) * kv_row),
+            )?;
+            stream.memcpy_dtod(
+                &step.v.buf.slice(r * kv_row..(r + 1) * kv_row),
+                &mut v.slice_mut(i * kv_row..(i + 1) * kv_row),
+            )?;
+            let ctx = seq.stored + 1;
+            for (j, p) in seq.pages[..ctx.div_ceil(layout.page_size())]
+                .iter()
+                .enumerate()
+            {
+                table[i * max_pages + j] = p.0;
+            }
+            context.push(ctx as u32);
+            slots.push(seq.slots[0].0);
+        }
+        let slots = stream.clone_htod(&slots)?;
+        self.kernels
+            .quantize(&mut pages.bytes, geom, dtype, &k, &v, &slots, g)?;
+        let table = stream.clone_htod(&table)?;
+        let context = stream.clone_htod(&context)?;
+        let batch = DecodeBatch {
+            q: &q,
+            q_heads,
+            page_table: &table,
+            max_pages,
+            context: &context,
+            max_context,
+            scales: g,
+            softmax_scale,
+        };
+        let mut o: CudaSlice<f32> = stream.alloc_zeros(count * q_row)?;
+        self.kernels
+            .decode(&pages.bytes, geom, dtype, &batch, &mut pages.decode, &mut o)?;
+        for (i, (_, span)) in decodes.iter().enumerate() {
+            let r = span.start;
+            stream.memcpy_dtod(
+                &o.slice(i * q_row..(i + 1) * q_row),
+                &mut out.buf.slice_mut(r * q_row..(r + 1) * q_row),
+            )?;
+        }
+        Ok(())
+    }
+}

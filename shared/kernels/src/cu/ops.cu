@@ -1,0 +1,164 @@
+// The dense kernels of the CUDA backend (src/backend.rs): embedding, RMSNorm, RoPE, SwiGLU,
+// residual and bias adds, causal f32 attention for the contiguous cache, the f32 -> work-dtype
+// workspace encoder of the paged prefill/extend paths, and a tiled f32 GEMM used only when
+// cuBLAS cannot be loaded. Compiled with --fmad=false so products and sums round like the CPU
+// backend's (which never fuses).
+
+// out[r][c] = table[tokens[r]][c]
+extern "C" __global__ void embed_rows(float* __restrict__ out, const float* __restrict__ table,
+                                      const u32* __restrict__ tokens, u32 n, u32 cols) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n * cols) return;
+    const u32 r = (u32)(i / cols), c = (u32)(i % cols);
+    out[i] = table[(u64)tokens[r] * cols + c];
+}
+
+extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + y[i];
+}
+
+extern "C" __global__ void add_bias_f32(float* __restrict__ x, const float* __restrict__ b, u64 n,
+                                        u32 cols) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + b[i % cols];
+}
+
+// gate = silu(gate) * up
+extern "C" __global__ void silu_mul_f32(float* __restrict__ g, const float* __restrict__ u, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float x = g[i];
+    g[i] = x / (1.0f + expf(-x)) * u[i];
+}
+
+// One block (256 threads) per group of `width` values: out = x / sqrt(mean(x^2) + eps) * w.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ out, u32 width, float eps) {
+    __shared__ float partial[256];
+    const u64 base = (u64)blockIdx.x * width;
+    float acc = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = x[base + i];
+        acc += v * v;
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float inv = 1.0f / sqrtf(partial[0] / (float)width + eps);
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
+}
+
+// One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
+// (x_i, x_{i + d/2}) of each head; otherwise (x_{2i}, x_{2i+1}).
+extern "C" __global__ void rope_f32(float* __restrict__ x, const u32* __restrict__ pos,
+                                    const float* __restrict__ cos_t,
+                                    const float* __restrict__ sin_t, u32 rows, u32 cols,
+                                    u32 head_dim, u32 half_split) {
+    const u32 half = head_dim / 2u;
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)rows * (cols / 2u)) return;
+    const u32 r = (u32)(i / (cols / 2u)), p = (u32)(i % (cols / 2u));
+    const u32 head = p / half, j = p % half;
+    float* h = x + (u64)r * cols + (u64)head * head_dim;
+    const u32 ia = half_split ? j : 2u * j, ib = half_split ? j + half : 2u * j + 1u;
+    const float c = cos_t[(u64)pos[r] * half + j], s = sin_t[(u64)pos[r] * half + j];
+    const float a = h[ia], b = h[ib];
+    h[ia] = a * c - b * s;
+    h[ib] = a * s + b * c;
+}
+
+// Causal GQA attention in f32 over a contiguous cache. One block per (query row, head); the
+// row's scores live in dynamic shared memory (kv_len floats). Query row i (0-based within the
+// sequence's n rows) sits at position kv_len - n + i.
+extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ k,
+                                         const float* __restrict__ v, float* __restrict__ out,
+                                         u32 q_row0, u32 n, u32 kv_len, u32 q_heads,
+                                         u32 kv_heads, u32 head_dim, float scale) {
+    extern __shared__ float scores[];
+    __shared__ float red[256];
+    const u32 i = blockIdx.x, h = blockIdx.y;
+    const u32 kvh = h / (q_heads / kv_heads);
+    const u32 last = kv_len - n + i;  // attends to 0..=last
+    const float* qv = q + ((u64)(q_row0 + i) * q_heads + h) * head_dim;
+    const u64 kv_row = (u64)kv_heads * head_dim;
+    float m = __int_as_float(0xff800000u);
+    for (u32 j = threadIdx.x; j <= last; j += blockDim.x) {
+        const float* kr = k + j * kv_row + (u64)kvh * head_dim;
+        float dot = 0.0f;
+        for (u32 d = 0; d < head_dim; ++d) dot += qv[d] * kr[d];
+        const float s = dot * scale;
+        scores[j] = s;
+        m = fmaxf(m, s);
+    }
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+        __syncthreads();
+    }
+    m = red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (u32 j = threadIdx.x; j <= last; j += blockDim.x) {
+        const float e = expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    red[threadIdx.x] = sum;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float inv = 1.0f / red[0];
+    float* o = out + ((u64)(q_row0 + i) * q_heads + h) * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 j = 0; j <= last; ++j) acc += scores[j] * v[j * kv_row + (u64)kvh * head_dim + d];
+        o[d] = acc * inv;
+    }
+}
+
+// The new tokens' f32 K/V into the work-dtype workspace at value offset `at`: E4M3 of x / g (the
+// engine's fp8::quantize_unchecked) or little-endian BF16 (bf16 != 0).
+extern "C" __global__ void encode_work(u8* __restrict__ ws_k, u8* __restrict__ ws_v,
+                                       const float* __restrict__ k, const float* __restrict__ v,
+                                       u64 n, u64 at, u32 bf16, float gk, float gv) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2u * n) return;
+    const bool is_v = i >= n;
+    const u64 e = is_v ? i - n : i;
+    const float x = is_v ? v[e] : k[e];
+    u8* ws = is_v ? ws_v : ws_k;
+    if (bf16) {
+        const u32 b = bf16_encode(x);
+        ws[2u * (at + e)] = (u8)(b & 0xFFu);
+        ws[2u * (at + e) + 1u] = (u8)(b >> 8);
+    } else {
+        ws[at + e] = (u8)e4m3_encode(__fdiv_rn(x, is_v ? gv : gk));
+    }
+}
+
+// out[n][m] = x[n][k] . w[m][k]^T, 16x16 tiles (fallback when cuBLAS is absent).
+extern "C" __global__ void gemm_nt_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                       float* __restrict__ out, u32 n, u32 m, u32 k) {
+    __shared__ float xs[16][17];
+    __shared__ float ws[16][17];
+    const u32 tx = threadIdx.x, ty = threadIdx.y;
+    const u32 row = blockIdx.y * 16u + ty, col = blockIdx.x * 16u + tx;
+    const u32 wrow = blockIdx.x * 16u + ty;
+    float acc = 0.0f;
+    for (u32 t = 0; t < k; t += 16u) {
+        xs[ty][tx] = (row < n && t + tx < k) ? x[(u64)row * k + t + tx] : 0.0f;
+        ws[ty][tx] = (wrow < m && t + tx < k) ? w[(u64)wrow * k + t + tx] : 0.0f;
+        __syncthreads();
+#pragma unroll
+        for (u32 e = 0; e < 16u; ++e) acc += xs[ty][e] * ws[tx][e];
+        __syncthreads();
+    }
+    if (row < n && col < m) out[(u64)row * m + col] = acc;
+}
