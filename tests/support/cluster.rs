@@ -243,6 +243,10 @@ impl Cluster {
                 "1",
                 "--capacity-interval-ms",
                 "200",
+                // A retried prefill of a long prompt on a busy 2-core machine can outlast the
+                // 30 s default before it pushes its pages.
+                "--reservation-ttl-ms",
+                "180000",
             ]
             .map(String::from)
             .to_vec()
