@@ -14,7 +14,6 @@ use nibble_discovery::Discovery;
 use nibble_proto::v1::inference_server::InferenceServer;
 use nibble_security::{ClientCerts, RequireBearer};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::http::HttpConfig;
@@ -128,7 +127,7 @@ pub async fn serve_shared_with_http(
         .add_service(reflection)
         .add_service(InterceptedService::new(inference, api_key));
     let result = nibble_proto::serving::serve_with_drain(
-        |stop| router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop),
+        |stop| router.serve_with_incoming_shutdown(nibble_proto::serving::incoming(listener), stop),
         signal(stopped),
         nibble_proto::serving::DRAIN_GRACE,
     )

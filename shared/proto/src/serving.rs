@@ -42,6 +42,13 @@ pub async fn interrupted() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+/// The connections a server accepts on `listener`, with `TCP_NODELAY` set: a gRPC response
+/// (headers, data, trailers) goes out as several small writes, which Nagle's algorithm would
+/// otherwise hold back until the peer's delayed ACK, some 40 ms.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// How long a stopping server waits for open calls (token streams, KV-event subscriptions) to
 /// end before it closes them.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);

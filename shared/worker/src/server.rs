@@ -13,7 +13,6 @@ use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_server::KvTransferServer;
 use nibble_proto::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::error::Result;
@@ -67,7 +66,7 @@ pub async fn serve(
         .add_service(worker)
         .add_optional_service(transfer);
     nibble_proto::serving::serve_with_drain(
-        |stop| router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop),
+        |stop| router.serve_with_incoming_shutdown(nibble_proto::serving::incoming(listener), stop),
         shutdown,
         nibble_proto::serving::DRAIN_GRACE,
     )

@@ -156,6 +156,13 @@ pub async fn serve(
     config: HttpConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Small SSE events must not wait on Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(err) = tcp.set_nodelay(true) {
+            tracing::debug!(%err, "TCP_NODELAY");
+        }
+    });
     axum::serve(listener, router(shared, config))
         .with_graceful_shutdown(shutdown)
         .await
