@@ -16,8 +16,7 @@ import sys
 import yaml
 
 # Flags the chart already sets ahead of the services (docs/DEPLOY.md, "Today, and what is landing").
-PENDING = {
-}
+PENDING: set[str] = set()
 
 DECLARED = re.compile(r'env\s*=\s*"(NIBBLE_[A-Z0-9_]+)"')
 
