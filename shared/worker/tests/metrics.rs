@@ -3,8 +3,9 @@
 //! code, pages and bytes moved on both sides, prefill time, generated tokens, the page pool
 //! and the prefix cache.
 
+mod support;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,13 +13,11 @@ use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_telemetry::Samples;
 use nibble_worker::metrics as m;
-use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
+use nibble_worker::EngineHandle;
+use support::{handoff, model_path, Server};
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-use tonic::transport::Channel;
 
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
@@ -26,137 +25,34 @@ const PROMPT: &str =
 const PAGES: usize = 64;
 const NEW_TOKENS: u32 = 4;
 
-fn model_path() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(path.is_file(), "model file {} not found", path.display());
-    path
-}
-
-/// A worker served on 127.0.0.1:0 until dropped.
-struct Server {
-    address: String,
-    state: Arc<WorkerState>,
-    _stop: oneshot::Sender<()>,
-}
-
-impl Server {
-    async fn start(source: &ModelSource, role: v1::WorkerRole) -> Self {
-        let model = source
-            .load_model(Arc::new(CpuBackend::new(1).unwrap()))
-            .unwrap();
-        let kv = KvConfig::new(KvDtype::Nvfp4);
-        let page_bytes = kv.layout(&model).unwrap().page_bytes();
-        let engine = EngineHandle::spawn(
-            model,
-            Arc::new(source.load_tokenizer().unwrap()),
-            EngineConfig {
-                kv,
-                kv_budget_bytes: PAGES * page_bytes,
-                scheduler: SchedulerConfig::default(),
-            },
-        )
+/// A worker of `role` over a new nvfp4 engine on one thread, served on loopback.
+async fn server(source: &ModelSource, role: v1::WorkerRole) -> Server {
+    let model = source
+        .load_model(Arc::new(CpuBackend::new(1).unwrap()))
         .unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let state = WorkerState::new(
-            engine,
-            WorkerIdentity {
-                worker_id: role.as_str_name().into(),
-                role,
-                model: "smollm2".into(),
-                transfer_address: address.clone(),
-                reservation_ttl: Duration::from_secs(30),
-            },
-        );
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(nibble_worker::serve(
-            Arc::clone(&state),
-            listener,
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-        Self {
-            address,
-            state,
-            _stop: stop,
-        }
-    }
-
-    async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(format!("http://{}", self.address))
-            .await
-            .unwrap()
-    }
+    let kv = KvConfig::new(KvDtype::Nvfp4);
+    let page_bytes = kv.layout(&model).unwrap().page_bytes();
+    let engine = EngineHandle::spawn(
+        model,
+        Arc::new(source.load_tokenizer().unwrap()),
+        EngineConfig {
+            kv,
+            kv_budget_bytes: PAGES * page_bytes,
+            scheduler: SchedulerConfig::default(),
+        },
+    )
+    .unwrap();
+    Server::start(engine, role, role.as_str_name().into()).await
 }
 
-/// Reserve on D, Prefill on P (pushing to D), Decode on D; returns the transfer.
-async fn handoff(p: &Server, d: &Server, prompt: &[u32], id: &str) -> v1::TransferSummary {
-    let reservation = d
-        .client()
-        .await
-        .reserve(v1::ReserveRequest {
-            request_id: id.into(),
-            token_ids: prompt.to_vec(),
-            kv_format_fingerprint: d.state.engine().info().fingerprint,
-            ttl_ms: None,
-            max_tokens: Some(NEW_TOKENS),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let prefilled = p
-        .client()
-        .await
-        .prefill(v1::PrefillRequest {
-            request_id: id.into(),
-            token_ids: prompt.to_vec(),
-            sampling: None,
-            logprobs: None,
-            target: Some(v1::TransferTarget {
-                address: d.address.clone(),
-                reservation_id: reservation.reservation_id,
-                first_page_index: reservation.first_page_index,
-                page_count: reservation.page_count,
-                page_ids: reservation.page_ids.clone(),
-                kv_format_fingerprint: reservation.kv_format_fingerprint,
-                backend: v1::TransferBackend::Grpc as i32,
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut stream = d
-        .client()
-        .await
-        .decode(v1::DecodeRequest {
-            request_id: id.into(),
-            token_ids: prompt.to_vec(),
-            handoff: Some(v1::Handoff {
-                reservation_id: reservation.reservation_id,
-                first_token: prefilled.first_token,
-                first_logprob: None,
-            }),
-            sampling: None,
-            stopping: Some(v1::StoppingCriteria {
-                max_tokens: Some(NEW_TOKENS),
-                ignore_eos: true,
-                ..Default::default()
-            }),
-            logprobs: None,
-            skip_special_tokens: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    while stream.message().await.unwrap().is_some() {}
-    prefilled.transfer.expect("pages were pushed")
+/// A hand-off of exactly [`NEW_TOKENS`] tokens; returns the transfer.
+async fn transfer(p: &Server, d: &Server, prompt: &[u32], id: &str) -> v1::TransferSummary {
+    let stopping = v1::StoppingCriteria {
+        max_tokens: Some(NEW_TOKENS),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    handoff(p, d, id, prompt, stopping).await.transfer
 }
 
 /// Scrapes until `ready` holds for the samples (a decode call is counted when the server drops
@@ -184,11 +80,11 @@ async fn workers_export_calls_transfers_pages_and_the_prefix_cache() {
         .unwrap()
         .encode(PROMPT, false)
         .unwrap();
-    let p = Server::start(&source, v1::WorkerRole::Prefill).await;
-    let d = Server::start(&source, v1::WorkerRole::Decode).await;
+    let p = server(&source, v1::WorkerRole::Prefill).await;
+    let d = server(&source, v1::WorkerRole::Decode).await;
 
-    let cold = handoff(&p, &d, &prompt, "metrics-cold").await;
-    let warm = handoff(&p, &d, &prompt, "metrics-warm").await;
+    let cold = transfer(&p, &d, &prompt, "metrics-cold").await;
+    let warm = transfer(&p, &d, &prompt, "metrics-warm").await;
     // A refused reservation is counted by its code.
     let refused = d
         .client()

@@ -1,7 +1,8 @@
 //! The worker end to end on loopback with the real model: the engine actor, and prefill and
 //! decode workers as in-process gRPC servers handing pages off through `KvTransfer`.
 
-use std::path::PathBuf;
+mod support;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -11,10 +12,8 @@ use nibble_engine::{CpuBackend, EngineConfig, Event, KvConfig, Model, ModelSourc
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
-use nibble_proto::v1::worker_client::WorkerClient;
-use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use nibble_worker::EngineHandle;
+use support::{greedy, handoff, model_path, Handoff, Server};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -26,20 +25,6 @@ const PROMPT: &str =
      fortune, must be in want of a wife. However little known the feelings";
 const PAGES: usize = 64;
 const NEW_TOKENS: u32 = 8;
-
-/// `$NIBBLE_MODEL`, else `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; fails (never
-/// skips) without it.
-fn model_path() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(path.is_file(), "model file {} not found", path.display());
-    path
-}
 
 /// The model and tokenizer, loaded once per test binary.
 fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
@@ -57,6 +42,20 @@ fn prompt() -> Vec<u32> {
     model().1.encode(PROMPT, false).unwrap()
 }
 
+/// A worker of `role` over a new engine of `dtype`, served on loopback.
+async fn server(role: v1::WorkerRole, dtype: KvDtype) -> Server {
+    let id = format!("{}-{dtype}", role.as_str_name());
+    Server::start(engine(dtype), role, id).await
+}
+
+/// At most [`NEW_TOKENS`] tokens.
+fn stopping() -> v1::StoppingCriteria {
+    v1::StoppingCriteria {
+        max_tokens: Some(NEW_TOKENS),
+        ..Default::default()
+    }
+}
+
 fn engine(dtype: KvDtype) -> EngineHandle {
     let (model, tokenizer) = model();
     let kv = KvConfig::new(dtype);
@@ -67,84 +66,6 @@ fn engine(dtype: KvDtype) -> EngineHandle {
         scheduler: SchedulerConfig::default(),
     };
     EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
-}
-
-/// A worker served on 127.0.0.1:0 until dropped.
-struct Server {
-    address: String,
-    state: Arc<WorkerState>,
-    _stop: oneshot::Sender<()>,
-}
-
-impl Server {
-    async fn start(role: v1::WorkerRole, dtype: KvDtype) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let state = WorkerState::new(
-            engine(dtype),
-            WorkerIdentity {
-                worker_id: format!("{}-{dtype}", role.as_str_name()),
-                role,
-                model: "smollm2".into(),
-                transfer_address: if role == v1::WorkerRole::Decode {
-                    address.clone()
-                } else {
-                    String::new()
-                },
-                reservation_ttl: Duration::from_secs(30),
-            },
-        );
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(nibble_worker::serve(
-            Arc::clone(&state),
-            listener,
-            async move {
-                let _ = stopped.await;
-            },
-        ));
-        Self {
-            address,
-            state,
-            _stop: stop,
-        }
-    }
-
-    async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(format!("http://{}", self.address))
-            .await
-            .unwrap()
-    }
-
-    async fn load(&self) -> v1::LoadResponse {
-        self.client()
-            .await
-            .load(v1::LoadRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-    }
-
-    /// Waits until no request holds a page: every page is free or cached.
-    async fn pages_back(&self) -> v1::LoadResponse {
-        for _ in 0..200 {
-            let load = self.load().await;
-            if load.free_pages + load.evictable_pages == load.total_pages
-                && load.running_requests == 0
-                && load.pending_reservations == 0
-            {
-                return load;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("pages not returned: {:?}", self.load().await);
-    }
-}
-
-fn greedy() -> v1::SamplingParams {
-    v1::SamplingParams {
-        temperature: Some(0.0),
-        ..Default::default()
-    }
 }
 
 /// The engine's own tokens for the prompt, through the actor: with a cold cache, then again
@@ -169,93 +90,20 @@ async fn reference(dtype: KvDtype) -> (Vec<u32>, Vec<u32>) {
     (runs.pop().unwrap(), warm)
 }
 
-/// Reserve on D, Prefill on P (pushing to D), Decode on D: the tokens and the transfer.
-async fn handoff(
-    p: &Server,
-    d: &Server,
-    request_id: &str,
-) -> (Vec<u32>, v1::ReserveResponse, v1::TransferSummary) {
-    let fingerprint = p.state.engine().info().fingerprint;
-    let reservation = d
-        .client()
-        .await
-        .reserve(v1::ReserveRequest {
-            request_id: request_id.into(),
-            token_ids: prompt(),
-            kv_format_fingerprint: fingerprint,
-            ttl_ms: None,
-            max_tokens: Some(NEW_TOKENS),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let prefilled = p
-        .client()
-        .await
-        .prefill(v1::PrefillRequest {
-            request_id: request_id.into(),
-            token_ids: prompt(),
-            sampling: Some(greedy()),
-            logprobs: None,
-            target: Some(v1::TransferTarget {
-                address: d.address.clone(),
-                reservation_id: reservation.reservation_id,
-                first_page_index: reservation.first_page_index,
-                page_count: reservation.page_count,
-                page_ids: reservation.page_ids.clone(),
-                kv_format_fingerprint: reservation.kv_format_fingerprint,
-                backend: v1::TransferBackend::Grpc as i32,
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut stream = d
-        .client()
-        .await
-        .decode(v1::DecodeRequest {
-            request_id: request_id.into(),
-            token_ids: prompt(),
-            handoff: Some(v1::Handoff {
-                reservation_id: reservation.reservation_id,
-                first_token: prefilled.first_token,
-                first_logprob: None,
-            }),
-            sampling: Some(greedy()),
-            stopping: Some(v1::StoppingCriteria {
-                max_tokens: Some(NEW_TOKENS),
-                ..Default::default()
-            }),
-            logprobs: None,
-            skip_special_tokens: None,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut tokens = Vec::new();
-    let mut finished = false;
-    while let Some(chunk) = stream.message().await.unwrap() {
-        tokens.extend(chunk.token_ids);
-        finished |= chunk.usage.is_some();
-    }
-    assert!(finished, "the last chunk carries usage");
-    (
-        tokens,
-        reservation,
-        prefilled.transfer.expect("pages were pushed"),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
     let mut moved = Vec::new();
     for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
         let (expected, expected_warm) = reference(dtype).await;
         assert_eq!(expected.len(), NEW_TOKENS as usize);
-        let p = Server::start(v1::WorkerRole::Prefill, dtype).await;
-        let d = Server::start(v1::WorkerRole::Decode, dtype).await;
+        let p = server(v1::WorkerRole::Prefill, dtype).await;
+        let d = server(v1::WorkerRole::Decode, dtype).await;
 
-        let (tokens, reservation, transfer) = handoff(&p, &d, "cold").await;
+        let Handoff {
+            tokens,
+            reservation,
+            transfer,
+        } = handoff(&p, &d, "cold", &prompt(), stopping()).await;
         assert_eq!(tokens, expected, "{dtype}, cold decode cache");
         assert_eq!(reservation.cached_tokens, 0);
         let page_bytes = p.state.engine().info().page_bytes as u64;
@@ -271,7 +119,11 @@ async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
         moved.push((dtype, transfer.pages, transfer.bytes));
 
         // Both caches now hold the prompt's full pages: D reserves only the partial last page.
-        let (tokens, reservation, warm) = handoff(&p, &d, "warm").await;
+        let Handoff {
+            tokens,
+            reservation,
+            transfer: warm,
+        } = handoff(&p, &d, "warm", &prompt(), stopping()).await;
         assert_eq!(tokens, expected_warm, "{dtype}, warm caches");
         assert!(
             reservation.cached_tokens > 0,
@@ -298,7 +150,7 @@ async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_decode_and_expired_reservations_free_pages() {
-    let d = Server::start(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
     // Local prefill (no hand-off), cancelled after the first chunk.
     let mut stream = d
         .client()
@@ -410,8 +262,8 @@ async fn cancelled_decode_and_expired_reservations_free_pages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatched_formats_and_unknown_reservations_are_refused() {
-    let d = Server::start(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
-    let p = Server::start(v1::WorkerRole::Prefill, KvDtype::Fp8).await;
+    let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let p = server(v1::WorkerRole::Prefill, KvDtype::Fp8).await;
     let ours = d.state.engine().info().fingerprint;
     let theirs = p.state.engine().info().fingerprint;
     assert_ne!(ours, theirs);
@@ -596,7 +448,7 @@ async fn the_actor_publishes_kv_events_and_aborts_dropped_requests() {
 async fn workers_register_and_refresh_their_capacity() {
     use nibble_discovery::{Discovery, Role, StaticRegistry};
 
-    let d = Server::start(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
     let registry = StaticRegistry::new();
     let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
     let task = nibble_worker::registration::register(

@@ -1,0 +1,192 @@
+//! What the worker's test binaries share: the model's path, a worker served on loopback, and one
+//! prefill → transfer → decode hand-off through the gRPC APIs.
+
+#![allow(dead_code)] // each test binary uses its own part
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nibble_proto::v1;
+use nibble_proto::v1::worker_client::WorkerClient;
+use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+/// `$NIBBLE_MODEL`, else `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; fails (never
+/// skips) without it.
+pub fn model_path() -> PathBuf {
+    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    );
+    assert!(path.is_file(), "model file {} not found", path.display());
+    path
+}
+
+/// A worker served on 127.0.0.1:0 until dropped.
+pub struct Server {
+    pub address: String,
+    pub state: Arc<WorkerState>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Server {
+    /// Serves `engine` as a worker of `role` named `worker_id`.
+    pub async fn start(engine: EngineHandle, role: v1::WorkerRole, worker_id: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let state = WorkerState::new(
+            engine,
+            WorkerIdentity {
+                worker_id,
+                role,
+                model: "smollm2".into(),
+                transfer_address: if role == v1::WorkerRole::Decode {
+                    address.clone()
+                } else {
+                    String::new()
+                },
+                reservation_ttl: Duration::from_secs(30),
+            },
+        );
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(nibble_worker::serve(
+            Arc::clone(&state),
+            listener,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Self {
+            address,
+            state,
+            _stop: stop,
+        }
+    }
+
+    pub async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::connect(format!("http://{}", self.address))
+            .await
+            .unwrap()
+    }
+
+    pub async fn load(&self) -> v1::LoadResponse {
+        self.client()
+            .await
+            .load(v1::LoadRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Waits until no request holds a page: every page is free or cached.
+    pub async fn pages_back(&self) -> v1::LoadResponse {
+        for _ in 0..200 {
+            let load = self.load().await;
+            if load.free_pages + load.evictable_pages == load.total_pages
+                && load.running_requests == 0
+                && load.pending_reservations == 0
+            {
+                return load;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("pages not returned: {:?}", self.load().await);
+    }
+}
+
+pub fn greedy() -> v1::SamplingParams {
+    v1::SamplingParams {
+        temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+/// What one hand-off gave.
+pub struct Handoff {
+    /// The decode worker's tokens (after the prefill worker's first one).
+    pub tokens: Vec<u32>,
+    pub reservation: v1::ReserveResponse,
+    pub transfer: v1::TransferSummary,
+}
+
+/// Reserve on D, Prefill on P (pushing to D), Decode on D, greedy, stopping as `stopping` says.
+pub async fn handoff(
+    p: &Server,
+    d: &Server,
+    request_id: &str,
+    prompt: &[u32],
+    stopping: v1::StoppingCriteria,
+) -> Handoff {
+    let fingerprint = p.state.engine().info().fingerprint;
+    let reservation = d
+        .client()
+        .await
+        .reserve(v1::ReserveRequest {
+            request_id: request_id.into(),
+            token_ids: prompt.to_vec(),
+            kv_format_fingerprint: fingerprint,
+            ttl_ms: None,
+            max_tokens: stopping.max_tokens,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let prefilled = p
+        .client()
+        .await
+        .prefill(v1::PrefillRequest {
+            request_id: request_id.into(),
+            token_ids: prompt.to_vec(),
+            sampling: Some(greedy()),
+            logprobs: None,
+            target: Some(v1::TransferTarget {
+                address: d.address.clone(),
+                reservation_id: reservation.reservation_id,
+                first_page_index: reservation.first_page_index,
+                page_count: reservation.page_count,
+                page_ids: reservation.page_ids.clone(),
+                kv_format_fingerprint: reservation.kv_format_fingerprint,
+                backend: v1::TransferBackend::Grpc as i32,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut stream = d
+        .client()
+        .await
+        .decode(v1::DecodeRequest {
+            request_id: request_id.into(),
+            token_ids: prompt.to_vec(),
+            handoff: Some(v1::Handoff {
+                reservation_id: reservation.reservation_id,
+                first_token: prefilled.first_token,
+                first_logprob: None,
+            }),
+            sampling: Some(greedy()),
+            stopping: Some(stopping),
+            logprobs: None,
+            skip_special_tokens: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = Vec::new();
+    let mut finished = false;
+    while let Some(chunk) = stream.message().await.unwrap() {
+        tokens.extend(chunk.token_ids);
+        finished |= chunk.usage.is_some();
+    }
+    assert!(finished, "the last chunk carries usage");
+    Handoff {
+        tokens,
+        reservation,
+        transfer: prefilled.transfer.expect("pages were pushed"),
+    }
+}
