@@ -135,3 +135,49 @@ __device__ __forceinline__ u32 nvfp4_quantize_block(const float* x, float g, u32
     }
     return scale;
 }
+
+// Tensor-core helpers of the attention kernels (decode and prefill): f32 pairs packed as f16x2 or
+// bf16x2, E4M3 bytes unpacked to f16x2, exp2, and the m16n8k16 MMA with f32 accumulators.
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// E4M3 bytes 0 and 2 of w as f16x2 of value * 2^-8; and bytes 1 and 3.
+__device__ __forceinline__ u32 fp8_02(u32 w) {
+    return ((w << 7) & 0x3F803F80u) | ((w << 8) & 0x80008000u);
+}
+__device__ __forceinline__ u32 fp8_13(u32 w) {
+    return ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+template <int FMT>
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+    if (FMT == NIBBLE_BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}

@@ -25,18 +25,6 @@
 #define WARPS 4
 #define TILE 16
 
-__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     u32 r;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -55,40 +43,9 @@ __device__ __forceinline__ u32 fp4_hi_hb(u32 w) {
 __device__ __forceinline__ u32 hb_01(u32 x) { return __byte_perm(x, 0u, 0x1404); }
 __device__ __forceinline__ u32 hb_23(u32 x) { return __byte_perm(x, 0u, 0x3424); }
 
-// E4M3 bytes 0 and 2 of w as f16x2 of value * 2^-8; and bytes 1 and 3.
-__device__ __forceinline__ u32 fp8_02(u32 w) {
-    return ((w << 7) & 0x3F803F80u) | ((w << 8) & 0x80008000u);
-}
-__device__ __forceinline__ u32 fp8_13(u32 w) {
-    return ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);
-}
-
 // Two NVFP4 block-scale bytes (lo, hi) as f16x2 of s * 2^7 (exact: s <= 448).
 __device__ __forceinline__ u32 scale_pair(u32 lo, u32 hi) {
     return hmul2(fp8_02(lo | (hi << 16)), 0x78007800u);  // (s * 2^-8) * 2^15
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float r;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
-template <int FMT>
-__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
-    if (FMT == NIBBLE_BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
 }
 
 template <int N>

@@ -20,51 +20,9 @@
 
 #define PF_WARPS 4
 
-__device__ __forceinline__ u32 pf_pack_f16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ u32 pf_pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 template <int FMT>
 __device__ __forceinline__ u32 pf_pack(float lo, float hi) {
-    return FMT == NIBBLE_BF16 ? pf_pack_bf16(lo, hi) : pf_pack_f16(lo, hi);
-}
-
-__device__ __forceinline__ u32 pf_fp8_02(u32 w) {
-    return ((w << 7) & 0x3F803F80u) | ((w << 8) & 0x80008000u);
-}
-__device__ __forceinline__ u32 pf_fp8_13(u32 w) {
-    return ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);
-}
-
-__device__ __forceinline__ float pf_exp2(float x) {
-    float r;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
-template <int FMT>
-__device__ __forceinline__ void pf_mma(float* d, const u32* a, u32 b0, u32 b1) {
-    if (FMT == NIBBLE_BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    return FMT == NIBBLE_BF16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
 }
 
 template <int N>
@@ -128,11 +86,11 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
 #pragma unroll
             for (int j = 0; j < 4; ++j) x[j] = ok ? bf16_decode(bf16_encode(qr[4 * s + j])) : 0.f;
             if (FMT == NIBBLE_BF16) {
-                qa[s][r] = pf_pack_bf16(x[0], x[1]);
-                qa[s][2 + r] = pf_pack_bf16(x[2], x[3]);
+                qa[s][r] = pack_bf16(x[0], x[1]);
+                qa[s][2 + r] = pack_bf16(x[2], x[3]);
             } else {
-                qa[s][r] = pf_pack_f16(x[0], x[2]);
-                qa[s][2 + r] = pf_pack_f16(x[1], x[3]);
+                qa[s][r] = pack_f16(x[0], x[2]);
+                qa[s][2 + r] = pack_f16(x[1], x[3]);
             }
         }
     }
@@ -181,9 +139,9 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
 #pragma unroll
             for (int st = 0; st < D / 16; ++st) {
                 if (FMT == NIBBLE_BF16)
-                    pf_mma<FMT>(s[t], qa[st], kr[t][2 * st], kr[t][2 * st + 1]);
+                    mma16816<FMT>(s[t], qa[st], kr[t][2 * st], kr[t][2 * st + 1]);
                 else
-                    pf_mma<FMT>(s[t], qa[st], pf_fp8_02(kr[t][st]), pf_fp8_13(kr[t][st]));
+                    mma16816<FMT>(s[t], qa[st], fp8_02(kr[t][st]), fp8_13(kr[t][st]));
             }
         }
 
@@ -207,14 +165,14 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
             tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
             const float mnew = fmaxf(m[r], tmax);
             const float mu = mnew == NEG_INF ? 0.f : mnew;
-            corr[r] = pf_exp2(m[r] - mu);
+            corr[r] = fast_exp2(m[r] - mu);
             float sum = 0.f;
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = s[t][2 * r + e];
-                    x = pf_exp2(x - mu);
+                    x = fast_exp2(x - mu);
                     sum += x;
                 }
             }
@@ -238,9 +196,9 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
             // word w holds dims 2w, 2w+1: pair the two keys' values of each dim
 #pragma unroll
             for (int w = 0; w < W::VW; ++w) {
-                pf_mma<FMT>(o[2 * w], pa, __byte_perm(vr[0][w], vr[1][w], 0x5410),
+                mma16816<FMT>(o[2 * w], pa, __byte_perm(vr[0][w], vr[1][w], 0x5410),
                             __byte_perm(vr[2][w], vr[3][w], 0x5410));
-                pf_mma<FMT>(o[2 * w + 1], pa, __byte_perm(vr[0][w], vr[1][w], 0x7632),
+                mma16816<FMT>(o[2 * w + 1], pa, __byte_perm(vr[0][w], vr[1][w], 0x7632),
                             __byte_perm(vr[2][w], vr[3][w], 0x7632));
             }
         } else {
@@ -252,10 +210,10 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
             const u32 a23 = __byte_perm(vr[0][w], vr[1][w], 0x7632);
             const u32 b01 = __byte_perm(vr[2][w], vr[3][w], 0x5410);
             const u32 b23 = __byte_perm(vr[2][w], vr[3][w], 0x7632);
-            pf_mma<FMT>(o[4 * w + 0], pa, pf_fp8_02(a01), pf_fp8_02(b01));
-            pf_mma<FMT>(o[4 * w + 1], pa, pf_fp8_13(a01), pf_fp8_13(b01));
-            pf_mma<FMT>(o[4 * w + 2], pa, pf_fp8_02(a23), pf_fp8_02(b23));
-            pf_mma<FMT>(o[4 * w + 3], pa, pf_fp8_13(a23), pf_fp8_13(b23));
+            mma16816<FMT>(o[4 * w + 0], pa, fp8_02(a01), fp8_02(b01));
+            mma16816<FMT>(o[4 * w + 1], pa, fp8_13(a01), fp8_13(b01));
+            mma16816<FMT>(o[4 * w + 2], pa, fp8_02(a23), fp8_02(b23));
+            mma16816<FMT>(o[4 * w + 3], pa, fp8_13(a23), fp8_13(b23));
         }
         }
     }
