@@ -47,6 +47,7 @@ const PREFILL_ROWS: u32 = 64;
 
 /// Threads per decode block (4 warps) and tokens per warp tile, as in `cu/decode.cu`.
 const DECODE_THREADS: u32 = 128;
+const DECODE_WARPS: usize = DECODE_THREADS as usize / 32;
 const DECODE_TILE: usize = 16;
 
 /// The compiled kernels on one device.
@@ -60,6 +61,8 @@ pub struct Kernels {
     fill: CudaFunction,
     /// [dtype code][0: head dim 64, 1: 128]
     decode: [[CudaFunction; 2]; 3],
+    /// Decode blocks resident on the whole device at once, per kernel of `decode`.
+    decode_slots: [[usize; 2]; 3],
     /// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
     prefill: [[CudaFunction; 2]; 2],
     combine: CudaFunction,
@@ -119,15 +122,25 @@ impl Kernels {
             ])
         };
         let stream = ctx.default_stream();
+        let decode = [
+            decode_fns("nvfp4")?,
+            decode_fns("fp8")?,
+            decode_fns("bf16")?,
+        ];
+        let mut decode_slots = [[0usize; 2]; 3];
+        for (fns, slots) in decode.iter().zip(&mut decode_slots) {
+            for (f, slot) in fns.iter().zip(slots.iter_mut()) {
+                let per_sm =
+                    f.occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None)?;
+                *slot = sms as usize * per_sm.max(1) as usize;
+            }
+        }
         Ok(Self {
             quantize: function("quantize", "kv_quantize")?,
             gather: function("quantize", "kv_gather_work")?,
             fill: function("quantize", "fill_random_pages")?,
-            decode: [
-                decode_fns("nvfp4")?,
-                decode_fns("fp8")?,
-                decode_fns("bf16")?,
-            ],
+            decode,
+            decode_slots,
             combine: function("decode", "decode_combine")?,
             prefill: [
                 [
@@ -393,7 +406,8 @@ impl Kernels {
             KvDtype::Bf16 => (1.0, 1.0),
             KvDtype::Fp8 | KvDtype::Nvfp4 => batch.scales,
         };
-        let plan = split_plan(self.sms, seqs * kv_heads, batch.max_context);
+        let slots = self.decode_slots[dtype_code(dtype) as usize][dim_index];
+        let plan = split_plan(slots, seqs * kv_heads, batch.max_context);
         ws.reserve(&self.stream, seqs * q_heads * plan.splits, d)?;
         let args = DecodeArgs {
             q_heads: q_heads as u32,
@@ -458,22 +472,50 @@ struct SplitPlan {
     tokens_per_split: usize,
 }
 
-/// How to split each sequence's context: enough blocks for about two waves of `sms`
-/// multiprocessors (four resident blocks each), at least 256 tokens per split, and splits a whole
-/// number of 16-token tiles.
-fn split_plan(sms: u32, blocks_per_split: usize, max_context: usize) -> SplitPlan {
-    let target = 2 * 4 * sms as usize;
-    let by_device = target.div_ceil(blocks_per_split.max(1));
-    let by_length = max_context.div_ceil(256).max(1);
-    let splits = by_device.min(by_length).max(1);
-    let per_split = max_context
-        .div_ceil(splits)
-        .next_multiple_of(DECODE_TILE)
-        .max(DECODE_TILE);
-    SplitPlan {
-        splits: max_context.div_ceil(per_split).max(1),
-        tokens_per_split: per_split,
-    }
+/// The fixed work of one decode block (loading Q, the first tile's latency, merging the warps,
+/// writing the partials), in tiles of one warp, for `split_plan`'s cost model.
+const BLOCK_OVERHEAD_TILES: usize = 2;
+/// The fewest tokens one split covers.
+const MIN_SPLIT_TOKENS: usize = 128;
+/// The most waves `split_plan` considers.
+const MAX_WAVES: usize = 8;
+
+/// How to split each sequence's context over `slots` resident blocks (multiprocessors times
+/// blocks per multiprocessor), `blocks_per_split` blocks per split (sequences times KV heads).
+///
+/// Every block of a launch does about the same work, so a launch takes `ceil(blocks / slots)`
+/// waves of one block's time (tiles per warp plus a fixed cost). A split count that leaves the
+/// last wave nearly empty costs a whole wave: at 32 sequences x 8 heads x 32K tokens on 528
+/// slots, 5 splits (1,280 blocks) take 3 waves of 103 tiles where 4 splits take 2 of 128. So
+/// for each wave count the most splits that fill it are compared, and the cheapest plan wins
+/// (fewer splits on a tie: less to combine). Splits are whole 16-token tiles.
+fn split_plan(slots: usize, blocks_per_split: usize, max_context: usize) -> SplitPlan {
+    let slots = slots.max(1);
+    let blocks_per_split = blocks_per_split.max(1);
+    let max_splits = max_context.div_ceil(MIN_SPLIT_TOKENS).max(1);
+    let plan = |wanted: usize| {
+        let per_split = max_context
+            .div_ceil(wanted)
+            .next_multiple_of(DECODE_TILE)
+            .max(DECODE_TILE);
+        let splits = max_context.div_ceil(per_split).max(1);
+        let waves = (splits * blocks_per_split).div_ceil(slots);
+        let warp_tiles = per_split.div_ceil(DECODE_TILE * DECODE_WARPS);
+        let cost = waves * (warp_tiles + BLOCK_OVERHEAD_TILES);
+        (
+            cost,
+            SplitPlan {
+                splits,
+                tokens_per_split: per_split,
+            },
+        )
+    };
+    (1..=MAX_WAVES)
+        .map(|waves| (waves * slots / blocks_per_split).clamp(1, max_splits))
+        .map(plan)
+        .min_by_key(|(cost, p)| (*cost, p.splits))
+        .map(|(_, p)| p)
+        .expect("at least one wave count")
 }
 
 /// One decode step's sequences, all on the device.
@@ -577,13 +619,35 @@ mod tests {
 
     #[test]
     fn splits_cover_the_context_in_whole_tiles() {
-        for (blocks, ctx) in [(8, 4096), (64, 32768), (1024, 131072), (8, 1), (24, 17)] {
-            let plan = split_plan(132, blocks, ctx);
+        for (slots, blocks, ctx) in [
+            (528, 8, 4096),
+            (528, 64, 32768),
+            (396, 1024, 131072),
+            (528, 8, 1),
+            (528, 24, 17),
+            (1, 1, 1 << 20),
+            (100_000, 1, 4096),
+        ] {
+            let plan = split_plan(slots, blocks, ctx);
             assert_eq!(plan.tokens_per_split % DECODE_TILE, 0);
+            assert!(plan.tokens_per_split >= MIN_SPLIT_TOKENS.min(ctx.next_multiple_of(16)));
             assert!(plan.splits * plan.tokens_per_split >= ctx);
             assert!((plan.splits - 1) * plan.tokens_per_split < ctx);
         }
-        assert_eq!(split_plan(132, 8, 32768).splits, 128);
-        assert_eq!(split_plan(132, 1024, 32768).splits, 2);
+    }
+
+    #[test]
+    fn splits_fill_whole_waves() {
+        // 8 sequences x 8 KV heads on 132 SMs x 4 blocks: 8 splits (512 blocks, one wave of 64
+        // tiles per warp) beat 17 (1,088 blocks: two full waves and a 32-block third).
+        assert_eq!(split_plan(528, 64, 32768).splits, 8);
+        // 32 sequences: 2 splits, one wave, rather than 5 splits in 2.4 waves.
+        let plan = split_plan(528, 256, 32768);
+        assert_eq!((plan.splits * 256).div_ceil(528), 1);
+        // One sequence: as many splits as fill the device, down to the shortest split.
+        assert_eq!(split_plan(528, 8, 32768).splits, 64);
+        assert_eq!(split_plan(528, 8, 4096).splits, 32);
+        // Enough sequences to fill the device alone: no split.
+        assert_eq!(split_plan(528, 1024, 32768).splits, 1);
     }
 }

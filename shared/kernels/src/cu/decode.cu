@@ -31,21 +31,32 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     return r;
 }
 
+// w >> k as the high word of a multiply: an IMAD on the FMA pipe, which has room, where a shift
+// would take the integer ALU, which the unpacking below saturates.
+template <int K>
+__device__ __forceinline__ u32 shr_fma(u32 w) {
+    return __umulhi(w, 1u << (32 - K));
+}
+
 // f16 high bytes (S000EEM0 = e2m1 * 2^-14) of the low nibbles of four bytes, and of the high
-// nibbles.
+// nibbles. The left shifts compile to IMADs as well.
 __device__ __forceinline__ u32 fp4_lo_hb(u32 w) {
     return ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
 }
 __device__ __forceinline__ u32 fp4_hi_hb(u32 w) {
-    return (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+    return (w & 0x80808080u) | (shr_fma<3>(w) & 0x0E0E0E0Eu);
 }
 // f16x2 from high bytes: (x.b0, x.b1) and (x.b2, x.b3), zero low bytes.
 __device__ __forceinline__ u32 hb_01(u32 x) { return __byte_perm(x, 0u, 0x1404); }
 __device__ __forceinline__ u32 hb_23(u32 x) { return __byte_perm(x, 0u, 0x3424); }
 
-// Two NVFP4 block-scale bytes (lo, hi) as f16x2 of s * 2^7 (exact: s <= 448).
-__device__ __forceinline__ u32 scale_pair(u32 lo, u32 hi) {
-    return hmul2(fp8_02(lo | (hi << 16)), 0x78007800u);  // (s * 2^-8) * 2^15
+// NVFP4 block scales are E4M3 with a clear sign bit, so they need only the magnitude half of
+// fp8_02 / fp8_13: bytes 0 and 2 of w (or 1 and 3) as f16x2 of s * 2^7, exact for s <= 448.
+__device__ __forceinline__ u32 scale_02(u32 w) {
+    return hmul2((w << 7) & 0x3F803F80u, 0x78007800u);  // (s * 2^-8) * 2^15
+}
+__device__ __forceinline__ u32 scale_13(u32 w) {
+    return hmul2(shr_fma<1>(w) & 0x3F803F80u, 0x78007800u);
 }
 
 template <int N>
@@ -128,18 +139,18 @@ __device__ __forceinline__ void load_v(Raw<FMT, D>& r, int t, const u8* vd, cons
     if (FMT == NIBBLE_NVFP4) r.vs[t] = __ldg(vs);
 }
 
-// Loads one 16-token tile: this lane's K words of tokens g, g+8 and V words of tokens 2c, 2c+1,
-// 2c+8, 2c+9 (zeros past `end`). t0 is a multiple of 16 and pages hold at least 16 tokens, so
-// the tile lies in one page: one page-table read per tile, and every address is the page plus
-// a lane offset plus a constant. Whole tiles (all but a split's last) take a branch with no
-// bounds checks.
+// Loads one 16-token tile of page `page_id`: this lane's K words of tokens g, g+8 and V words of
+// tokens 2c, 2c+1, 2c+8, 2c+9 (zeros past `end`). t0 is a multiple of 16 and pages hold at
+// least 16 tokens, so the tile lies in one page and every address is the page plus a lane
+// offset plus a constant. Whole tiles (all but a split's last) take a branch with no bounds
+// checks.
 template <int FMT, int D>
-__device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, const u32* table,
+__device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, u32 page_id,
                                           const PageGeom& g, const LaneOffsets& lo, u32 t0,
                                           u32 end, u32 lg, u32 lc) {
     typedef Fmt<FMT, D> F;
     const u32 off0 = t0 & (g.page_size - 1u);
-    const u8* page = pages + (u64)table[t0 >> g.page_shift] * g.page_bytes;
+    const u8* page = pages + (u64)page_id * g.page_bytes;
     const u8* kd = page + (lo.kd + off0 * F::VB);
     const u8* vd = page + (lo.vd + off0 * F::VB);
     const u8* ks = page + (lo.ks + off0 * (D / 16));
@@ -198,14 +209,14 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
     // ---- scores: S^T = K . Q^T ----
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     if (FMT == NIBBLE_NVFP4) {
+        // Each token's one or two scale bytes (b0, b1) as (b0, b1, b0, b1): (s0, s0) and
+        // (s1, s1) without extracting the bytes first.
         u32 sc[2][D / 64];
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
-#pragma unroll
-            for (int b = 0; b < D / 64; ++b) {
-                const u32 byte = (r.ks[t] >> (8 * b)) & 0xFFu;
-                sc[t][b] = scale_pair(byte, byte);
-            }
+            const u32 x = __byte_perm(r.ks[t], 0u, 0x1010);
+            sc[t][0] = scale_02(x);
+            if (D / 64 == 2) sc[t][D / 64 - 1] = scale_13(x);
         }
 #pragma unroll
         for (int w = 0; w < F::KW; ++w) {
@@ -304,7 +315,7 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
         const u32* ve = r.v[2 * pr];
         const u32* vo = r.v[2 * pr + 1];
         if (FMT == NIBBLE_NVFP4) {
-            const u32 sl = scale_pair(r.vs[2 * pr], r.vs[2 * pr + 1]);
+            const u32 sl = scale_02(__byte_perm(r.vs[2 * pr], r.vs[2 * pr + 1], 0x0400));
 #pragma unroll
             for (int w = 0; w < F::VW; ++w) {
                 // (even, odd) token pairs of raw bytes 0, 1 and 2, 3, then their f16 high bytes:
@@ -393,10 +404,14 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
 
     const u32 stride = WARPS * TILE;
     const LaneOffsets lanes = lane_offsets<FMT, D>(geom, kv_head, lg, lc);
+    // The page id of a tile is read a tile ahead of its data: the data loads then never wait
+    // for a page-table read (two dependent trips to memory).
+    auto page_of = [&](u32 t) { return t < end ? __ldg(table + (t >> geom.page_shift)) : 0u; };
     u32 t0 = begin + warp * TILE;
     if (t0 < end) {
         Raw<FMT, D> cur;
-        load_tile<FMT, D>(cur, pages, table, geom, lanes, t0, end, lg, lc);
+        load_tile<FMT, D>(cur, pages, page_of(t0), geom, lanes, t0, end, lg, lc);
+        u32 next_page = page_of(t0 + stride);
         if (FMT == NIBBLE_BF16) {
             // 256 B per lane in flight already; double-buffering would not fit in registers.
             while (true) {
@@ -404,20 +419,30 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                     lc);
                 t0 += stride;
                 if (t0 >= end) break;
-                load_tile<FMT, D>(cur, pages, table, geom, lanes, t0, end, lg, lc);
+                const u32 page = next_page;
+                next_page = page_of(t0 + stride);
+                load_tile<FMT, D>(cur, pages, page, geom, lanes, t0, end, lg, lc);
             }
         } else {
             // Two buffers in turn: the next tile loads while this one is computed.
             Raw<FMT, D> other;
             while (true) {
                 bool more = t0 + stride < end;
-                if (more) load_tile<FMT, D>(other, pages, table, geom, lanes, t0 + stride, end, lg, lc);
+                if (more) {
+                    const u32 page = next_page;
+                    next_page = page_of(t0 + 2 * stride);
+                    load_tile<FMT, D>(other, pages, page, geom, lanes, t0 + stride, end, lg, lc);
+                }
                 attend_tile<FMT, D>(cur, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
                                     lc);
                 if (!more) break;
                 t0 += stride;
                 more = t0 + stride < end;
-                if (more) load_tile<FMT, D>(cur, pages, table, geom, lanes, t0 + stride, end, lg, lc);
+                if (more) {
+                    const u32 page = next_page;
+                    next_page = page_of(t0 + 2 * stride);
+                    load_tile<FMT, D>(cur, pages, page, geom, lanes, t0 + stride, end, lg, lc);
+                }
                 attend_tile<FMT, D>(other, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
                                     lc);
                 if (!more) break;
