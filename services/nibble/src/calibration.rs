@@ -26,7 +26,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     if let Some(max) = args.max_tokens {
         tokens.truncate(max);
     }
-    let (model, _) = opened.load()?;
+    let (model, _) = opened.load(None)?;
     let source = args.text.display().to_string();
     let calibration = crate::with_model!(model, |model| calibrate::calibrate(
         &model,

@@ -53,6 +53,15 @@ pub struct UpArgs {
     /// MiB of KV pages each worker allocates.
     #[arg(long, env = "NIBBLE_KV_BUDGET_MIB", default_value_t = 256)]
     pub kv_budget_mib: usize,
+    /// Where both workers' engines run: cpu, cuda (GPU 0; an error if it cannot start) or auto
+    /// (CUDA when a GPU is found, else the CPU).
+    #[arg(
+        long,
+        value_name = "DEVICE",
+        env = "NIBBLE_DEVICE",
+        default_value = "auto"
+    )]
+    pub device: nibble_kernels::Device,
     /// CPU threads of each worker's engine [default: half the available cores, at least 1].
     #[arg(long, env = "NIBBLE_THREADS")]
     pub threads: Option<usize>,
@@ -201,7 +210,7 @@ pub async fn up_until(
             page_size: args.page_size,
             kv_budget_mib: args.kv_budget_mib,
             threads,
-            device: Default::default(),
+            device: args.device,
             reservation_ttl_ms: 30_000,
             etcd_endpoints: Vec::new(),
             capacity_interval_ms: 1_000,

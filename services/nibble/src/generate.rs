@@ -105,7 +105,7 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write, diag: &mut impl Write) -> 
     let opened = Opened::open(&args.model)?;
     let kv = opened.kv_config(args.kv_dtype, &args.quant)?;
     let prompt = prompt_tokens(opened.tokenizer(), args)?;
-    let (model, tokenizer) = opened.load()?;
+    let (model, tokenizer) = opened.load(Some(&kv))?;
     let config = EngineConfig {
         kv,
         kv_budget_bytes: budget,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use nibble_engine::calibrate::Calibration;
 use nibble_engine::{Backend, CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
-use nibble_kernels::{CudaBackend, Device};
+use nibble_kernels::{CudaBackend, Device, KvNeeds};
 use nibble_kvfmt::KvDtype;
 
 use crate::cli::{ModelArgs, QuantArgs};
@@ -101,8 +101,20 @@ impl Opened {
 
     /// Loads the weights on `--device`'s backend; returns the model and its tokenizer. Run
     /// the command on it with [`with_model!`](crate::with_model).
-    pub fn load(self) -> Result<(LoadedModel, Tokenizer)> {
-        let cuda = if self.device.wants_cuda() {
+    /// `kv`: the cache the model will run with, if any (`auto` keeps a cache the CUDA backend
+    /// cannot run on the CPU).
+    pub fn load(self, kv: Option<&KvConfig>) -> Result<(LoadedModel, Tokenizer)> {
+        let needs = KvNeeds {
+            head_dim: self.config.head_dim,
+            page_size: kv.map_or(16, |kv| kv.page_size),
+            hadamard: kv.is_some_and(|kv| kv.hadamard),
+        };
+        if self.device == Device::Auto && nibble_kernels::cuda_available() {
+            if let Some(reason) = needs.unsupported() {
+                eprintln!("nibble: --device auto: a GPU was found but {reason}; using the CPU");
+            }
+        }
+        let cuda = if self.device.wants_cuda_for(needs) {
             match CudaBackend::new(0) {
                 Ok(b) => Some(b),
                 Err(e) if self.device == Device::Auto => {

@@ -170,7 +170,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
         });
     }
     let model_path = opened.path().to_path_buf();
-    let (model, _) = opened.load()?;
+    let (model, _) = opened.load(kv.as_ref())?;
     let mut windows = Vec::with_capacity(args.windows);
     crate::with_model!(model, |model| {
         for (index, window) in tokens[..needed].chunks_exact(args.window).enumerate() {

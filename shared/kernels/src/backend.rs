@@ -631,23 +631,14 @@ impl Backend for CudaBackend {
         scales: GlobalScales,
         hadamard: bool,
     ) -> EngineResult<CudaPages> {
-        if hadamard {
-            return Err(EngineError::Unsupported(
-                "the CUDA backend does not implement the Hadamard KV rotation".into(),
-            ));
-        }
         let layout = plan.layout;
-        if !matches!(layout.head_dim(), 64 | 128) {
-            return Err(EngineError::Unsupported(format!(
-                "the CUDA attention kernels take head dim 64 or 128, not {}",
-                layout.head_dim()
-            )));
-        }
-        if layout.page_size() < 16 {
-            return Err(EngineError::Unsupported(format!(
-                "the CUDA decode kernel needs pages of at least 16 tokens, not {}",
-                layout.page_size()
-            )));
+        let needs = crate::KvNeeds {
+            head_dim: layout.head_dim(),
+            page_size: layout.page_size(),
+            hadamard,
+        };
+        if let Some(reason) = needs.unsupported() {
+            return Err(EngineError::Unsupported(reason));
         }
         PageGeom::new(&layout, 0).map_err(|e| EngineError::Unsupported(e.to_string()))?;
         let layers = layout.layers();

@@ -48,7 +48,7 @@ const PREFILL_ROWS: u32 = 64;
 /// Threads per decode block (4 warps) and tokens per warp tile, as in `cu/decode.cu`.
 const DECODE_THREADS: u32 = 128;
 const DECODE_WARPS: usize = DECODE_THREADS as usize / 32;
-const DECODE_TILE: usize = 16;
+pub(crate) const DECODE_TILE: usize = 16;
 
 /// The compiled kernels on one device.
 pub struct Kernels {

@@ -21,7 +21,7 @@ mod launch;
 pub mod nvrtc;
 
 pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor};
-pub use device::Device;
+pub use device::{Device, KvNeeds};
 pub use error::{Error, Result};
 pub use geom::PageGeom;
 pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};

@@ -9,7 +9,7 @@ use std::time::Duration;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, Role};
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
-use nibble_kernels::{CudaBackend, Device};
+use nibble_kernels::{CudaBackend, Device, KvNeeds};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_security::{Security, SecurityArgs};
@@ -51,7 +51,7 @@ pub struct WorkerArgs {
     pub threads: usize,
     /// Where the engine runs: cpu, cuda (GPU 0; the worker fails to start without it) or auto
     /// (CUDA when a GPU is found, else the CPU).
-    #[arg(long, env = "NIBBLE_DEVICE", default_value = "cpu")]
+    #[arg(long, env = "NIBBLE_DEVICE", default_value = "auto")]
     pub device: Device,
     /// How long an unfilled reservation is kept, in milliseconds.
     #[arg(long, env = "NIBBLE_RESERVATION_TTL_MS", default_value_t = 30_000)]
@@ -113,7 +113,12 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
         kv_budget_bytes: args.kv_budget_mib << 20,
         scheduler: SchedulerConfig::default(),
     };
-    let cuda = if args.device.wants_cuda() {
+    let needs = KvNeeds {
+        head_dim: source.config()?.head_dim,
+        page_size: args.page_size,
+        hadamard: false,
+    };
+    let cuda = if args.device.wants_cuda_for(needs) {
         match CudaBackend::new(0) {
             Ok(b) => Some(b),
             Err(e) if args.device == Device::Auto => {

@@ -35,7 +35,7 @@ pub struct ModelArgs {
         long,
         value_name = "DEVICE",
         env = "NIBBLE_DEVICE",
-        default_value = "cpu"
+        default_value = "auto"
     )]
     pub device: Device,
 }
