@@ -6,10 +6,9 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use nibble_engine::sampling::MAX_TOP_LOGPROBS;
 use nibble_proto::v1;
 use serde::Deserialize;
-
-use nibble_engine::sampling::MAX_TOP_LOGPROBS;
 
 use super::error::ApiError;
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};

@@ -48,8 +48,8 @@ pub struct CompletionRequest {
 struct Parsed {
     request: v1::GenerateRequest,
     delivery: Delivery,
-    /// Alternatives per token, when log-probabilities were asked for.
-    logprobs: Option<u32>,
+    /// Whether log-probabilities were asked for (`logprobs` set, even to 0).
+    logprobs: bool,
 }
 
 fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
@@ -113,7 +113,7 @@ fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Pa
     Ok(Parsed {
         request,
         delivery,
-        logprobs: body.logprobs,
+        logprobs: body.logprobs.is_some(),
     })
 }
 
@@ -142,7 +142,7 @@ async fn run(
         id,
         model: served,
         created: generate::unix_now(),
-        logprobs: parsed.logprobs.map(|_| LogprobText::new(&state)),
+        logprobs: parsed.logprobs.then(|| LogprobText::new(&state)),
         include_usage: parsed.delivery.include_usage,
     };
     if parsed.delivery.stream {
