@@ -142,17 +142,17 @@ pub fn stream<B: Backend>(engine: &mut Engine<B>, out: &mut impl Write) -> Resul
             // (disaggregated) requests, which this command never submits.
             if let Event::Token {
                 token,
-                logprob,
+                logprobs: computed,
                 text,
                 ..
             } = event
             {
                 first_token.get_or_insert_with(Instant::now);
-                if let Some(logprob) = logprob {
+                if let Some(computed) = computed {
                     logprobs.push(TokenLogprob {
                         token,
                         text: tokenizer.decode(&[token], false)?,
-                        logprob,
+                        logprob: computed.logprob,
                     });
                 }
                 write(&text)?;

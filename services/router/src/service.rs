@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nibble_discovery::{Discovery, Role, WorkerEvent, WorkerId, WorkerInfo};
+use nibble_engine::sampling::MAX_TOP_LOGPROBS;
 use nibble_engine::{ChatMessage, Tokenizer};
 use nibble_proto::v1;
 use nibble_proto::v1::worker_client::WorkerClient;
@@ -329,6 +330,21 @@ impl InferenceService {
                 if !(t >= 0.0 && t.is_finite()) {
                     return Err(invalid("sampling.temperature", format!("{t} must be >= 0")));
                 }
+            }
+        }
+        if let Some(l) = &req.logprobs {
+            let k = l.top_logprobs;
+            if k > MAX_TOP_LOGPROBS {
+                return Err(invalid(
+                    "logprobs.top_logprobs",
+                    format!("must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+                ));
+            }
+            if k > 0 && !l.enabled {
+                return Err(invalid(
+                    "logprobs.top_logprobs",
+                    "requires logprobs.enabled",
+                ));
             }
         }
         let max_tokens = req.stopping.as_ref().and_then(|s| s.max_tokens);

@@ -15,6 +15,9 @@ use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::HttpConfig;
 use serde_json::{json, Value};
 use support::http_client::{self, get, post_json, HttpResponse};
+use support::logprobs::{
+    check_chat_logprobs, check_completion_logprobs, joined_completion_logprobs,
+};
 use support::{engine_with, generate_text, prompt, RouterServer, Worker, MODEL};
 use tokio::io::AsyncReadExt;
 use tonic::transport::Channel;
@@ -188,6 +191,17 @@ async fn completions_and_chat_give_the_grpc_paths_greedy_output() {
         .unwrap()
         .iter()
         .all(|l| l.as_f64().unwrap() <= 0.0));
+    // logprobs: 0 still lists the chosen token (OpenAI: up to logprobs + 1 entries).
+    for (top, token) in logprobs["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(logprobs["tokens"].as_array().unwrap())
+    {
+        let top = top.as_object().unwrap();
+        assert_eq!(top.len(), 1, "{top:?}");
+        assert!(top.contains_key(token.as_str().unwrap()), "{top:?}");
+    }
 
     // Streamed, with usage.
     let mut streamed = body.clone();
@@ -304,6 +318,61 @@ async fn completions_and_chat_give_the_grpc_paths_greedy_output() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_logprobs_have_openais_shape_streamed_or_not() {
+    let cluster = Cluster::start(HttpConfig::default()).await;
+    let http = cluster.http();
+
+    // Completions, logprobs: 3, against the same request without logprobs (run twice: the first
+    // run caches the prompt, and a cached prefix may change the greedy tokens).
+    let plain = json!({
+        "prompt": support::PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+    });
+    post_json(http, "/v1/completions", &plain).await;
+    let text =
+        post_json(http, "/v1/completions", &plain).await.json()["choices"][0]["text"].clone();
+    let mut body = plain.clone();
+    body["logprobs"] = json!(3);
+    let j = post_json(http, "/v1/completions", &body).await.json();
+    assert_eq!(j["choices"][0]["text"], text, "logprobs change no token");
+    let lp = &j["choices"][0]["logprobs"];
+    check_completion_logprobs(lp, 3, NEW_TOKENS as usize);
+    body["stream"] = json!(true);
+    let chunks = sse_chunks(&post_json(http, "/v1/completions", &body).await);
+    assert_eq!(
+        &joined_completion_logprobs(&chunks),
+        lp,
+        "streamed = not streamed"
+    );
+
+    // Chat, logprobs: true with top_logprobs: 3 (twice again, to cache the prompt).
+    let body = json!({
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": true, "top_logprobs": 3,
+    });
+    post_json(http, "/v1/chat/completions", &body).await;
+    let j = post_json(http, "/v1/chat/completions", &body).await.json();
+    let content = j["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len(),
+        j["usage"]["completion_tokens"].as_u64().unwrap() as usize
+    );
+    check_chat_logprobs(content, 3);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = sse_chunks(&post_json(http, "/v1/chat/completions", &streamed).await);
+    let streamed_content: Vec<Value> = chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+        .filter_map(|c| c["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(&streamed_content, content, "streamed = not streamed");
+
+    cluster.pages_back().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_mid_stream_frees_the_requests_pages() {
     let cluster = Cluster::start(HttpConfig::default()).await;
     let body = json!({
@@ -386,7 +455,8 @@ async fn errors_have_openais_shape_and_status() {
         (with(&ok_completion, "n", json!(2)), "n"),
         (with(&ok_completion, "max_tokens", json!(0)), "max_tokens"),
         (with(&ok_completion, "max_tokens", json!(-1)), "max_tokens"),
-        (with(&ok_completion, "logprobs", json!(3)), "logprobs"),
+        (with(&ok_completion, "logprobs", json!(6)), "logprobs"),
+        (with(&ok_completion, "logprobs", json!(-1)), "logprobs"),
         (with(&ok_completion, "stop", json!([""])), "stop"),
         (with(&ok_completion, "prompt", json!("")), "prompt"),
         (with(&ok_completion, "prompt", json!(["a", "b"])), "prompt"),
@@ -414,7 +484,13 @@ async fn errors_have_openais_shape_and_status() {
             "max_completion_tokens",
         ),
         (with(&ok_chat, "n", json!(3)), "n"),
+        // top_logprobs needs logprobs: true, and is 0 to 20.
         (with(&ok_chat, "top_logprobs", json!(2)), "top_logprobs"),
+        (
+            json!({"messages": [{"role": "user", "content": "Hi"}], "logprobs": true,
+                   "top_logprobs": 21}),
+            "top_logprobs",
+        ),
         (
             with(&ok_chat, "tools", json!([{"type": "function"}])),
             "tools",

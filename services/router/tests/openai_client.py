@@ -77,6 +77,50 @@ def main():
     check("".join(pieces) == answer, "streamed chat = non-streamed")
     check(usage is not None and usage.completion_tokens == chat.usage.completion_tokens, "chat usage")
 
+    # Top alternatives: logprobs=3 on completions, top_logprobs=3 on chat (greedy, so the chosen
+    # token is the most likely one).
+    completion = client.completions.create(**kwargs, logprobs=3)
+    lp = completion.choices[0].logprobs
+    n = completion.usage.completion_tokens
+    check(
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n,
+        "completion logprobs: one entry per token",
+    )
+    steps = list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    check(
+        all(3 <= len(top) <= 4 and top.get(token) == value for token, value, top in steps),
+        f"3 alternatives and the chosen token per position: {lp.top_logprobs[0]}",
+    )
+    check(
+        all(v <= value <= 0 for _, value, top in steps for v in top.values()),
+        "the chosen token is the most likely",
+    )
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    check(len(content) == chat.usage.completion_tokens, "chat top_logprobs: one entry per token")
+    check(
+        all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in content),
+        f"3 alternatives, the chosen token first: {content[0].top_logprobs}",
+    )
+    values = [[t.logprob for t in e.top_logprobs] for e in content]
+    check(
+        all(v == sorted(v, reverse=True) and v[0] <= 0 for v in values),
+        "alternatives sorted by logprob, all <= 0",
+    )
+    check(
+        all(bytes(t.bytes) == t.token.encode() for e in content for t in e.top_logprobs),
+        "alternatives' bytes are their text's UTF-8",
+    )
+    try:
+        client.chat.completions.create(
+            model=model, messages=messages, logprobs=True, top_logprobs=21
+        )
+        check(False, "top_logprobs=21 refused")
+    except openai.BadRequestError as e:
+        check((e.body or {}).get("param") == "top_logprobs", "top_logprobs=21 is a 400")
+
     # Sampling with a seed is repeatable.
     sampled = [
         client.completions.create(

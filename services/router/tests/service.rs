@@ -84,6 +84,50 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
     assert_eq!(router.shared.router().stats().in_flight, 0);
 }
 
+/// Top alternatives come back for every token, the first one too: it is sampled on the prefill
+/// worker and reaches the client through the hand-off to the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_logprobs_come_through_prefill_handoff_and_decode() {
+    let dtype = KvDtype::Nvfp4;
+    let (expected, _) = reference(dtype).await;
+    let registry = StaticRegistry::new();
+    let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
+    let d = Worker::start(&registry, Role::Decode, "d0", dtype).await;
+    let page_size = p.state.engine().info().page_size as u32;
+    let router = RouterServer::start(&registry, page_size).await;
+    router.wait_for_workers(1, 1).await;
+    let mut client = router.client().await;
+
+    let mut request = greedy_request("top");
+    request.logprobs = Some(v1::LogprobsOptions {
+        enabled: true,
+        top_logprobs: 4,
+    });
+    let mut stream = client.generate(request).await.unwrap().into_inner();
+    let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+    while let Some(chunk) = stream.message().await.unwrap() {
+        assert_eq!(chunk.logprobs.len(), chunk.token_ids.len(), "{chunk:?}");
+        tokens.extend(chunk.token_ids);
+        logprobs.extend(chunk.logprobs);
+    }
+    assert_eq!(tokens, expected);
+    assert!(
+        p.state.counters().totals().pages_sent > 0,
+        "the prefill worker sampled the first token and handed off"
+    );
+    for (token, lp) in tokens.iter().zip(&logprobs) {
+        assert_eq!(lp.token_id, *token);
+        assert_eq!(lp.top.len(), 4, "{lp:?}");
+        assert_eq!(lp.top[0].token_id, *token, "greedy takes the most likely");
+        assert_eq!(lp.top[0].logprob, lp.logprob);
+        assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        assert!(lp.top.iter().all(|t| t.logprob <= 0.0));
+    }
+    for w in [&p, &d] {
+        w.pages_back().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_generate_frees_pages_on_both_workers() {
     let dtype = KvDtype::Nvfp4;
@@ -150,6 +194,14 @@ async fn invalid_requests_name_the_field() {
     let mut r = greedy_request("long");
     r.stopping.as_mut().unwrap().max_tokens = Some(4096);
     cases.push((r, "prompt"));
+    for (enabled, top_logprobs) in [(true, 21), (false, 3)] {
+        let mut r = greedy_request(&format!("top-{enabled}-{top_logprobs}"));
+        r.logprobs = Some(v1::LogprobsOptions {
+            enabled,
+            top_logprobs,
+        });
+        cases.push((r, "logprobs.top_logprobs"));
+    }
 
     for (request, field) in cases {
         let id = request.request_id.clone();

@@ -19,7 +19,7 @@ use crate::detok::Detokenizer;
 use crate::error::{Error, Result};
 use crate::kv::PagedBatch;
 use crate::model::{Logits, Model, Workspace};
-use crate::sampling::{InvalidParam, Sampler, SamplingParams};
+use crate::sampling::{InvalidParam, Sampled, Sampler, SamplingParams, TokenLogprobs};
 use crate::scheduler::{
     Batch, FinishReason, NewRequest, Outcome, Reservation, SchedulerConfig, SeqId, State,
     SubmitError,
@@ -60,11 +60,13 @@ pub struct Usage {
 /// What a step produced for one request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// A new token and the text it completed (possibly empty).
+    /// A new token and the text it completed (possibly empty). `logprobs` is set when the
+    /// request asked for them and this engine sampled the token (not for the first token of
+    /// [`Engine::start_decode`], which the prefill engine sampled).
     Token {
         id: SeqId,
         token: u32,
-        logprob: Option<f32>,
+        logprobs: Option<TokenLogprobs>,
         text: String,
     },
     /// A prefill-only request finished its prompt: its first token, and the pages holding the
@@ -72,7 +74,7 @@ pub enum Event {
     Prefilled {
         id: SeqId,
         token: u32,
-        logprob: Option<f32>,
+        logprobs: Option<TokenLogprobs>,
         pages: Vec<PageId>,
         usage: Usage,
     },
@@ -228,13 +230,13 @@ impl<B: Backend> Engine<B> {
             return Vec::new();
         }
         match self.run(&batch) {
-            Ok(sampled) => self.finish_step(&batch, &sampled),
+            Ok(sampled) => self.finish_step(&batch, sampled),
             Err(e) => self.fail(&batch, &e),
         }
     }
 
     /// The forward pass and sampling of one batch.
-    fn run(&mut self, batch: &Batch) -> Result<Vec<(SeqId, u32, Option<f32>)>> {
+    fn run(&mut self, batch: &Batch) -> Result<Vec<(SeqId, Sampled)>> {
         let seqs = batch
             .items
             .iter()
@@ -280,29 +282,34 @@ impl<B: Backend> Engine<B> {
                 .get_mut(&item.seq)
                 .expect("submitted requests");
             let seen = self.state.tokens(item.seq).unwrap_or_default();
-            let s = request.sampler.sample(row, seen);
-            sampled.push((item.seq, s.token, s.logprob));
+            sampled.push((item.seq, request.sampler.sample(row, seen)));
         }
         Ok(sampled)
     }
 
-    fn finish_step(&mut self, batch: &Batch, sampled: &[(SeqId, u32, Option<f32>)]) -> Vec<Event> {
-        let pairs: Vec<(SeqId, u32)> = sampled.iter().map(|(id, t, _)| (*id, *t)).collect();
+    fn finish_step(&mut self, batch: &Batch, sampled: Vec<(SeqId, Sampled)>) -> Vec<Event> {
+        let pairs: Vec<(SeqId, u32)> = sampled.iter().map(|(id, s)| (*id, s.token)).collect();
         let outcomes = self.state.complete(batch, &pairs);
         let mut events = Vec::new();
-        for ((id, outcome), (_, _, logprob)) in outcomes.into_iter().zip(sampled) {
-            self.emit(id, outcome, *logprob, &mut events);
+        for ((id, outcome), (_, s)) in outcomes.into_iter().zip(sampled) {
+            self.emit(id, outcome, s.logprobs, &mut events);
         }
         events
     }
 
     /// Turns one scheduler outcome into events: the token's text, and the end if it came.
-    fn emit(&mut self, id: SeqId, outcome: Outcome, logprob: Option<f32>, events: &mut Vec<Event>) {
+    fn emit(
+        &mut self,
+        id: SeqId,
+        outcome: Outcome,
+        logprobs: Option<TokenLogprobs>,
+        events: &mut Vec<Event>,
+    ) {
         let (token, finished) = match outcome {
             Outcome::Token(t) => (Some(t), None),
             Outcome::Finished(t, reason) => (t, Some(reason)),
             Outcome::Prefilled(token) => {
-                events.push(self.prefilled(id, token, logprob));
+                events.push(self.prefilled(id, token, logprobs));
                 return;
             }
         };
@@ -325,7 +332,7 @@ impl<B: Backend> Engine<B> {
             events.push(Event::Token {
                 id,
                 token,
-                logprob,
+                logprobs,
                 text,
             });
         }
@@ -377,7 +384,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Describes a prefill-only request whose prompt is done; its pages stay held for export.
-    fn prefilled(&mut self, id: SeqId, token: u32, logprob: Option<f32>) -> Event {
+    fn prefilled(&mut self, id: SeqId, token: u32, logprobs: Option<TokenLogprobs>) -> Event {
         let request = self.requests.remove(&id);
         let pages = self
             .state
@@ -392,7 +399,7 @@ impl<B: Backend> Engine<B> {
         Event::Prefilled {
             id,
             token,
-            logprob,
+            logprobs,
             pages,
             usage,
         }

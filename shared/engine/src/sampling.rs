@@ -4,8 +4,15 @@
 //! of range); a [`Sampler`] then holds one sequence's random state. The order of operations is the
 //! usual one: repetition penalty over every token seen so far (prompt and output), then greedy
 //! when temperature is 0, else temperature, top-k, top-p and min-p filtering, renormalization and a
-//! draw. The log-probability reported for the chosen token is under the model's own distribution
-//! (the raw logits' softmax), so it does not depend on the sampling settings.
+//! draw.
+//!
+//! Log-probabilities ([`TokenLogprobs`]) are under the model's own distribution: the log-softmax
+//! of the raw logits, before the repetition penalty, temperature and any truncation, as OpenAI
+//! reports them. So they do not depend on the sampling settings, and the chosen token and its
+//! `top_logprobs` alternatives share one distribution: the chosen token's value is exactly its
+//! entry among the alternatives when it is one of them. With greedy decoding and no penalty the
+//! chosen token is the first alternative (both break ties towards the lower token id); a penalty
+//! or sampling can choose a token that is ranked lower, or not among the alternatives at all.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -13,6 +20,9 @@ use serde::{Deserialize, Serialize};
 
 /// Largest `max_tokens` a request may ask for.
 pub const MAX_TOKENS_LIMIT: u32 = 32_768;
+
+/// Most alternatives per token a request may ask for (OpenAI's chat limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,6 +48,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Report the log-probability of each chosen token.
     pub logprobs: bool,
+    /// With `logprobs`, also report this many most likely tokens per position; 0 to 20.
+    pub top_logprobs: u32,
     /// Keep generating past the model's end-of-sequence token (benchmarks).
     pub ignore_eos: bool,
 }
@@ -55,6 +67,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             logprobs: false,
+            top_logprobs: 0,
             ignore_eos: false,
         }
     }
@@ -113,6 +126,16 @@ impl SamplingParams {
                 self.max_tokens,
             ));
         }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(invalid("top_logprobs", "at most 20", self.top_logprobs));
+        }
+        if self.top_logprobs > 0 && !self.logprobs {
+            return Err(invalid(
+                "top_logprobs",
+                "0 unless logprobs is set",
+                self.top_logprobs,
+            ));
+        }
         if let Some(s) = self.stop.iter().find(|s| s.is_empty()) {
             return Err(invalid("stop", "non-empty strings", format!("{s:?}")));
         }
@@ -120,11 +143,29 @@ impl SamplingParams {
     }
 }
 
-/// One draw: the token and, when asked for, its log-probability.
+/// One alternative at a position: a token and its log-probability.
 #[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+/// The log-probabilities of one sampled position, under the model's distribution (see the
+/// module header).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens (fewer when the vocabulary is smaller), most likely
+    /// first; equal log-probabilities in increasing token id.
+    pub top: Vec<TopLogprob>,
+}
+
+/// One draw: the token and, when asked for, its log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
     pub token: u32,
-    pub logprob: Option<f32>,
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 /// One sequence's sampler.
@@ -138,11 +179,36 @@ pub struct Sampler {
     marked: Vec<bool>,
 }
 
-/// log-softmax of `logits[token]`.
-fn logprob(logits: &[f32], token: usize) -> f32 {
+/// log Σ exp(logits): `logits[t]` minus it is the log-softmax of token t.
+fn log_normalizer(logits: &[f32]) -> f32 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
     let sum: f32 = logits.iter().map(|x| (x - max).exp()).sum();
-    logits[token] - max - sum.ln()
+    max + sum.ln()
+}
+
+/// The `k` largest logits as (token, logit), largest first, equal logits in increasing token id
+/// (the order [`argmax`] breaks ties in); NaN logits are never chosen.
+///
+/// One pass over the vocabulary keeping a sorted buffer of at most `k` entries (a bounded
+/// insertion, as cheap as a heap for k ≤ 20): a logit enters only when it beats the smallest one
+/// kept, so most tokens cost one comparison. No vocabulary-sized copy, no sort.
+fn top_k(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
+    out.clear();
+    let k = k.min(logits.len());
+    if k == 0 {
+        return;
+    }
+    for (token, &x) in logits.iter().enumerate() {
+        if x.is_nan() || (out.len() == k && x <= out[k - 1].1) {
+            continue;
+        }
+        // After every kept logit >= x: an equal one (a lower token id) stays ahead.
+        let at = out.partition_point(|(_, y)| *y >= x);
+        if out.len() == k {
+            out.pop();
+        }
+        out.insert(at, (token as u32, x));
+    }
 }
 
 fn argmax(logits: &[f32]) -> usize {
@@ -188,13 +254,35 @@ impl Sampler {
         } else {
             self.draw(logits)
         };
-        let logprob = self
+        let logprobs = self
             .params
             .logprobs
-            .then(|| logprob(raw.as_deref().unwrap_or(logits), token));
+            .then(|| self.logprobs(raw.as_deref().unwrap_or(logits), token));
         Sampled {
             token: token as u32,
-            logprob,
+            logprobs,
+        }
+    }
+
+    /// The chosen token's log-probability and the top alternatives, from the raw `logits`.
+    fn logprobs(&mut self, logits: &[f32], token: usize) -> TokenLogprobs {
+        let normalizer = log_normalizer(logits);
+        // `candidates` is free again once the draw is done.
+        top_k(
+            logits,
+            self.params.top_logprobs as usize,
+            &mut self.candidates,
+        );
+        TokenLogprobs {
+            logprob: logits[token] - normalizer,
+            top: self
+                .candidates
+                .iter()
+                .map(|&(token, x)| TopLogprob {
+                    token,
+                    logprob: x - normalizer,
+                })
+                .collect(),
         }
     }
 

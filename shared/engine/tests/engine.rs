@@ -225,3 +225,57 @@ fn abort_and_bad_requests() {
         .unwrap_err();
     assert_eq!(err.to_string(), "prompt is empty");
 }
+
+/// Greedy with `top_logprobs`: every token event (and a prefill-only request's first token)
+/// carries that many alternatives of the model's distribution, the chosen token first.
+#[test]
+fn token_events_carry_the_top_alternatives() {
+    let s = setup();
+    let params = SamplingParams {
+        logprobs: true,
+        top_logprobs: 5,
+        ..SamplingParams::greedy(6)
+    };
+    let check = |token: u32, lp: &nibble_engine::sampling::TokenLogprobs| {
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0].token, token, "greedy picks the most likely token");
+        assert_eq!(lp.top[0].logprob, lp.logprob);
+        assert!(lp.logprob <= 0.0);
+        assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        let total: f32 = lp.top.iter().map(|t| t.logprob.exp()).sum();
+        assert!(total <= 1.0 + 1e-4, "{total}");
+    };
+    let mut e = engine(&s, KvDtype::Nvfp4, 64, SchedulerConfig::default());
+    let p = prompt(&s, "The capital of France is");
+    e.submit(SeqId(1), p.clone(), params.clone()).unwrap();
+    let mut tokens = Vec::new();
+    while e.has_work() {
+        for event in e.step() {
+            if let Event::Token {
+                token, logprobs, ..
+            } = event
+            {
+                check(token, logprobs.as_ref().expect("asked for"));
+                tokens.push(token);
+            }
+        }
+    }
+    assert_eq!(tokens.len(), 6);
+
+    e.submit_prefill(SeqId(2), p, params).unwrap();
+    let mut prefilled = None;
+    while e.has_work() {
+        for event in e.step() {
+            if let Event::Prefilled {
+                token, logprobs, ..
+            } = event
+            {
+                prefilled = Some((token, logprobs.expect("asked for")));
+            }
+        }
+    }
+    let (token, lp) = prefilled.expect("prefilled");
+    check(token, &lp);
+    assert!(e.release(SeqId(2)));
+    all_pages_back(&mut e);
+}

@@ -1,7 +1,7 @@
 //! Wire messages to engine types and back. Absent fields take the documented defaults; ranges
 //! are checked by the engine ([`SamplingParams::validate`]), which names the field.
 
-use nibble_engine::sampling::{SamplingParams, MAX_TOKENS_LIMIT};
+use nibble_engine::sampling::{SamplingParams, TokenLogprobs, MAX_TOKENS_LIMIT};
 use nibble_engine::scheduler::FinishReason;
 use nibble_proto::v1;
 
@@ -33,7 +33,10 @@ pub fn sampling_params(
         p.stop_token_ids = s.stop_token_ids.clone();
         p.ignore_eos = s.ignore_eos;
     }
-    p.logprobs = logprobs.is_some_and(|l| l.enabled);
+    if let Some(l) = logprobs {
+        p.logprobs = l.enabled;
+        p.top_logprobs = l.top_logprobs;
+    }
     Ok(p)
 }
 
@@ -56,12 +59,19 @@ pub fn usage(u: &nibble_engine::Usage) -> v1::Usage {
     }
 }
 
-/// A chosen token's log-probability, when it was computed.
-pub fn logprob(token: u32, logprob: Option<f32>) -> Option<v1::TokenLogprob> {
-    logprob.map(|logprob| v1::TokenLogprob {
+/// A chosen token's log-probability and its alternatives, when they were computed.
+pub fn logprob(token: u32, logprobs: Option<TokenLogprobs>) -> Option<v1::TokenLogprob> {
+    logprobs.map(|l| v1::TokenLogprob {
         token_id: token,
-        logprob,
-        top: Vec::new(),
+        logprob: l.logprob,
+        top: l
+            .top
+            .into_iter()
+            .map(|t| v1::TopLogprob {
+                token_id: t.token,
+                logprob: t.logprob,
+            })
+            .collect(),
     })
 }
 
@@ -86,5 +96,43 @@ mod tests {
         assert_eq!(p.temperature, 0.0);
         let err = p.validate().unwrap_err();
         assert_eq!(err.field, "max_tokens");
+    }
+
+    #[test]
+    fn logprobs_options_reach_the_engine_and_come_back() {
+        let options = |enabled, top_logprobs| v1::LogprobsOptions {
+            enabled,
+            top_logprobs,
+        };
+        let p = sampling_params(None, None, Some(&options(true, 3)), 10).unwrap();
+        assert!(p.logprobs);
+        assert_eq!(p.top_logprobs, 3);
+        assert!(p.validate().is_ok());
+        for bad in [options(true, 21), options(false, 2)] {
+            let p = sampling_params(None, None, Some(&bad), 10).unwrap();
+            assert_eq!(p.validate().unwrap_err().field, "top_logprobs");
+        }
+
+        let wire = logprob(
+            7,
+            Some(TokenLogprobs {
+                logprob: -0.5,
+                top: vec![nibble_engine::sampling::TopLogprob {
+                    token: 7,
+                    logprob: -0.5,
+                }],
+            }),
+        )
+        .unwrap();
+        assert_eq!(wire.token_id, 7);
+        assert_eq!(wire.logprob, -0.5);
+        assert_eq!(
+            wire.top,
+            vec![v1::TopLogprob {
+                token_id: 7,
+                logprob: -0.5
+            }]
+        );
+        assert_eq!(logprob(7, None), None);
     }
 }

@@ -236,15 +236,15 @@ impl WorkerState {
         let started = Instant::now();
         let prompt_tokens = r.token_ids.len();
         let mut events = self.engine.submit_prefill(id, r.token_ids, params).await?;
-        let (token, logprob, pages, usage) = loop {
+        let (token, logprobs, pages, usage) = loop {
             match events.recv().await {
                 Some(Event::Prefilled {
                     token,
-                    logprob,
+                    logprobs,
                     pages,
                     usage,
                     ..
-                }) => break (token, logprob, pages, usage),
+                }) => break (token, logprobs, pages, usage),
                 Some(Event::Finished { error, .. }) => {
                     return Err(match error {
                         Some(e) => Error::Failed(e),
@@ -296,7 +296,7 @@ impl WorkerState {
         drop(guard);
         Ok(v1::PrefillResponse {
             first_token: token,
-            logprob: convert::logprob(token, logprob),
+            logprob: convert::logprob(token, logprobs),
             cached_tokens: usage.cached_tokens as u32,
             transfer,
         })
@@ -348,8 +348,9 @@ impl WorkerState {
             outcome: None,
         };
         let mut last_token = None;
-        // The engine starts a handed-off decode from its first token without a log-probability;
-        // the prefill worker computed it and it travels in the hand-off.
+        // The engine starts a handed-off decode from its first token without log-probabilities;
+        // the prefill worker computed them (the alternatives too) and they travel in the
+        // hand-off.
         let mut first_logprob = r.handoff.as_ref().and_then(|h| h.first_logprob.clone());
         let stream = UnboundedReceiverStream::new(events).map(move |event| {
             // `tracked` forgets the request id and counts the call when the stream is dropped.
@@ -357,11 +358,11 @@ impl WorkerState {
             match event {
                 Event::Token {
                     token,
-                    logprob,
+                    logprobs,
                     text,
                     ..
                 } => {
-                    let logprob = convert::logprob(token, logprob)
+                    let logprob = convert::logprob(token, logprobs)
                         .or_else(|| first_logprob.take().filter(|l| l.token_id == token));
                     first_logprob = None;
                     last_token = Some(token);

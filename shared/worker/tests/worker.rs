@@ -13,7 +13,7 @@ use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_worker::EngineHandle;
-use support::{greedy, handoff, model_path, Handoff, Server};
+use support::{greedy, handoff, handoff_with, model_path, Handoff, Server};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -103,6 +103,7 @@ async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
             tokens,
             reservation,
             transfer,
+            ..
         } = handoff(&p, &d, "cold", &prompt(), stopping()).await;
         assert_eq!(tokens, expected, "{dtype}, cold decode cache");
         assert_eq!(reservation.cached_tokens, 0);
@@ -123,6 +124,7 @@ async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
             tokens,
             reservation,
             transfer: warm,
+            ..
         } = handoff(&p, &d, "warm", &prompt(), stopping()).await;
         assert_eq!(tokens, expected_warm, "{dtype}, warm caches");
         assert!(
@@ -146,6 +148,63 @@ async fn handoff_through_grpc_gives_the_tokens_of_one_engine() {
         "nvfp4 moves 0.5625x fp8's bytes"
     );
     assert_eq!(bf16, 2 * fp8);
+}
+
+/// The first token is sampled on the prefill worker: its log-probability and alternatives come
+/// back in PrefillResponse and, through the hand-off, lead the decode stream's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_logprobs_survive_the_handoff() {
+    let dtype = KvDtype::Nvfp4;
+    let (expected, _) = reference(dtype).await;
+    let p = server(v1::WorkerRole::Prefill, dtype).await;
+    let d = server(v1::WorkerRole::Decode, dtype).await;
+    let options = v1::LogprobsOptions {
+        enabled: true,
+        top_logprobs: 3,
+    };
+    let Handoff {
+        tokens,
+        first_logprob,
+        logprobs,
+        ..
+    } = handoff_with(&p, &d, "top", &prompt(), stopping(), Some(options)).await;
+    assert_eq!(tokens, expected, "logprobs change no token");
+    let first = first_logprob.expect("the prefill worker computed them");
+    assert_eq!(first.top.len(), 3);
+    assert_eq!(logprobs.len(), tokens.len(), "one entry per token");
+    assert_eq!(logprobs[0], first, "the hand-off's entry leads the stream");
+    for (token, lp) in tokens.iter().zip(&logprobs) {
+        assert_eq!(lp.token_id, *token);
+        assert_eq!(lp.top.len(), 3, "{lp:?}");
+        assert_eq!(lp.top[0].token_id, *token, "greedy takes the most likely");
+        assert_eq!(lp.top[0].logprob, lp.logprob);
+        assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        assert!(lp.top.iter().all(|t| t.logprob <= 0.0));
+    }
+
+    // Out of range, or alternatives without logprobs: refused, naming the field.
+    for (enabled, top_logprobs) in [(true, 21), (false, 2)] {
+        let status = p
+            .client()
+            .await
+            .prefill(v1::PrefillRequest {
+                request_id: format!("bad-{top_logprobs}"),
+                token_ids: prompt(),
+                sampling: Some(greedy()),
+                logprobs: Some(v1::LogprobsOptions {
+                    enabled,
+                    top_logprobs,
+                }),
+                target: None,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().starts_with("top_logprobs"), "{status:?}");
+    }
+    for w in [&p, &d] {
+        w.pages_back().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

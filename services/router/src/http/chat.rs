@@ -6,6 +6,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use nibble_engine::sampling::MAX_TOP_LOGPROBS;
 use nibble_proto::v1;
 use serde::Deserialize;
 
@@ -75,23 +76,18 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         }
     }
     let logprobs = body.logprobs.unwrap_or(false);
-    match body.top_logprobs {
-        None | Some(0) => {}
-        Some(k) if logprobs => {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                format!(
-                    "at most 0 alternatives per token are supported (the chosen token's \
-                     log-probability is returned), got {k}"
-                ),
-            ))
-        }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                "requires logprobs to be true",
-            ))
-        }
+    let top_logprobs = body.top_logprobs.unwrap_or(0);
+    if top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            format!("must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}"),
+        ));
+    }
+    if top_logprobs > 0 && !logprobs {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "requires logprobs to be true",
+        ));
     }
     let messages = body
         .messages
@@ -147,7 +143,7 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         stopping: Some(c.stopping(max_tokens, param)?),
         logprobs: logprobs.then_some(v1::LogprobsOptions {
             enabled: true,
-            top_logprobs: 0,
+            top_logprobs,
         }),
         skip_special_tokens: c.skip_special_tokens,
     };
@@ -218,21 +214,32 @@ struct ChatChunks {
 }
 
 impl ChatChunks {
-    /// Chat's `logprobs` object for some tokens (`null` unless asked for).
+    /// Chat's `logprobs` object for some tokens (`null` unless asked for): per token its text,
+    /// log-probability and UTF-8 bytes, and the `top_logprobs` most likely tokens alike, most
+    /// likely first.
     fn logprobs(&self, logprobs: &[v1::TokenLogprob]) -> serde_json::Value {
         let Some(tokenizer) = &self.tokenizer else {
             return serde_json::Value::Null;
         };
+        let entry = |token_id: u32, logprob: f32| {
+            let token = super::token_text(tokenizer, token_id);
+            serde_json::json!({
+                "token": token,
+                "logprob": logprob,
+                "bytes": token.as_bytes(),
+            })
+        };
         let content: Vec<_> = logprobs
             .iter()
             .map(|lp| {
-                let token = super::token_text(tokenizer, lp.token_id);
-                serde_json::json!({
-                    "token": token,
-                    "logprob": lp.logprob,
-                    "bytes": token.as_bytes(),
-                    "top_logprobs": [],
-                })
+                let mut json = entry(lp.token_id, lp.logprob);
+                let top: Vec<_> = lp
+                    .top
+                    .iter()
+                    .map(|t| entry(t.token_id, t.logprob))
+                    .collect();
+                json["top_logprobs"] = top.into();
+                json
             })
             .collect();
         serde_json::json!({ "content": content })

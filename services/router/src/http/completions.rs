@@ -17,6 +17,9 @@ use super::{read_body, with_request_id, HttpState};
 /// OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
+/// Most alternatives per token `logprobs` may ask for (OpenAI's limit for completions).
+pub const MAX_LOGPROBS: u32 = 5;
+
 /// `prompt`: a string, a list of one string, token ids, or a list of one list of token ids.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -34,7 +37,7 @@ pub struct CompletionRequest {
     pub common: Common,
     pub prompt: Option<PromptInput>,
     pub max_tokens: Option<u32>,
-    /// Top alternatives per token; the engine returns the chosen token's only, so 0.
+    /// Alternatives per token, 0 to [`MAX_LOGPROBS`]; set (even to 0) returns `logprobs`.
     pub logprobs: Option<u32>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
@@ -45,6 +48,7 @@ pub struct CompletionRequest {
 struct Parsed {
     request: v1::GenerateRequest,
     delivery: Delivery,
+    /// Whether log-probabilities were asked for (`logprobs` set, even to 0).
     logprobs: bool,
 }
 
@@ -61,19 +65,12 @@ fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Pa
     if body.best_of.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid("best_of", "only best_of=1 is supported"));
     }
-    let logprobs = match body.logprobs {
-        None => false,
-        Some(0) => true,
-        Some(k) => {
-            return Err(ApiError::invalid(
-                "logprobs",
-                format!(
-                    "at most 0 alternatives per token are supported (the chosen token's \
-                     log-probability is always returned), got {k}"
-                ),
-            ))
-        }
-    };
+    if let Some(k) = body.logprobs.filter(|k| *k > MAX_LOGPROBS) {
+        return Err(ApiError::invalid(
+            "logprobs",
+            format!("must be between 0 and {MAX_LOGPROBS}, got {k}"),
+        ));
+    }
     let one = |n: usize| {
         if n == 1 {
             Ok(())
@@ -107,16 +104,16 @@ fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Pa
         add_special_tokens: None,
         sampling: Some(c.sampling()?),
         stopping: Some(c.stopping(Some(max_tokens), "max_tokens")?),
-        logprobs: logprobs.then_some(v1::LogprobsOptions {
+        logprobs: body.logprobs.map(|k| v1::LogprobsOptions {
             enabled: true,
-            top_logprobs: 0,
+            top_logprobs: k,
         }),
         skip_special_tokens: c.skip_special_tokens,
     };
     Ok(Parsed {
         request,
         delivery,
-        logprobs,
+        logprobs: body.logprobs.is_some(),
     })
 }
 
@@ -173,6 +170,9 @@ async fn run(
 }
 
 /// Completions' `logprobs` object, with text offsets running over the whole completion.
+/// `top_logprobs` has one object per token mapping the text of each of the `logprobs` most
+/// likely tokens to its log-probability, plus the chosen token's (OpenAI: "up to logprobs+1
+/// elements"); a text two tokens share is listed once, with the more likely one's value.
 struct LogprobText {
     tokenizer: std::sync::Arc<nibble_engine::Tokenizer>,
     offset: usize,
@@ -189,18 +189,29 @@ impl LogprobText {
     fn json(&mut self, logprobs: &[v1::TokenLogprob]) -> serde_json::Value {
         let mut tokens = Vec::new();
         let mut values = Vec::new();
+        let mut top = Vec::new();
         let mut offsets = Vec::new();
         for lp in logprobs {
             let text = super::token_text(&self.tokenizer, lp.token_id);
+            let mut alternatives = serde_json::Map::new();
+            for alt in &lp.top {
+                alternatives
+                    .entry(super::token_text(&self.tokenizer, alt.token_id))
+                    .or_insert(alt.logprob.into());
+            }
+            alternatives
+                .entry(text.clone())
+                .or_insert(lp.logprob.into());
             offsets.push(self.offset);
             self.offset += text.chars().count();
             tokens.push(text);
             values.push(lp.logprob);
+            top.push(serde_json::Value::Object(alternatives));
         }
         serde_json::json!({
             "tokens": tokens,
             "token_logprobs": values,
-            "top_logprobs": null,
+            "top_logprobs": top,
             "text_offset": offsets,
         })
     }

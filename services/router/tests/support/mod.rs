@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod http_client;
+pub mod logprobs;
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};

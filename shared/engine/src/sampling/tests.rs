@@ -33,7 +33,135 @@ fn logprob_is_under_the_raw_distribution() {
     assert_eq!(s.token, 4);
     let total: f32 = x.iter().map(|v| v.exp()).sum();
     let expected = (x[4].exp() / total).ln();
-    assert!((s.logprob.unwrap() - expected).abs() < 1e-5);
+    assert!((s.logprobs.unwrap().logprob - expected).abs() < 1e-5);
+}
+
+fn with_top(top_logprobs: u32, params: SamplingParams) -> SamplingParams {
+    SamplingParams {
+        logprobs: true,
+        top_logprobs,
+        ..params
+    }
+}
+
+/// log-softmax in f64, straight from the definition.
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let total: f64 = x.iter().map(|v| (*v as f64).exp()).sum();
+    x.iter().map(|v| *v as f64 - total.ln()).collect()
+}
+
+#[test]
+fn alternatives_are_the_most_likely_tokens_in_descending_order() {
+    let x = logits();
+    let mut sampler = Sampler::new(with_top(3, SamplingParams::greedy(4)));
+    let s = sampler.sample(&mut x.clone(), &[]);
+    let lp = s.logprobs.unwrap();
+    let tokens: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
+    assert_eq!(tokens, vec![1, 4, 2]);
+    let direct = log_softmax(&x);
+    for t in &lp.top {
+        assert!(
+            (t.logprob as f64 - direct[t.token as usize]).abs() < 1e-5,
+            "{t:?}"
+        );
+        assert!(t.logprob <= 0.0);
+    }
+    assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+    // Greedy: the chosen token is the first alternative, with the very same value.
+    assert_eq!(s.token, lp.top[0].token);
+    assert_eq!(lp.logprob, lp.top[0].logprob);
+}
+
+#[test]
+fn a_sampled_tokens_logprob_is_its_entry_among_the_alternatives() {
+    let mut sampler = Sampler::new(with_top(
+        5,
+        SamplingParams {
+            seed: Some(9),
+            ..SamplingParams::default()
+        },
+    ));
+    let mut chosen = std::collections::HashSet::new();
+    for _ in 0..200 {
+        let s = sampler.sample(&mut logits(), &[]);
+        let lp = s.logprobs.unwrap();
+        // k = the whole vocabulary: every draw is among the alternatives.
+        let entry = lp.top.iter().find(|t| t.token == s.token).expect("listed");
+        assert_eq!(entry.logprob, lp.logprob);
+        chosen.insert(s.token);
+    }
+    assert!(chosen.len() > 1, "sampling chose more than the argmax");
+}
+
+#[test]
+fn k_past_the_vocabulary_lists_it_all_and_zero_lists_none() {
+    let x = logits();
+    let mut sampler = Sampler::new(with_top(20, SamplingParams::greedy(4)));
+    let lp = sampler.sample(&mut x.clone(), &[]).logprobs.unwrap();
+    let tokens: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
+    assert_eq!(tokens, vec![1, 4, 2, 0, 3]);
+    let total: f64 = lp.top.iter().map(|t| (t.logprob as f64).exp()).sum();
+    assert!((total - 1.0).abs() < 1e-5, "{total}");
+
+    let mut sampler = Sampler::new(with_top(0, SamplingParams::greedy(4)));
+    let lp = sampler.sample(&mut x.clone(), &[]).logprobs.unwrap();
+    assert!(lp.top.is_empty());
+    assert!((lp.logprob as f64 - log_softmax(&x)[1]).abs() < 1e-5);
+    // Without logprobs nothing is computed.
+    let mut sampler = Sampler::new(SamplingParams::greedy(4));
+    assert_eq!(sampler.sample(&mut x.clone(), &[]).logprobs, None);
+}
+
+#[test]
+fn ties_are_listed_in_token_order() {
+    let x = vec![0.5, 2.0, 1.0, 2.0, 1.0, 2.0];
+    let mut sampler = Sampler::new(with_top(4, SamplingParams::greedy(4)));
+    let s = sampler.sample(&mut x.clone(), &[]);
+    let tokens: Vec<u32> = s.logprobs.unwrap().top.iter().map(|t| t.token).collect();
+    assert_eq!(tokens, vec![1, 3, 5, 2]);
+    assert_eq!(s.token, 1, "argmax breaks the tie the same way");
+}
+
+#[test]
+fn alternatives_match_a_full_sort_over_a_large_vocabulary() {
+    // A vocabulary the size of SmolLM2's, with many exact ties (logits on a 1/8 grid).
+    let mut rng = StdRng::seed_from_u64(4);
+    let x: Vec<f32> = (0..49_152)
+        .map(|_| (rng.gen_range(-80..80) as f32) / 8.0)
+        .collect();
+    let direct = log_softmax(&x);
+    let mut order: Vec<u32> = (0..x.len() as u32).collect();
+    order.sort_by(|a, b| x[*b as usize].total_cmp(&x[*a as usize]).then(a.cmp(b)));
+    let mut sampler = Sampler::new(with_top(20, SamplingParams::greedy(4)));
+    let lp = sampler.sample(&mut x.clone(), &[]).logprobs.unwrap();
+    let tokens: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
+    assert_eq!(tokens, order[..20]);
+    for t in &lp.top {
+        assert!(
+            (t.logprob as f64 - direct[t.token as usize]).abs() < 1e-4,
+            "{t:?}"
+        );
+    }
+}
+
+#[test]
+fn alternatives_ignore_the_repetition_penalty() {
+    let x = logits();
+    let params = with_top(
+        2,
+        SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy(4)
+        },
+    );
+    let s = Sampler::new(params).sample(&mut x.clone(), &[1]);
+    // The penalty made token 4 the choice; the model's distribution still ranks token 1 first.
+    assert_eq!(s.token, 4);
+    let lp = s.logprobs.unwrap();
+    let tokens: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
+    assert_eq!(tokens, vec![1, 4]);
+    assert_eq!(lp.logprob, lp.top[1].logprob);
+    assert!((lp.top[0].logprob as f64 - log_softmax(&x)[1]).abs() < 1e-5);
 }
 
 #[test]
@@ -136,4 +264,16 @@ fn validation_names_the_field() {
     .validate()
     .is_err());
     assert!(SamplingParams::default().validate().is_ok());
+    assert_eq!(
+        bad(with_top(21, SamplingParams::default())),
+        "top_logprobs must be at most 20, got 21"
+    );
+    assert_eq!(
+        bad(SamplingParams {
+            top_logprobs: 2,
+            ..Default::default()
+        }),
+        "top_logprobs must be 0 unless logprobs is set, got 2"
+    );
+    assert!(with_top(20, SamplingParams::default()).validate().is_ok());
 }

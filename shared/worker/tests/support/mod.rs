@@ -113,6 +113,10 @@ pub struct Handoff {
     pub tokens: Vec<u32>,
     pub reservation: v1::ReserveResponse,
     pub transfer: v1::TransferSummary,
+    /// The prefill worker's log-probabilities of the first token, when asked for.
+    pub first_logprob: Option<v1::TokenLogprob>,
+    /// The decode stream's log-probabilities, one per token, when asked for.
+    pub logprobs: Vec<v1::TokenLogprob>,
 }
 
 /// Reserve on D, Prefill on P (pushing to D), Decode on D, greedy, stopping as `stopping` says.
@@ -122,6 +126,19 @@ pub async fn handoff(
     request_id: &str,
     prompt: &[u32],
     stopping: v1::StoppingCriteria,
+) -> Handoff {
+    handoff_with(p, d, request_id, prompt, stopping, None).await
+}
+
+/// [`handoff`] asking both workers for `logprobs`; the prefill worker's first-token entry
+/// travels in the hand-off, as the router sends it.
+pub async fn handoff_with(
+    p: &Server,
+    d: &Server,
+    request_id: &str,
+    prompt: &[u32],
+    stopping: v1::StoppingCriteria,
+    logprobs: Option<v1::LogprobsOptions>,
 ) -> Handoff {
     let fingerprint = p.state.engine().info().fingerprint;
     let reservation = d
@@ -144,7 +161,7 @@ pub async fn handoff(
             request_id: request_id.into(),
             token_ids: prompt.to_vec(),
             sampling: Some(greedy()),
-            logprobs: None,
+            logprobs,
             target: Some(v1::TransferTarget {
                 address: d.address.clone(),
                 reservation_id: reservation.reservation_id,
@@ -167,20 +184,22 @@ pub async fn handoff(
             handoff: Some(v1::Handoff {
                 reservation_id: reservation.reservation_id,
                 first_token: prefilled.first_token,
-                first_logprob: None,
+                first_logprob: prefilled.logprob.clone(),
             }),
             sampling: Some(greedy()),
             stopping: Some(stopping),
-            logprobs: None,
+            logprobs,
             skip_special_tokens: None,
         })
         .await
         .unwrap()
         .into_inner();
     let mut tokens = Vec::new();
+    let mut logprobs = Vec::new();
     let mut finished = false;
     while let Some(chunk) = stream.message().await.unwrap() {
         tokens.extend(chunk.token_ids);
+        logprobs.extend(chunk.logprobs);
         finished |= chunk.usage.is_some();
     }
     assert!(finished, "the last chunk carries usage");
@@ -188,5 +207,7 @@ pub async fn handoff(
         tokens,
         reservation,
         transfer: prefilled.transfer.expect("pages were pushed"),
+        first_logprob: prefilled.logprob,
+        logprobs,
     }
 }
