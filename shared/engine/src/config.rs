@@ -103,6 +103,26 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Parameters of the model: embedding, LM head unless tied, every block's projections,
+    /// norms and biases, the final norm. Llama-3-8B has 8,030,261,248.
+    pub fn parameter_count(&self) -> usize {
+        let (h, q, kv, f) = (
+            self.hidden_size,
+            self.q_dim(),
+            self.kv_dim(),
+            self.intermediate_size,
+        );
+        let mut block = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h;
+        if self.qkv_bias {
+            block += q + 2 * kv;
+        }
+        if self.qk_norm {
+            block += 2 * self.head_dim;
+        }
+        let heads = if self.tie_word_embeddings { 1 } else { 2 };
+        heads * self.vocab_size * h + self.num_layers * block + h
+    }
+
     /// Reads the config of a GGUF model. `tie_word_embeddings` is true when the file has no
     /// `output.weight` tensor.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {

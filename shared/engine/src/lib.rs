@@ -15,11 +15,14 @@
 //!   contiguous f32 [`ContiguousKv`] store.
 //! * [`model`]: [`Model::forward`] over a batch of sequences.
 //! * [`eval`]: NLL / perplexity helpers.
+//! * [`synthetic`]: random weights for any shape and a tokenizer in which every id decodes.
+//! * [`decode_bench`]: end-to-end decode throughput through the engine's decode-worker path.
 
 pub mod backend;
 pub mod calibrate;
 pub mod chat;
 pub mod config;
+pub mod decode_bench;
 pub mod detok;
 pub mod engine;
 pub mod error;
@@ -36,6 +39,7 @@ pub mod scheduler;
 pub mod session;
 pub mod source;
 pub mod stop;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
 
