@@ -186,6 +186,11 @@ impl NcclTransport {
         self.links.name()
     }
 
+    /// Pairs this worker set up as sender since it started (each connect attempt counts).
+    pub fn connects(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
     /// Pairs with a link, both roles (a pair busy with a transfer counts).
     pub fn live_links(&self) -> usize {
         let senders = lock(&self.senders)

@@ -123,6 +123,18 @@ pub async fn handoff(
     prompt: &[u32],
     stopping: v1::StoppingCriteria,
 ) -> Handoff {
+    handoff_over(p, d, request_id, prompt, stopping, v1::TransferBackend::Grpc).await
+}
+
+/// [`handoff`] with the target's backend set to `backend` (NCCL also names D's worker id).
+pub async fn handoff_over(
+    p: &Server,
+    d: &Server,
+    request_id: &str,
+    prompt: &[u32],
+    stopping: v1::StoppingCriteria,
+    backend: v1::TransferBackend,
+) -> Handoff {
     let fingerprint = p.state.engine().info().fingerprint;
     let reservation = d
         .client()
@@ -152,7 +164,8 @@ pub async fn handoff(
                 page_count: reservation.page_count,
                 page_ids: reservation.page_ids.clone(),
                 kv_format_fingerprint: reservation.kv_format_fingerprint,
-                backend: v1::TransferBackend::Grpc as i32,
+                backend: backend as i32,
+                decode_worker_id: d.state.identity().worker_id.clone(),
             }),
         })
         .await
