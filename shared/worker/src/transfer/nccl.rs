@@ -36,6 +36,9 @@ use super::PushSummary;
 use crate::actor::EngineHandle;
 use crate::error::{Error, Result};
 
+/// The longest a receiver waits for a sender's id and rank, whatever the sender asks.
+const MAX_CONNECT_WAIT: Duration = Duration::from_secs(300);
+
 /// Whether a worker may use NCCL: `--kv-transfer`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransferMode {
@@ -465,7 +468,7 @@ impl NcclTransport {
         let key = KvKey::new(r.key)?;
         let timeout = match r.timeout_ms {
             0 => self.timeouts.timeout,
-            ms => Duration::from_millis(ms.into()).min(self.timeouts.timeout * 6),
+            ms => Duration::from_millis(ms.into()).min(MAX_CONNECT_WAIT),
         };
         let started = Instant::now();
         let id = self.discovery.wait_for(&key, timeout).await?;
