@@ -247,14 +247,20 @@ mod tests {
         };
         let (p, d) = (base(Some(("h", "GPU-a"))), base(Some(("h", "GPU-b"))));
         assert!(p.nccl_to(&d), "both CUDA + NCCL, two GPUs: NCCL");
-        assert!(p.nccl_to(&base(Some(("other", "GPU-c")))), "across hosts too");
+        assert!(
+            p.nccl_to(&base(Some(("other", "GPU-c")))),
+            "across hosts too"
+        );
         assert!(!p.nccl_to(&base(Some(("h", "GPU-a")))), "one GPU: gRPC");
         assert!(!p.nccl_to(&base(None)), "decode without NCCL: gRPC");
         assert!(!base(None).nccl_to(&d), "prefill without NCCL: gRPC");
         let json = serde_json::to_string(&base(None)).unwrap();
         assert!(!json.contains("nccl"), "absent when not capable: {json}");
         let json = serde_json::to_string(&p).unwrap();
-        assert!(json.contains(r#""nccl":{"host":"h","gpu":"GPU-a"}"#), "{json}");
+        assert!(
+            json.contains(r#""nccl":{"host":"h","gpu":"GPU-a"}"#),
+            "{json}"
+        );
         assert_eq!(serde_json::from_str::<WorkerInfo>(&json).unwrap(), p);
     }
 

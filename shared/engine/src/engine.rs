@@ -435,7 +435,11 @@ impl<B: Backend> Engine<B> {
     /// backend's memory (GPU to GPU). Writers must only write pages the allocator shows
     /// allocated to a reservation, as [`import_page`](Self::import_page) does.
     pub fn page_store(&mut self) -> (&B, &mut B::Pages, &PagePool) {
-        (self.model.backend().as_ref(), &mut self.pages, &self.state.pool)
+        (
+            self.model.backend().as_ref(),
+            &mut self.pages,
+            &self.state.pool,
+        )
     }
 
     /// Writes one received page into a reserved page.

@@ -11,8 +11,9 @@
 //! GPU 1) join one communicator from a unique id, each on its own thread; P gathers a request's
 //! scattered pages (256, then 1024 pages) and sends them, D receives them and scatters them into
 //! different page ids; every byte of D's pool is compared (targets equal P's sources, the rest
-//! zero). Reports the NCCL send/receive rate (GB/s, median of timed repeats) and the end-to-end
-//! rate with gather and scatter.
+//! zero). Reports the NCCL receive rate (GB/s: CUDA events around the receive on rank 1's stream,
+//! both ranks released together before each repeat; median and best of the repeats) and the
+//! end-to-end rate of the checked transfer with gather and scatter (host clock, slower side).
 //!
 //! Exits 0 only when the two-GPU transfer ran and every check passed. With one GPU it runs the
 //! single-GPU checks, says the two-GPU transfer was NOT tested, and exits 1; without a GPU, NVRTC
@@ -24,6 +25,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice};
 use nibble_kernels::nccl::{self, Communicator, UniqueId};
 use nibble_kernels::{Kernels, PageGeom};
@@ -42,6 +44,8 @@ const SIZES: [usize; 2] = [256, 1024];
 const WARMUP: usize = 2;
 const REPEATS: usize = 10;
 const TIMEOUT: Duration = Duration::from_secs(60);
+/// Events that record time (cudarc's default disables timing).
+const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
 
 fn main() -> ExitCode {
     let mut report = Report::default();
@@ -76,7 +80,13 @@ struct Report {
 }
 
 fn layout() -> Result<PageLayout> {
-    Ok(PageLayout::new(LAYERS, KV_HEADS, HEAD_DIM, PAGE, KvDtype::Nvfp4)?)
+    Ok(PageLayout::new(
+        LAYERS,
+        KV_HEADS,
+        HEAD_DIM,
+        PAGE,
+        KvDtype::Nvfp4,
+    )?)
 }
 
 fn run(report: &mut Report) -> Result<()> {
@@ -177,7 +187,13 @@ fn gather_scatter(kernels: &Kernels) -> Result<(CudaSlice<u8>, Vec<u32>, Vec<u32
     kernels.gather_pages(&mut staging, &pool, &from, size)?;
     let mut other = stream.alloc_zeros::<u8>(POOL_PAGES * size)?;
     kernels.scatter_pages(&mut other, &staging, &to, size)?;
-    compare_pools(&host, &from, &stream.clone_dtoh(&other)?, &to, "gather/scatter")?;
+    compare_pools(
+        &host,
+        &from,
+        &stream.clone_dtoh(&other)?,
+        &to,
+        "gather/scatter",
+    )?;
     println!("gather/scatter: {n} scattered pages of {size} bytes, every byte equal");
     Ok((staging, from, to, host))
 }
@@ -204,7 +220,13 @@ fn nccl_self(
     );
     let mut back = stream.alloc_zeros::<u8>(POOL_PAGES * size)?;
     kernels.scatter_pages(&mut back, &received, to, size)?;
-    compare_pools(host, from, &stream.clone_dtoh(&back)?, to, "NCCL self send/receive")?;
+    compare_pools(
+        host,
+        from,
+        &stream.clone_dtoh(&back)?,
+        to,
+        "NCCL self send/receive",
+    )?;
     println!(
         "NCCL one rank: {} MB sent to itself and scattered, every byte equal",
         staging.len() >> 20
@@ -236,7 +258,10 @@ impl Meet {
         while s.0 == generation {
             ensure!(!s.2, "the other rank failed");
             let left = deadline.saturating_duration_since(Instant::now());
-            ensure!(!left.is_zero(), "the other rank did not arrive within {TIMEOUT:?}");
+            ensure!(
+                !left.is_zero(),
+                "the other rank did not arrive within {TIMEOUT:?}"
+            );
             s = self.met.wait_timeout(s, left).unwrap().0;
         }
         Ok(())
@@ -280,8 +305,12 @@ fn two_gpus() -> Result<()> {
             result
         })
     };
-    let sent = sender.join().map_err(|_| anyhow::anyhow!("rank 0 panicked"));
-    let received = receiver.join().map_err(|_| anyhow::anyhow!("rank 1 panicked"));
+    let sent = sender
+        .join()
+        .map_err(|_| anyhow::anyhow!("rank 0 panicked"));
+    let received = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("rank 1 panicked"));
     let (p_host, p_times) = sent?.context("rank 0 (GPU 0)")?;
     let results = received?.context("rank 1 (GPU 1)")?;
     let size = layout()?.page_bytes();
@@ -293,8 +322,8 @@ fn two_gpus() -> Result<()> {
         let median = link[link.len() / 2];
         let e2e = d_time.end_to_end.max(p_time.end_to_end);
         println!(
-            "{n} pages ({:.1} MB nvfp4): NCCL {:.1} GB/s (median of {REPEATS}, best {:.1}), \
-             gather+send+receive+scatter {:.1} GB/s; every byte equal",
+            "{n} pages ({:.1} MB nvfp4): NCCL receive {:.1} GB/s (median of {REPEATS}, best \
+             {:.1}), gather+send+receive+scatter {:.1} GB/s; every byte equal",
             bytes / 1e6,
             bytes / median.as_secs_f64() / 1e9,
             bytes / link[0].as_secs_f64() / 1e9,
@@ -307,7 +336,11 @@ fn two_gpus() -> Result<()> {
 type SenderResult = Result<(Vec<u8>, Vec<Timing>)>;
 
 /// Rank 0 on GPU 0: random pages, gathered and sent for each size.
-fn prefill_side(id: UniqueId, barrier: &Meet, ids: mpsc::Sender<(Vec<u32>, Vec<u32>)>) -> SenderResult {
+fn prefill_side(
+    id: UniqueId,
+    barrier: &Meet,
+    ids: mpsc::Sender<(Vec<u32>, Vec<u32>)>,
+) -> SenderResult {
     {
         let kernels = Kernels::new(0).context("opening GPU 0")?;
         let size = layout()?.page_bytes();
@@ -322,13 +355,15 @@ fn prefill_side(id: UniqueId, barrier: &Meet, ids: mpsc::Sender<(Vec<u32>, Vec<u
             let mut link = Vec::new();
             kernels.gather_pages(&mut staging, &pool, &from, size)?;
             kernels.stream().synchronize()?;
+            let stream = comm.stream().clone();
             for i in 0..WARMUP + REPEATS {
                 barrier.wait()?;
-                let t = Instant::now();
+                let start = stream.record_event(Some(TIMED))?;
                 comm.send(&staging, 1, TIMEOUT)?;
+                let end = stream.record_event(Some(TIMED))?;
                 comm.wait(TIMEOUT)?;
                 if i >= WARMUP {
-                    link.push(t.elapsed());
+                    link.push(Duration::from_secs_f32(start.elapsed_ms(&end)? / 1e3));
                 }
             }
             // The checked transfer: gather included.
@@ -350,7 +385,11 @@ fn prefill_side(id: UniqueId, barrier: &Meet, ids: mpsc::Sender<(Vec<u32>, Vec<u
 type ReceiverResult = Result<Vec<(usize, Vec<u32>, Vec<u32>, Vec<u8>, Timing)>>;
 
 /// Rank 1 on GPU 1: receives each size and scatters it into other page ids.
-fn decode_side(id: UniqueId, barrier: &Meet, ids: mpsc::Receiver<(Vec<u32>, Vec<u32>)>) -> ReceiverResult {
+fn decode_side(
+    id: UniqueId,
+    barrier: &Meet,
+    ids: mpsc::Receiver<(Vec<u32>, Vec<u32>)>,
+) -> ReceiverResult {
     let kernels = Kernels::new(1).context("opening GPU 1")?;
     let size = layout()?.page_bytes();
     let stream = kernels.stream().clone();
@@ -362,13 +401,15 @@ fn decode_side(id: UniqueId, barrier: &Meet, ids: mpsc::Receiver<(Vec<u32>, Vec<
         stream.memset_zeros(&mut pool)?;
         let mut staging = comm.stream().alloc_zeros::<u8>(n * size)?;
         let mut link = Vec::new();
+        let comm_stream = comm.stream().clone();
         for i in 0..WARMUP + REPEATS {
             barrier.wait()?;
-            let t = Instant::now();
+            let start = comm_stream.record_event(Some(TIMED))?;
             comm.recv(&mut staging, 0, TIMEOUT)?;
+            let end = comm_stream.record_event(Some(TIMED))?;
             comm.wait(TIMEOUT)?;
             if i >= WARMUP {
-                link.push(t.elapsed());
+                link.push(Duration::from_secs_f32(start.elapsed_ms(&end)? / 1e3));
             }
         }
         barrier.wait()?;

@@ -653,10 +653,19 @@ mod tests {
 
     #[test]
     fn page_copies_are_checked_before_launch() {
-        assert!(check_page_copy(64, 128, &[1, 0, 7], 16).is_err(), "id 7 of 8 pages is fine, staging is short");
+        assert!(
+            check_page_copy(64, 128, &[1, 0, 7], 16).is_err(),
+            "id 7 of 8 pages is fine, staging is short"
+        );
         assert!(check_page_copy(48, 128, &[1, 0, 7], 16).is_ok());
-        assert!(check_page_copy(48, 128, &[1, 0, 8], 16).is_err(), "page 8 is past the pool");
-        assert!(check_page_copy(30, 60, &[0, 1], 15).is_err(), "15-byte pages");
+        assert!(
+            check_page_copy(48, 128, &[1, 0, 8], 16).is_err(),
+            "page 8 is past the pool"
+        );
+        assert!(
+            check_page_copy(30, 60, &[0, 1], 15).is_err(),
+            "15-byte pages"
+        );
         assert!(check_page_copy(0, 128, &[], 16).is_ok());
         let grid = page_copy_grid(100_000, 103_680);
         assert_eq!(grid.grid_dim.1, 65_535);

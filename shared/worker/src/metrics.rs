@@ -203,8 +203,7 @@ pub(crate) fn transfer_backend(
 
 /// Counts one fall back from NCCL to gRPC.
 pub(crate) fn fallback(role: &'static str, reason: &'static str) {
-    metrics::counter!(KV_TRANSFER_FALLBACKS_TOTAL, "role" => role, "reason" => reason)
-        .increment(1);
+    metrics::counter!(KV_TRANSFER_FALLBACKS_TOTAL, "role" => role, "reason" => reason).increment(1);
 }
 
 impl Collect for WorkerState {

@@ -157,7 +157,15 @@ fn enable(
 async fn grpc_tokens() -> Vec<u32> {
     let p = server(v1::WorkerRole::Prefill, "ref-p").await;
     let d = server(v1::WorkerRole::Decode, "ref-d").await;
-    let h = handoff_over(&p, &d, "ref", &prompt(), stopping(), v1::TransferBackend::Grpc).await;
+    let h = handoff_over(
+        &p,
+        &d,
+        "ref",
+        &prompt(),
+        stopping(),
+        v1::TransferBackend::Grpc,
+    )
+    .await;
     assert_eq!(h.transfer.backend, v1::TransferBackend::Grpc as i32);
     h.tokens
 }
@@ -174,7 +182,10 @@ async fn pages_back(servers: [&Server; 2]) {
 }
 
 /// Ids exchanged through `p_discovery`/`d_discovery`: two hand-offs over one pair.
-async fn two_handoffs_over_one_pair(p_discovery: Arc<dyn Discovery>, d_discovery: Arc<dyn Discovery>) {
+async fn two_handoffs_over_one_pair(
+    p_discovery: Arc<dyn Discovery>,
+    d_discovery: Arc<dyn Discovery>,
+) {
     let expected = grpc_tokens().await;
     let p = server(v1::WorkerRole::Prefill, "prefill-0").await;
     let d = server(v1::WorkerRole::Decode, "decode-0").await;
@@ -188,12 +199,19 @@ async fn two_handoffs_over_one_pair(p_discovery: Arc<dyn Discovery>, d_discovery
     assert_eq!(first.transfer.backend, v1::TransferBackend::Nccl as i32);
     let page_bytes = p.state.engine().info().page_bytes as u64;
     assert_eq!(first.transfer.pages, first.reservation.page_count);
-    assert_eq!(first.transfer.bytes, u64::from(first.transfer.pages) * page_bytes);
+    assert_eq!(
+        first.transfer.bytes,
+        u64::from(first.transfer.pages) * page_bytes
+    );
 
     let second = nccl_handoff(&p, &d, "r2").await;
     assert_eq!(second.transfer.backend, v1::TransferBackend::Nccl as i32);
     let nccl = p.state.nccl().unwrap();
-    assert_eq!(nccl.connects(), 1, "the pair is set up once, lazily, and reused");
+    assert_eq!(
+        nccl.connects(),
+        1,
+        "the pair is set up once, lazily, and reused"
+    );
     assert_eq!(nccl.live_links(), 1);
     assert_eq!(d.state.nccl().unwrap().live_links(), 1);
 
@@ -246,19 +264,40 @@ async fn a_peer_that_never_joins_costs_a_timeout_then_grpc() {
     let d = server(v1::WorkerRole::Decode, "decode-0").await;
     // Two hubs: D fetches the id and waits to join, but P's rank is never met.
     let timeout = Duration::from_millis(400);
-    let p_log = enable(&p, Arc::new(MemoryLinks::new()), Arc::new(registry.session()), "GPU-a", timeout);
-    enable(&d, Arc::new(MemoryLinks::new()), Arc::new(registry.session()), "GPU-b", timeout);
+    let p_log = enable(
+        &p,
+        Arc::new(MemoryLinks::new()),
+        Arc::new(registry.session()),
+        "GPU-a",
+        timeout,
+    );
+    enable(
+        &d,
+        Arc::new(MemoryLinks::new()),
+        Arc::new(registry.session()),
+        "GPU-b",
+        timeout,
+    );
 
     let started = Instant::now();
     let first = nccl_handoff(&p, &d, "r1").await;
-    assert!(started.elapsed() >= timeout, "the set-up waited for its deadline");
+    assert!(
+        started.elapsed() >= timeout,
+        "the set-up waited for its deadline"
+    );
     assert_eq!(first.tokens, expected);
     assert_eq!(first.transfer.backend, v1::TransferBackend::Grpc as i32);
     let totals = p.state.counters().totals();
-    assert_eq!((totals.pushes, totals.nccl_pushes, totals.fallbacks), (1, 0, 1));
+    assert_eq!(
+        (totals.pushes, totals.nccl_pushes, totals.fallbacks),
+        (1, 0, 1)
+    );
     {
         let log = p_log.lock().unwrap();
-        assert_eq!(log.deletes, log.puts, "the id is deleted after a failed set-up too");
+        assert_eq!(
+            log.deletes, log.puts,
+            "the id is deleted after a failed set-up too"
+        );
     }
 
     // Within the retry delay the pair stays on gRPC without waiting.
@@ -267,7 +306,11 @@ async fn a_peer_that_never_joins_costs_a_timeout_then_grpc() {
     assert_eq!(second.transfer.backend, v1::TransferBackend::Grpc as i32);
     assert!(started.elapsed() < Duration::from_secs(5));
     let nccl = p.state.nccl().unwrap();
-    assert_eq!(nccl.connects(), 1, "no second set-up within the retry delay");
+    assert_eq!(
+        nccl.connects(),
+        1,
+        "no second set-up within the retry delay"
+    );
     assert_eq!(p.state.counters().totals().fallbacks, 2);
     assert_eq!(nccl.live_links() + d.state.nccl().unwrap().live_links(), 0);
     pages_back([&p, &d]).await;
@@ -279,7 +322,13 @@ async fn a_decode_worker_without_nccl_makes_the_prefill_worker_fall_back_at_once
     let p = server(v1::WorkerRole::Prefill, "prefill-0").await;
     let d = server(v1::WorkerRole::Decode, "decode-0").await;
     let timeout = Duration::from_secs(30);
-    enable(&p, Arc::new(MemoryLinks::new()), Arc::new(registry.session()), "GPU-a", timeout);
+    enable(
+        &p,
+        Arc::new(MemoryLinks::new()),
+        Arc::new(registry.session()),
+        "GPU-a",
+        timeout,
+    );
     let started = Instant::now();
     let h = nccl_handoff(&p, &d, "r1").await;
     assert_eq!(h.transfer.backend, v1::TransferBackend::Grpc as i32);
@@ -332,14 +381,33 @@ async fn a_link_failure_mid_transfer_tears_the_pair_down_and_falls_back() {
     let d = server(v1::WorkerRole::Decode, "decode-0").await;
     let hub = MemoryLinks::new();
     let timeout = Duration::from_millis(500);
-    enable(&p, Arc::new(BreakingLinks(hub.clone())), Arc::new(registry.session()), "GPU-a", timeout);
-    enable(&d, Arc::new(hub), Arc::new(registry.session()), "GPU-b", timeout);
+    enable(
+        &p,
+        Arc::new(BreakingLinks(hub.clone())),
+        Arc::new(registry.session()),
+        "GPU-a",
+        timeout,
+    );
+    enable(
+        &d,
+        Arc::new(hub),
+        Arc::new(registry.session()),
+        "GPU-b",
+        timeout,
+    );
 
     let h = nccl_handoff(&p, &d, "r1").await;
-    assert_eq!(h.tokens, expected, "the gRPC fall back fills the reservation");
+    assert_eq!(
+        h.tokens, expected,
+        "the gRPC fall back fills the reservation"
+    );
     assert_eq!(h.transfer.backend, v1::TransferBackend::Grpc as i32);
     assert_eq!(p.state.counters().totals().fallbacks, 1);
-    assert_eq!(p.state.nccl().unwrap().live_links(), 0, "P dropped the broken pair");
+    assert_eq!(
+        p.state.nccl().unwrap().live_links(),
+        0,
+        "P dropped the broken pair"
+    );
     // D's receive times out and drops its end too; nothing it holds stays behind.
     let deadline = Instant::now() + Duration::from_secs(10);
     while d.state.nccl().unwrap().live_links() > 0 {
@@ -354,7 +422,13 @@ async fn the_control_message_is_checked_before_anything_is_received() {
     let registry = StaticRegistry::new();
     let d = server(v1::WorkerRole::Decode, "decode-0").await;
     let plain = server(v1::WorkerRole::Decode, "decode-1").await;
-    enable(&d, Arc::new(MemoryLinks::new()), Arc::new(registry.session()), "GPU-b", Duration::from_secs(1));
+    enable(
+        &d,
+        Arc::new(MemoryLinks::new()),
+        Arc::new(registry.session()),
+        "GPU-b",
+        Duration::from_secs(1),
+    );
     let info = d.state.engine().info().clone();
     let reservation = d
         .client()
@@ -387,11 +461,46 @@ async fn the_control_message_is_checked_before_anything_is_received() {
         }
     };
     let cases = [
-        ("another format", v1::NcclPagesRequest { kv_format_fingerprint: 1, ..good.clone() }, Code::FailedPrecondition),
-        ("another page size", v1::NcclPagesRequest { page_bytes: 16, ..good.clone() }, Code::InvalidArgument),
-        ("no pages", v1::NcclPagesRequest { page_indices: vec![], ..good.clone() }, Code::InvalidArgument),
-        ("a page outside the reservation", v1::NcclPagesRequest { page_indices: vec![999], ..good.clone() }, Code::InvalidArgument),
-        ("an unknown reservation", v1::NcclPagesRequest { reservation_id: 12345, ..good.clone() }, Code::NotFound),
+        (
+            "another format",
+            v1::NcclPagesRequest {
+                kv_format_fingerprint: 1,
+                ..good.clone()
+            },
+            Code::FailedPrecondition,
+        ),
+        (
+            "another page size",
+            v1::NcclPagesRequest {
+                page_bytes: 16,
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "no pages",
+            v1::NcclPagesRequest {
+                page_indices: vec![],
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "a page outside the reservation",
+            v1::NcclPagesRequest {
+                page_indices: vec![999],
+                ..good.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "an unknown reservation",
+            v1::NcclPagesRequest {
+                reservation_id: 12345,
+                ..good.clone()
+            },
+            Code::NotFound,
+        ),
         ("no pair with this sender", good.clone(), Code::NotFound),
     ];
     for (what, request, expected) in cases {

@@ -23,7 +23,7 @@ use super::{api, UniqueId};
 use crate::{Error, Result};
 
 /// Longest sleep between two polls of a pending operation.
-const MAX_POLL: Duration = Duration::from_millis(1);
+const MAX_POLL: Duration = Duration::from_micros(250);
 
 /// A communicator of `nranks` ranks on one device (see the module header).
 pub struct Communicator {
@@ -78,13 +78,7 @@ impl Communicator {
         // SAFETY: `comm` and `config` outlive the call; the id is passed by value; NCCL picks
         // the device current on this thread, which `bind_to_thread` set.
         let code = unsafe {
-            (api.init_rank_config)(
-                &mut comm,
-                nranks as i32,
-                id.raw(),
-                rank as i32,
-                &mut config,
-            )
+            (api.init_rank_config)(&mut comm, nranks as i32, id.raw(), rank as i32, &mut config)
         };
         if code != NCCL_SUCCESS && code != NCCL_IN_PROGRESS {
             if !comm.is_null() {

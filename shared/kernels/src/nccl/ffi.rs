@@ -135,7 +135,11 @@ impl Api {
 
 fn c_string(ptr: *const c_char) -> Option<String> {
     // SAFETY: NCCL's strings are NUL-terminated; null is checked.
-    (!ptr.is_null()).then(|| unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
+    (!ptr.is_null()).then(|| {
+        unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .into_owned()
+    })
 }
 
 static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();

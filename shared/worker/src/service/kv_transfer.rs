@@ -170,7 +170,9 @@ impl WorkerState {
             )));
         }
         if r.page_indices.is_empty() {
-            return Err(Error::InvalidArgument("page_indices must not be empty".into()));
+            return Err(Error::InvalidArgument(
+                "page_indices must not be empty".into(),
+            ));
         }
         let reservation = r.reservation_id;
         let request_id = self
@@ -186,7 +188,9 @@ impl WorkerState {
         tokio::spawn(
             async move {
                 let start = Instant::now();
-                let ready = Stage::Ready(v1::NcclReady { bytes: bytes as u64 });
+                let ready = Stage::Ready(v1::NcclReady {
+                    bytes: bytes as u64,
+                });
                 let progress = |stage| v1::NcclPagesProgress { stage: Some(stage) };
                 if tx.send(Ok(progress(ready))).await.is_err() {
                     return; // the sender left before anything was posted
@@ -194,7 +198,7 @@ impl WorkerState {
                 let received = async {
                     let staging = nccl.recv(&r.sender_id, &mut pair, bytes).await?;
                     drop(pair); // the next transfer of the pair may start
-                    // Checked again: an Abort or the TTL may have taken the reservation meanwhile.
+                                // Checked again: an Abort or the TTL may have taken the reservation meanwhile.
                     let targets = state.reservations.targets(reservation, &r.page_indices)?;
                     state.engine.scatter_staging(targets, staging).await?;
                     state.reservations.mark(reservation, &r.page_indices)

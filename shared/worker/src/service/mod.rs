@@ -672,4 +672,3 @@ impl Worker for WorkerService {
         Ok(Response::new(self.0.engine.kv_snapshot().await?))
     }
 }
-

@@ -140,4 +140,3 @@ pub async fn push_pages(
     );
     Ok(summary)
 }
-

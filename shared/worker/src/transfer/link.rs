@@ -97,7 +97,11 @@ impl NcclLinks {
     /// The UUID of the device, as NCCL endpoints advertise it.
     pub fn gpu_uuid(&self) -> Result<String> {
         let uuid = self.ctx.uuid().map_err(nibble_kernels::Error::from)?;
-        let hex: String = uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect();
+        let hex: String = uuid
+            .bytes
+            .iter()
+            .map(|b| format!("{:02x}", *b as u8))
+            .collect();
         Ok(format!("GPU-{hex}"))
     }
 }
@@ -119,7 +123,8 @@ impl LinkFactory for NcclLinks {
         cancel: &AtomicBool,
     ) -> Result<Box<dyn Link>> {
         let id = UniqueId::from_bytes(id)?;
-        let comm = Communicator::init_cancellable(&self.ctx, &id, rank as usize, 2, timeout, cancel)?;
+        let comm =
+            Communicator::init_cancellable(&self.ctx, &id, rank as usize, 2, timeout, cancel)?;
         Ok(Box::new(NcclLink {
             comm: Some(comm),
             peer: rank.peer(),
@@ -153,7 +158,9 @@ impl NcclLink {
 impl Link for NcclLink {
     fn send(&mut self, data: Staging, timeout: Duration) -> Result<()> {
         let Staging::Device(buf) = &data else {
-            return Err(Error::Link("NCCL sends device memory, got host bytes".into()));
+            return Err(Error::Link(
+                "NCCL sends device memory, got host bytes".into(),
+            ));
         };
         let peer = self.peer;
         self.guarded(|comm| {
@@ -252,7 +259,9 @@ impl LinkFactory for MemoryLinks {
             }
         }
         loop {
-            let meeting = waiting.get_mut(id).expect("present until both took their end");
+            let meeting = waiting
+                .get_mut(id)
+                .expect("present until both took their end");
             if let Some(end) = meeting.ends[me].take() {
                 if meeting.ends.iter().all(Option::is_none) {
                     waiting.remove(id);
@@ -371,7 +380,10 @@ mod tests {
             .send(Staging::Host(vec![1, 2, 3]), Duration::from_secs(1))
             .unwrap();
         assert_eq!(receiver.join().unwrap(), vec![1, 2, 3]);
-        assert!(hub.hub.waiting.lock().unwrap().is_empty(), "the meeting is cleaned up");
+        assert!(
+            hub.hub.waiting.lock().unwrap().is_empty(),
+            "the meeting is cleaned up"
+        );
     }
 
     #[test]
@@ -386,12 +398,18 @@ mod tests {
             .expect("nobody joins");
         assert!(err.to_string().contains("did not join"), "{err}");
         assert!(started.elapsed() >= Duration::from_millis(100));
-        assert!(b.hub.waiting.lock().unwrap().is_empty(), "a timed-out join leaves nothing");
+        assert!(
+            b.hub.waiting.lock().unwrap().is_empty(),
+            "a timed-out join leaves nothing"
+        );
         let cancel = AtomicBool::new(true);
         let started = Instant::now();
         assert!(a
             .join(&id, Rank::Sender, Duration::from_secs(30), &cancel)
             .is_err());
-        assert!(started.elapsed() < Duration::from_secs(5), "cancel ends the wait");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "cancel ends the wait"
+        );
     }
 }

@@ -15,7 +15,10 @@ pub mod grpc;
 pub mod link;
 pub mod nccl;
 
-pub use grpc::{pages_per_message, push_pages, PushSummary, CONNECTION_WINDOW_BYTES, MESSAGE_BYTES, STREAM_WINDOW_BYTES};
+pub use grpc::{
+    pages_per_message, push_pages, PushSummary, CONNECTION_WINDOW_BYTES, MESSAGE_BYTES,
+    STREAM_WINDOW_BYTES,
+};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -57,7 +57,9 @@ impl std::str::FromStr for TransferMode {
         match s {
             "auto" => Ok(Self::Auto),
             "grpc" => Ok(Self::Grpc),
-            _ => Err(format!("unknown transfer mode {s:?} (expected auto or grpc)")),
+            _ => Err(format!(
+                "unknown transfer mode {s:?} (expected auto or grpc)"
+            )),
         }
     }
 }
@@ -258,7 +260,10 @@ impl NcclTransport {
                     at - Instant::now()
                 ))));
             }
-            if let Err(e) = self.connect(&mut pair, &decode, &target.address, peers).await {
+            if let Err(e) = self
+                .connect(&mut pair, &decode, &target.address, peers)
+                .await
+            {
                 pair.retry_at = Some(Instant::now() + self.timeouts.retry_after);
                 return Err(fail("connect")(e));
             }
@@ -270,19 +275,21 @@ impl NcclTransport {
             .gather_staging(pages.to_vec())
             .await
             .map_err(fail("refused"))?;
-        let mut client = KvTransferClient::new(peers.with_token(
-            peers
-                .endpoint(&target.address)
-                .map_err(|e| fail("refused")(e.into()))?
-                .connect()
-                .await
-                .map_err(|source| {
-                    fail("refused")(Error::Connect {
-                        address: target.address.clone(),
-                        source,
-                    })
-                })?,
-        ));
+        let mut client = KvTransferClient::new(
+            peers.with_token(
+                peers
+                    .endpoint(&target.address)
+                    .map_err(|e| fail("refused")(e.into()))?
+                    .connect()
+                    .await
+                    .map_err(|source| {
+                        fail("refused")(Error::Connect {
+                            address: target.address.clone(),
+                            source,
+                        })
+                    })?,
+            ),
+        );
         let request = v1::NcclPagesRequest {
             sender_id: self.worker_id.clone(),
             generation: pair.generation,
@@ -308,13 +315,20 @@ impl NcclTransport {
                 drop_link(&mut pair.link);
                 let error = match other {
                     Err(e) => e,
-                    Ok(stage) => Error::Link(format!("expected ready for {} bytes, got {stage:?}", staging.len())),
+                    Ok(stage) => Error::Link(format!(
+                        "expected ready for {} bytes, got {stage:?}",
+                        staging.len()
+                    )),
                 };
                 return Err(fail("refused")(error));
             }
         }
         // Past `ready`, every failure breaks the link on both sides.
-        let sent = self.on_link(&mut pair.link, move |link, timeout| link.send(staging, timeout)).await;
+        let sent = self
+            .on_link(&mut pair.link, move |link, timeout| {
+                link.send(staging, timeout)
+            })
+            .await;
         if let Err(e) = sent {
             drop_link(&mut pair.link);
             return Err(fail("transfer")(e));
@@ -372,14 +386,15 @@ impl NcclTransport {
             tokio::task::spawn_blocking(move || links.join(&id, Rank::Sender, timeout, &cancel))
         };
         let connected = async {
-            let channel = peers
-                .endpoint(address)?
-                .connect()
-                .await
-                .map_err(|source| Error::Connect {
-                    address: address.to_string(),
-                    source,
-                })?;
+            let channel =
+                peers
+                    .endpoint(address)?
+                    .connect()
+                    .await
+                    .map_err(|source| Error::Connect {
+                        address: address.to_string(),
+                        source,
+                    })?;
             KvTransferClient::new(peers.with_token(channel))
                 .nccl_connect(v1::NcclConnectRequest {
                     sender_id: self.worker_id.clone(),
@@ -403,7 +418,12 @@ impl NcclTransport {
         }
         match (joined, connected) {
             (Ok(link), Ok(_)) => {
-                tracing::info!(peer = decode, generation, link = self.links.name(), "NCCL pair up");
+                tracing::info!(
+                    peer = decode,
+                    generation,
+                    link = self.links.name(),
+                    "NCCL pair up"
+                );
                 pair.link = Some(link);
                 pair.generation = generation;
                 pair.retry_at = None;
@@ -477,11 +497,10 @@ impl NcclTransport {
         let _cancel_on_drop = CancelOnDrop(Arc::clone(&cancel));
         let links = Arc::clone(&self.links);
         let left = timeout.saturating_sub(started.elapsed());
-        let link = tokio::task::spawn_blocking(move || {
-            links.join(&id, Rank::Receiver, left, &cancel)
-        })
-        .await
-        .map_err(|_| Error::Link("the join task panicked".into()))??;
+        let link =
+            tokio::task::spawn_blocking(move || links.join(&id, Rank::Receiver, left, &cancel))
+                .await
+                .map_err(|_| Error::Link("the join task panicked".into()))??;
         let pair = Arc::new(AsyncMutex::new(ReceiverPair {
             link: Some(link),
             generation: r.generation,
@@ -503,7 +522,10 @@ impl NcclTransport {
             sender: sender.to_string(),
             generation,
         };
-        let pair = lock(&self.receivers).get(sender).cloned().ok_or_else(missing)?;
+        let pair = lock(&self.receivers)
+            .get(sender)
+            .cloned()
+            .ok_or_else(missing)?;
         let pair = pair.lock_owned().await;
         if pair.generation != generation || pair.link.is_none() {
             return Err(missing());
@@ -512,9 +534,16 @@ impl NcclTransport {
     }
 
     /// Receives `bytes` bytes on a locked pair; a failure drops the pair.
-    pub(crate) async fn recv(&self, sender: &str, pair: &mut ReceiverGuard, bytes: usize) -> Result<Staging> {
+    pub(crate) async fn recv(
+        &self,
+        sender: &str,
+        pair: &mut ReceiverGuard,
+        bytes: usize,
+    ) -> Result<Staging> {
         let result = self
-            .on_link(&mut pair.0.link, move |link, timeout| link.recv(bytes, timeout))
+            .on_link(&mut pair.0.link, move |link, timeout| {
+                link.recv(bytes, timeout)
+            })
             .await;
         if result.is_err() {
             let mut receivers = lock(&self.receivers);
@@ -583,7 +612,9 @@ mod tests {
         assert!(why(offer_nccl(TransferMode::Auto, false, true, loads)).contains("CPU"));
         assert!(why(offer_nccl(TransferMode::Auto, true, false, loads)).contains("coordination"));
         assert_eq!(
-            why(offer_nccl(TransferMode::Auto, true, true, || Err("no libnccl".into()))),
+            why(offer_nccl(TransferMode::Auto, true, true, || Err(
+                "no libnccl".into()
+            ))),
             "no libnccl"
         );
         let mut called = false;

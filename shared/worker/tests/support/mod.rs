@@ -123,7 +123,15 @@ pub async fn handoff(
     prompt: &[u32],
     stopping: v1::StoppingCriteria,
 ) -> Handoff {
-    handoff_over(p, d, request_id, prompt, stopping, v1::TransferBackend::Grpc).await
+    handoff_over(
+        p,
+        d,
+        request_id,
+        prompt,
+        stopping,
+        v1::TransferBackend::Grpc,
+    )
+    .await
 }
 
 /// [`handoff`] with the target's backend set to `backend` (NCCL also names D's worker id).
