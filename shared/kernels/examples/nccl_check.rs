@@ -103,14 +103,14 @@ fn run(report: &mut Report) -> Result<()> {
     println!("{devices} CUDA device(s)");
     ensure!(devices >= 1, "no CUDA device");
     let kernels = Kernels::new(0).context("opening GPU 0")?;
-    let (staging, from, to, host) = gather_scatter(&kernels)?;
+    let gathered = gather_scatter(&kernels)?;
     report.not_tested.remove(0);
     report
         .tested
         .push("gather/scatter on GPU 0 (every byte)".into());
     let (version, path) = nccl::version().context("loading NCCL")?;
     println!("NCCL {version} from {}", path.display());
-    nccl_self(&kernels, &staging, &from, &to, &host)?;
+    nccl_self(&kernels, &gathered)?;
     report.not_tested.remove(0);
     report
         .tested
@@ -174,9 +174,16 @@ fn compare_pools(src: &[u8], from: &[u32], dst: &[u8], to: &[u32], what: &str) -
     Ok(())
 }
 
-/// Gathers scattered pages into a staging buffer and scatters them into other ids; returns the
-/// staging buffer, both id lists and the source pool's host copy.
-fn gather_scatter(kernels: &Kernels) -> Result<(CudaSlice<u8>, Vec<u32>, Vec<u32>, Vec<u8>)> {
+/// A gathered request: its staging buffer, the ids it came from and goes to, the source pool.
+struct Gathered {
+    staging: CudaSlice<u8>,
+    from: Vec<u32>,
+    to: Vec<u32>,
+    host: Vec<u8>,
+}
+
+/// Gathers scattered pages into a staging buffer and scatters them into other ids.
+fn gather_scatter(kernels: &Kernels) -> Result<Gathered> {
     let stream = kernels.stream().clone();
     let size = layout()?.page_bytes();
     let mut rng = StdRng::seed_from_u64(7);
@@ -195,18 +202,23 @@ fn gather_scatter(kernels: &Kernels) -> Result<(CudaSlice<u8>, Vec<u32>, Vec<u32
         "gather/scatter",
     )?;
     println!("gather/scatter: {n} scattered pages of {size} bytes, every byte equal");
-    Ok((staging, from, to, host))
+    Ok(Gathered {
+        staging,
+        from,
+        to,
+        host,
+    })
 }
 
 /// One rank sends the staging buffer to itself; the received bytes, scattered, must equal the
 /// source pages.
-fn nccl_self(
-    kernels: &Kernels,
-    staging: &CudaSlice<u8>,
-    from: &[u32],
-    to: &[u32],
-    host: &[u8],
-) -> Result<()> {
+fn nccl_self(kernels: &Kernels, gathered: &Gathered) -> Result<()> {
+    let Gathered {
+        staging,
+        from,
+        to,
+        host,
+    } = gathered;
     let stream = kernels.stream().clone();
     let size = layout()?.page_bytes();
     let id = UniqueId::new()?;

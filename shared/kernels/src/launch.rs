@@ -593,7 +593,7 @@ impl DecodeWorkspace {
 /// Checks a page copy: pages of a multiple of 16 bytes, a pool of whole pages, every id one of
 /// its pages, and a staging buffer of exactly the listed pages.
 fn check_page_copy(staging: usize, pool: usize, page_ids: &[u32], page_bytes: usize) -> Result<()> {
-    if page_bytes == 0 || page_bytes % 16 != 0 {
+    if page_bytes == 0 || !page_bytes.is_multiple_of(16) {
         return Err(Error::Unsupported(format!(
             "page copies need pages of a multiple of 16 bytes, not {page_bytes}"
         )));

@@ -221,15 +221,16 @@ async fn two_handoffs_over_one_pair(
     assert_eq!(sent.bytes_sent, received.bytes_received);
     assert_eq!(sent.pages_sent, received.pages_received);
 
-    let log = p_log.lock().unwrap();
-    assert_eq!(log.puts.len(), 1, "{:?}", log.puts);
-    assert!(
-        log.puts[0].starts_with("nccl/prefill-0/decode-0/"),
-        "the key is scoped by the pair: {}",
-        log.puts[0]
-    );
-    assert_eq!(log.deletes, log.puts, "the id is deleted once both joined");
-    drop(log);
+    {
+        let log = p_log.lock().unwrap();
+        assert_eq!(log.puts.len(), 1, "{:?}", log.puts);
+        assert!(
+            log.puts[0].starts_with("nccl/prefill-0/decode-0/"),
+            "the key is scoped by the pair: {}",
+            log.puts[0]
+        );
+        assert_eq!(log.deletes, log.puts, "the id is deleted once both joined");
+    }
     pages_back([&p, &d]).await;
     nccl.shutdown().await;
     assert_eq!(nccl.live_links(), 0, "shutdown drops every pair");
