@@ -84,6 +84,7 @@ async fn main() {
                         page_ids: reservation.page_ids.clone(),
                         kv_format_fingerprint: reservation.kv_format_fingerprint,
                         backend: v1::TransferBackend::Grpc as i32,
+                        decode_worker_id: String::new(),
                     }),
                 })
                 .await

@@ -107,6 +107,7 @@ impl LocalCluster {
                 metrics_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 no_metrics: true,
                 security: Default::default(),
+                transfer: Default::default(),
             };
             let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
             tokio::spawn(nibble_worker::run_on(

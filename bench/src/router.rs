@@ -243,6 +243,7 @@ fn worker(role: Role, index: usize, page_size: u32) -> WorkerInfo {
             free_pages: 100_000,
             total_pages: 200_000,
         },
+        nccl: None,
     }
 }
 

@@ -218,6 +218,7 @@ pub async fn up_until(
             metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             no_metrics: true,
             security: args.security.clone(),
+            transfer: Default::default(),
         };
         let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
         workers.push(tokio::spawn(nibble_worker::run_on(

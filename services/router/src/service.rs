@@ -653,7 +653,7 @@ impl Flow {
                     .await?
                     .into_inner();
                 reserved_cached = reservation.cached_tokens;
-                let target = v1::TransferTarget {
+                let mut target = v1::TransferTarget {
                     address: decode_worker
                         .addresses
                         .transfer
@@ -665,11 +665,13 @@ impl Flow {
                     page_ids: reservation.page_ids.clone(),
                     kv_format_fingerprint: reservation.kv_format_fingerprint,
                     backend: v1::TransferBackend::Grpc as i32,
+                    decode_worker_id: decode_worker.id.to_string(),
                 };
                 let mut attempt = 0;
                 let prefilled = loop {
                     attempt += 1;
                     *prefill_address = Some(prefill.worker.addresses.grpc.clone());
+                    target.backend = transfer_backend(&prefill.worker, &decode_worker) as i32;
                     let mut client = self.shared.client(&prefill.worker.addresses.grpc)?;
                     let result = client
                         .prefill(v1::PrefillRequest {
@@ -766,6 +768,16 @@ impl Flow {
     }
 }
 
+/// How pages move from `prefill` to `decode`: NCCL when both advertise it on different GPUs
+/// (the prefill worker still falls back to gRPC if NCCL fails), the gRPC stream otherwise.
+fn transfer_backend(prefill: &WorkerInfo, decode: &WorkerInfo) -> v1::TransferBackend {
+    if prefill.nccl_to(decode) {
+        v1::TransferBackend::Nccl
+    } else {
+        v1::TransferBackend::Grpc
+    }
+}
+
 fn retryable(status: &Status) -> bool {
     matches!(
         status.code(),
@@ -775,4 +787,44 @@ fn retryable(status: &Status) -> bool {
             | tonic::Code::DeadlineExceeded
             | tonic::Code::Cancelled
     )
+}
+
+#[cfg(test)]
+mod transfer_tests {
+    use nibble_discovery::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
+    use nibble_proto::v1::TransferBackend;
+
+    use super::transfer_backend;
+
+    fn worker(role: Role, gpu: Option<&str>) -> WorkerInfo {
+        WorkerInfo {
+            role,
+            id: WorkerId::new(format!("{role}-0")).unwrap(),
+            addresses: Addresses::default(),
+            model: "m".into(),
+            kv_fingerprint: 7,
+            page_size: 16,
+            capacity: Capacity::default(),
+            nccl: gpu.map(|gpu| NcclEndpoint {
+                host: "h".into(),
+                gpu: gpu.into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn nccl_when_both_workers_offer_it_on_two_gpus() {
+        let p = worker(Role::Prefill, Some("GPU-0"));
+        let d = worker(Role::Decode, Some("GPU-1"));
+        assert_eq!(transfer_backend(&p, &d), TransferBackend::Nccl);
+        let same_gpu = worker(Role::Decode, Some("GPU-0"));
+        assert_eq!(transfer_backend(&p, &same_gpu), TransferBackend::Grpc);
+        let cpu = worker(Role::Decode, None);
+        assert_eq!(transfer_backend(&p, &cpu), TransferBackend::Grpc);
+        assert_eq!(
+            transfer_backend(&worker(Role::Prefill, None), &d),
+            TransferBackend::Grpc,
+            "a prefill worker forced to gRPC advertises no endpoint"
+        );
+    }
 }

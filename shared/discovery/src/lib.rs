@@ -3,10 +3,10 @@
 //! Every process (router, prefill or decode worker) holds one *session*: on etcd, one lease kept
 //! alive in the background; in process, one handle on a shared [`StaticRegistry`]. It registers
 //! itself under `{root}/workers/{role}/{id}` (root `/nibble/v1` by default) with its addresses,
-//! model, KV-format fingerprint, page size and capacity; the registration lives exactly as long as
-//! the session. Routers [`watch`](Discovery::watch) the registrations as a stream of
-//! [`WorkerEvent`]s that starts with the current members and survives lost connections by
-//! resynchronizing. A small key-value store under `{root}/kv/` (values also bound to the session)
+//! model, KV-format fingerprint, page size, capacity and NCCL endpoint; the registration lives
+//! exactly as long as the session. Routers [`watch`](Discovery::watch) the registrations as a
+//! stream of [`WorkerEvent`]s that starts with the current members and survives lost connections
+//! by resynchronizing. A small key-value store under `{root}/kv/` (values also bound to the session)
 //! carries coordination data such as NCCL unique ids.
 //!
 //! [`EtcdDiscovery`] is the production implementation, [`StaticDiscovery`] its in-process twin
@@ -29,7 +29,7 @@ pub use etcd::{EtcdConfig, EtcdDiscovery};
 pub use keys::{KvKey, DEFAULT_ROOT};
 pub use static_registry::{StaticDiscovery, StaticRegistry};
 pub use watch::{WorkerEvent, WorkerWatch};
-pub use worker::{Addresses, Capacity, Role, WorkerId, WorkerInfo};
+pub use worker::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
 
 /// One process's view of cluster membership and coordination state.
 ///

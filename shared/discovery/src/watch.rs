@@ -138,6 +138,7 @@ mod tests {
                 free_pages: free,
                 total_pages: 100,
             },
+            nccl: None,
         }
     }
 

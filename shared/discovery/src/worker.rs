@@ -160,6 +160,32 @@ pub struct WorkerInfo {
     pub page_size: u32,
     /// Page capacity (zero for routers).
     pub capacity: Capacity,
+    /// Present when the worker can move pages over NCCL (its engine runs on a GPU, NCCL loads,
+    /// and it was not told to use gRPC only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<NcclEndpoint>,
+}
+
+/// Where a worker's NCCL transfers start or end.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclEndpoint {
+    /// The machine (hostname, or `--host-id`): informational, NCCL crosses hosts by its own
+    /// network transports.
+    pub host: String,
+    /// The GPU's UUID. NCCL refuses two ranks of one communicator on the same GPU, so pages
+    /// between workers sharing a GPU move over gRPC.
+    pub gpu: String,
+}
+
+impl WorkerInfo {
+    /// Whether pages from this (prefill) worker to `decode` may move over NCCL: both advertise
+    /// NCCL, on different GPUs.
+    pub fn nccl_to(&self, decode: &WorkerInfo) -> bool {
+        match (&self.nccl, &decode.nccl) {
+            (Some(p), Some(d)) => p.gpu != d.gpu,
+            _ => false,
+        }
+    }
 }
 
 /// A `u64` as a 16-digit hex string.
@@ -205,6 +231,40 @@ mod tests {
     }
 
     #[test]
+    fn nccl_needs_both_sides_on_different_gpus() {
+        let base = |nccl: Option<(&str, &str)>| WorkerInfo {
+            role: Role::Decode,
+            id: WorkerId::new("w").unwrap(),
+            addresses: Addresses::default(),
+            model: "m".into(),
+            kv_fingerprint: 1,
+            page_size: 16,
+            capacity: Capacity::default(),
+            nccl: nccl.map(|(host, gpu)| NcclEndpoint {
+                host: host.into(),
+                gpu: gpu.into(),
+            }),
+        };
+        let (p, d) = (base(Some(("h", "GPU-a"))), base(Some(("h", "GPU-b"))));
+        assert!(p.nccl_to(&d), "both CUDA + NCCL, two GPUs: NCCL");
+        assert!(
+            p.nccl_to(&base(Some(("other", "GPU-c")))),
+            "across hosts too"
+        );
+        assert!(!p.nccl_to(&base(Some(("h", "GPU-a")))), "one GPU: gRPC");
+        assert!(!p.nccl_to(&base(None)), "decode without NCCL: gRPC");
+        assert!(!base(None).nccl_to(&d), "prefill without NCCL: gRPC");
+        let json = serde_json::to_string(&base(None)).unwrap();
+        assert!(!json.contains("nccl"), "absent when not capable: {json}");
+        let json = serde_json::to_string(&p).unwrap();
+        assert!(
+            json.contains(r#""nccl":{"host":"h","gpu":"GPU-a"}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<WorkerInfo>(&json).unwrap(), p);
+    }
+
+    #[test]
     fn json_is_readable_and_round_trips() {
         let info = WorkerInfo {
             role: Role::Decode,
@@ -221,6 +281,7 @@ mod tests {
                 free_pages: 10,
                 total_pages: 20,
             },
+            nccl: None,
         };
         let json = serde_json::to_string(&info).unwrap();
         assert!(

@@ -438,6 +438,17 @@ impl<B: Backend> Engine<B> {
         Ok(self.state.reserve(id, prompt)?)
     }
 
+    /// The backend, its page store and the allocator, for transfers that move pages inside the
+    /// backend's memory (GPU to GPU). Writers must only write pages the allocator shows
+    /// allocated to a reservation, as [`import_page`](Self::import_page) does.
+    pub fn page_store(&mut self) -> (&B, &mut B::Pages, &PagePool) {
+        (
+            self.model.backend().as_ref(),
+            &mut self.pages,
+            &self.state.pool,
+        )
+    }
+
     /// Writes one received page into a reserved page.
     pub fn import_page(&mut self, page: PageId, bytes: &[u8]) -> Result<()> {
         self.model

@@ -736,6 +736,65 @@ impl CudaPages {
     pub fn to_host(&self) -> Result<Vec<u8>> {
         Ok(self.bytes.stream().clone_dtoh(&self.bytes)?)
     }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> usize {
+        self.layout.page_bytes()
+    }
+}
+
+/// Device-side page transfer (the NCCL path): pages move between the pool and a contiguous
+/// staging buffer without touching the host.
+impl CudaBackend {
+    /// The device context (NCCL communicators of this worker live on the same device).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.kernels.context()
+    }
+
+    /// Copies `ids` (in order) into a new staging buffer, on this backend's stream: ordered after
+    /// every kernel that wrote those pages. Users on other streams wait for the copy through
+    /// cudarc's event tracking.
+    pub fn gather_pages(&self, pages: &CudaPages, ids: &[PageId]) -> Result<CudaSlice<u8>> {
+        self.bind();
+        let size = pages.layout.page_bytes();
+        let mut staging = self.stream().alloc_zeros::<u8>((ids.len() * size).max(1))?;
+        if ids.is_empty() {
+            return Ok(staging);
+        }
+        let ids: Vec<u32> = ids.iter().map(|p| p.0).collect();
+        self.kernels
+            .gather_pages(&mut staging, &pages.bytes, &ids, size)?;
+        Ok(staging)
+    }
+
+    /// Writes `staging` (exactly `ids.len()` pages) into the allocated pages `ids`, on this
+    /// backend's stream (so later attention kernels see the bytes).
+    pub fn scatter_pages(
+        &self,
+        pages: &mut CudaPages,
+        pool: &PagePool,
+        ids: &[PageId],
+        staging: &CudaSlice<u8>,
+    ) -> Result<()> {
+        for &page in ids {
+            match pool.refcount(page) {
+                Ok(n) if n > 0 => {}
+                _ => {
+                    return Err(Error::Unsupported(format!(
+                        "page {page} is not allocated: refusing to write into it"
+                    )))
+                }
+            }
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.bind();
+        let ids: Vec<u32> = ids.iter().map(|p| p.0).collect();
+        let size = pages.layout.page_bytes();
+        self.kernels
+            .scatter_pages(&mut pages.bytes, staging, &ids, size)
+    }
 }
 
 impl CudaBackend {

@@ -1,5 +1,5 @@
-//! Errors of the kernel crate: NVRTC missing, a source that does not compile, a driver error, or
-//! a geometry the kernels do not handle.
+//! Errors of the kernel crate: NVRTC or NCCL missing, a source that does not compile, a driver or
+//! NCCL error, a deadline passed, or a geometry the kernels do not handle.
 
 use cudarc::driver::DriverError;
 
@@ -19,6 +19,21 @@ pub enum Error {
     NoDevice(String),
     #[error("unsupported by the CUDA kernels: {0}")]
     Unsupported(String),
+    #[error("NCCL: {0}")]
+    NcclNotFound(String),
+    #[error("NCCL {op} failed ({code}): {message}")]
+    Nccl {
+        op: &'static str,
+        code: i32,
+        message: String,
+    },
+    #[error("{0}: cancelled")]
+    Cancelled(&'static str),
+    #[error("{what}: no completion after {after:?}")]
+    Timeout {
+        what: &'static str,
+        after: std::time::Duration,
+    },
     #[error("{what}: expected {expected}, got {actual}")]
     Shape {
         what: &'static str,

@@ -66,6 +66,8 @@ pub struct Kernels {
     /// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
     prefill: [[CudaFunction; 2]; 2],
     combine: CudaFunction,
+    pages_gather: CudaFunction,
+    pages_scatter: CudaFunction,
 }
 
 /// The NVRTC target of a compute capability: the newest the kernels are written for, at most
@@ -142,6 +144,8 @@ impl Kernels {
             decode,
             decode_slots,
             combine: function("decode", "decode_combine")?,
+            pages_gather: function("pages", "pages_gather")?,
+            pages_scatter: function("pages", "pages_scatter")?,
             prefill: [
                 [
                     function("prefill", "prefill_fp8_d64")?,
@@ -283,6 +287,50 @@ impl Kernels {
         b.arg(pages).arg(&n).arg(&code).arg(&seed).arg(&geom);
         // SAFETY: matches fill_random_pages's signature; n is the slice's length.
         unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
+    /// Copies whole pages `page_ids` of `pool` (pages of `page_bytes`) into `staging`, in list
+    /// order: `staging[i] = page page_ids[i]`. `staging` must hold exactly those pages, and every
+    /// id must be a page of the pool (checked here, before anything is launched).
+    pub fn gather_pages(
+        &self,
+        staging: &mut CudaSlice<u8>,
+        pool: &CudaSlice<u8>,
+        page_ids: &[u32],
+        page_bytes: usize,
+    ) -> Result<()> {
+        check_page_copy(staging.len(), pool.len(), page_ids, page_bytes)?;
+        if page_ids.is_empty() {
+            return Ok(());
+        }
+        let ids = self.stream.clone_htod(page_ids)?;
+        let (n32, pb) = (page_ids.len() as u32, page_bytes as u64);
+        let mut b = self.stream.launch_builder(&self.pages_gather);
+        b.arg(staging).arg(pool).arg(&ids).arg(&n32).arg(&pb);
+        // SAFETY: matches pages_gather's signature; sizes and ids checked above.
+        unsafe { b.launch(page_copy_grid(page_ids.len(), page_bytes)) }?;
+        Ok(())
+    }
+
+    /// The inverse of [`gather_pages`](Self::gather_pages): `page page_ids[i] = staging[i]`.
+    pub fn scatter_pages(
+        &self,
+        pool: &mut CudaSlice<u8>,
+        staging: &CudaSlice<u8>,
+        page_ids: &[u32],
+        page_bytes: usize,
+    ) -> Result<()> {
+        check_page_copy(staging.len(), pool.len(), page_ids, page_bytes)?;
+        if page_ids.is_empty() {
+            return Ok(());
+        }
+        let ids = self.stream.clone_htod(page_ids)?;
+        let (n32, pb) = (page_ids.len() as u32, page_bytes as u64);
+        let mut b = self.stream.launch_builder(&self.pages_scatter);
+        b.arg(pool).arg(staging).arg(&ids).arg(&n32).arg(&pb);
+        // SAFETY: matches pages_scatter's signature; sizes and ids checked above.
+        unsafe { b.launch(page_copy_grid(page_ids.len(), page_bytes)) }?;
         Ok(())
     }
 
@@ -584,6 +632,42 @@ impl DecodeWorkspace {
     }
 }
 
+/// Checks a page copy: pages of a multiple of 16 bytes, a pool of whole pages, every id one of
+/// its pages, and a staging buffer of exactly the listed pages.
+fn check_page_copy(staging: usize, pool: usize, page_ids: &[u32], page_bytes: usize) -> Result<()> {
+    if page_bytes == 0 || !page_bytes.is_multiple_of(16) {
+        return Err(Error::Unsupported(format!(
+            "page copies need pages of a multiple of 16 bytes, not {page_bytes}"
+        )));
+    }
+    check("staging bytes", page_ids.len() * page_bytes, staging)?;
+    let pages = pool / page_bytes;
+    if let Some(bad) = page_ids.iter().find(|p| **p as usize >= pages) {
+        return Err(Error::Shape {
+            what: "page id below the pool's page count",
+            expected: pages,
+            actual: *bad as usize,
+        });
+    }
+    Ok(())
+}
+
+/// Grid of a page copy: y over pages (at most 65535, the kernel strides), x over a page's
+/// 16-byte words.
+fn page_copy_grid(pages: usize, page_bytes: usize) -> LaunchConfig {
+    const BLOCK: u32 = 256;
+    let words = (page_bytes / 16) as u64;
+    LaunchConfig {
+        grid_dim: (
+            words.div_ceil(BLOCK as u64).clamp(1, 64) as u32,
+            pages.clamp(1, 65_535) as u32,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn grid_1d(threads: u64) -> LaunchConfig {
     const BLOCK: u64 = 256;
     LaunchConfig {
@@ -608,6 +692,27 @@ fn check(what: &'static str, expected: usize, actual: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn page_copies_are_checked_before_launch() {
+        assert!(
+            check_page_copy(64, 128, &[1, 0, 7], 16).is_err(),
+            "id 7 of 8 pages is fine, staging is short"
+        );
+        assert!(check_page_copy(48, 128, &[1, 0, 7], 16).is_ok());
+        assert!(
+            check_page_copy(48, 128, &[1, 0, 8], 16).is_err(),
+            "page 8 is past the pool"
+        );
+        assert!(
+            check_page_copy(30, 60, &[0, 1], 15).is_err(),
+            "15-byte pages"
+        );
+        assert!(check_page_copy(0, 128, &[], 16).is_ok());
+        let grid = page_copy_grid(100_000, 103_680);
+        assert_eq!(grid.grid_dim.1, 65_535);
+        assert_eq!(grid.grid_dim.0, 26);
+    }
 
     #[test]
     fn arch_follows_the_device() {

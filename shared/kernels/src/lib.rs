@@ -7,7 +7,10 @@
 //!   into pages ([`Kernels::quantize`]), the extend gather into the work-dtype workspace
 //!   ([`Kernels::gather_work`]), causal prefill/extend attention over that workspace
 //!   ([`Kernels::prefill`]) and paged split-KV decode attention over NVFP4, FP8 or BF16 pages
-//!   ([`Kernels::decode`]).
+//!   ([`Kernels::decode`]); whole-page gather into and scatter out of a contiguous staging
+//!   buffer ([`Kernels::gather_pages`], [`Kernels::scatter_pages`]) for page transfers.
+//! * [`nccl`]: NCCL opened at run time (unique ids, non-blocking communicators with deadlines,
+//!   send/receive of device buffers), the GPU-to-GPU page transfer of disaggregated serving.
 //!
 //! Pages on the GPU have exactly the bytes of `nibble_kvfmt::PageLayout` (docs/FORMAT.md), so
 //! pages written by the CPU are read by the GPU and the other way round; [`PageGeom`] carries
@@ -18,6 +21,7 @@ mod device;
 mod error;
 mod geom;
 mod launch;
+pub mod nccl;
 pub mod nvrtc;
 
 pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor};
@@ -30,14 +34,15 @@ pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};
 pub(crate) const PRELUDE: &str = include_str!("cu/common.cuh");
 
 /// Every kernel source: (name, body). Each is compiled into its own module.
-pub(crate) const SOURCES: [(&str, &str); 3] = [
+pub(crate) const SOURCES: [(&str, &str); 4] = [
     ("quantize", include_str!("cu/quantize.cu")),
     ("decode", include_str!("cu/decode.cu")),
     ("prefill", include_str!("cu/prefill.cu")),
+    ("pages", include_str!("cu/pages.cu")),
 ];
 
 /// The kernel entry points each source must define (checked by the compile test).
-pub const ENTRY_POINTS: [(&str, &[&str]); 3] = [
+pub const ENTRY_POINTS: [(&str, &[&str]); 4] = [
     (
         "quantize",
         &["kv_quantize", "kv_gather_work", "fill_random_pages"],
@@ -63,4 +68,5 @@ pub const ENTRY_POINTS: [(&str, &[&str]); 3] = [
             "prefill_bf16_d128",
         ],
     ),
+    ("pages", &["pages_gather", "pages_scatter"]),
 ];

@@ -37,6 +37,8 @@ fn services_and_methods() {
             "Inference.Generate",
             "Inference.ListModels",
             "Inference.Tokenize",
+            "KvTransfer.NcclConnect",
+            "KvTransfer.NcclPages",
             "KvTransfer.PushPages",
             "Worker.Abort",
             "Worker.Decode",
@@ -63,6 +65,8 @@ fn services_and_methods() {
     assert!(method("Worker", "SubscribeKvEvents").server_streaming());
     let push = method("KvTransfer", "PushPages");
     assert!(push.client_streaming() && !push.server_streaming());
+    let nccl = method("KvTransfer", "NcclPages");
+    assert!(!nccl.client_streaming() && nccl.server_streaming());
 }
 
 /// Paths (as in `SourceCodeInfo`) of every element that must be documented.

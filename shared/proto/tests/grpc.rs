@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_proto::v1::kv_transfer_server::{KvTransfer, KvTransferServer};
-use nibble_proto::v1::{PushPagesRequest, PushPagesResponse};
+use nibble_proto::v1::{self, PushPagesRequest, PushPagesResponse};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
@@ -52,6 +52,22 @@ impl KvTransfer for Sink {
         }
         summary.complete = summary.pages == 3;
         Ok(Response::new(summary))
+    }
+
+    async fn nccl_connect(
+        &self,
+        _: Request<v1::NcclConnectRequest>,
+    ) -> Result<Response<v1::NcclConnectResponse>, Status> {
+        Err(Status::failed_precondition("no NCCL here"))
+    }
+
+    type NcclPagesStream = tokio_stream::Empty<Result<v1::NcclPagesProgress, Status>>;
+
+    async fn nccl_pages(
+        &self,
+        _: Request<v1::NcclPagesRequest>,
+    ) -> Result<Response<Self::NcclPagesStream>, Status> {
+        Err(Status::failed_precondition("no NCCL here"))
     }
 }
 

@@ -11,6 +11,7 @@
 //! finishes, is prefilled (then its pages are *held* until [`EngineHandle::release`]), or is
 //! aborted.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
@@ -18,13 +19,15 @@ use std::thread;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
 use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
-use nibble_kvcache::{CacheStats, PageId};
+use nibble_kernels::{CudaBackend, CudaPages};
+use nibble_kvcache::{CacheStats, PageId, PagePool};
 use nibble_proto::v1;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tonic::codegen::Bytes;
 
 use crate::error::{Error, Result};
 use crate::kv_events::KvPublisher;
+use crate::transfer::link::Staging;
 
 /// Events of one request, in order.
 pub type EventStream = mpsc::UnboundedReceiver<Event>;
@@ -91,6 +94,15 @@ enum Command {
         data: Bytes,
         reply: oneshot::Sender<Result<()>>,
     },
+    Gather {
+        pages: Vec<PageId>,
+        reply: oneshot::Sender<Result<Staging>>,
+    },
+    Scatter {
+        pages: Vec<PageId>,
+        staging: Staging,
+        reply: oneshot::Sender<Result<()>>,
+    },
     StartDecode {
         id: SeqId,
         first_token: u32,
@@ -135,6 +147,7 @@ impl EngineHandle {
     ) -> Result<Self>
     where
         B: Backend + 'static,
+        B::Pages: 'static,
         Model<B>: Send,
     {
         let layout = config.kv.layout(&model)?;
@@ -253,6 +266,24 @@ impl EngineHandle {
             .await?
     }
 
+    /// `pages`, concatenated into one staging buffer for a device link: in device memory (on the
+    /// engine's stream, after every kernel that wrote them) on a CUDA engine, the exported bytes
+    /// on a CPU engine.
+    pub async fn gather_staging(&self, pages: Vec<PageId>) -> Result<Staging> {
+        self.call(|reply| Command::Gather { pages, reply }).await?
+    }
+
+    /// Writes a staging buffer (`pages.len()` pages) into reserved pages: the inverse of
+    /// [`gather_staging`](Self::gather_staging).
+    pub async fn scatter_staging(&self, pages: Vec<PageId>, staging: Staging) -> Result<()> {
+        self.call(|reply| Command::Scatter {
+            pages,
+            staging,
+            reply,
+        })
+        .await?
+    }
+
     /// Starts decoding a filled reservation from the first token; events as for
     /// [`submit`](Self::submit), starting with that token.
     pub async fn start_decode(
@@ -325,7 +356,10 @@ struct Actor<B: Backend> {
     publisher: KvPublisher,
 }
 
-impl<B: Backend> Actor<B> {
+impl<B: Backend> Actor<B>
+where
+    B::Pages: 'static,
+{
     fn new(engine: Engine<B>, publisher: KvPublisher) -> Self {
         Self {
             engine,
@@ -393,6 +427,16 @@ impl<B: Backend> Actor<B> {
             }
             Command::Import { pages, data, reply } => {
                 let _ = reply.send(self.import(&pages, &data));
+            }
+            Command::Gather { pages, reply } => {
+                let _ = reply.send(self.gather(&pages));
+            }
+            Command::Scatter {
+                pages,
+                staging,
+                reply,
+            } => {
+                let _ = reply.send(self.scatter(&pages, staging));
             }
             Command::StartDecode {
                 id,
@@ -476,6 +520,43 @@ impl<B: Backend> Actor<B> {
             self.engine.import_page(id, bytes)?;
         }
         Ok(())
+    }
+
+    /// The CUDA backend and its device pages, when this engine runs on one.
+    fn cuda(&mut self) -> Option<(&CudaBackend, &mut CudaPages, &PagePool)> {
+        let (backend, pages, pool) = self.engine.page_store();
+        let backend = (backend as &dyn Any).downcast_ref::<CudaBackend>()?;
+        let pages = (pages as &mut dyn Any).downcast_mut::<CudaPages>()?;
+        Some((backend, pages, pool))
+    }
+
+    fn gather(&mut self, pages: &[PageId]) -> Result<Staging> {
+        match self.cuda() {
+            Some((backend, store, _)) => Ok(Staging::Device(backend.gather_pages(store, pages)?)),
+            None => Ok(Staging::Host(self.export(pages)?)),
+        }
+    }
+
+    fn scatter(&mut self, pages: &[PageId], staging: Staging) -> Result<()> {
+        let page_bytes = self.engine.state().pool.layout().page_bytes();
+        if staging.len() != pages.len() * page_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "staging must be {} pages of {page_bytes} bytes, got {} bytes",
+                pages.len(),
+                staging.len()
+            )));
+        }
+        match staging {
+            Staging::Host(bytes) => self.import(pages, &bytes),
+            Staging::Device(buf) => match self.cuda() {
+                Some((backend, store, pool)) => {
+                    Ok(backend.scatter_pages(store, pool, pages, &buf)?)
+                }
+                None => Err(Error::Link(
+                    "device pages arrived at an engine running on the CPU".into(),
+                )),
+            },
+        }
     }
 
     /// Aborts every request whose receiver is gone.

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, Role};
+use cudarc::driver::CudaContext;
+use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
 use nibble_kernels::{CudaBackend, Device, KvNeeds};
@@ -18,6 +19,8 @@ use tokio::net::TcpListener;
 use crate::actor::EngineHandle;
 use crate::error::{Error, Result};
 use crate::service::{WorkerIdentity, WorkerState};
+use crate::transfer::link::NcclLinks;
+use crate::transfer::nccl::{offer_nccl, NcclTimeouts, NcclTransport, TransferMode};
 
 /// A worker's configuration.
 #[derive(Debug, Clone, clap::Args)]
@@ -71,6 +74,84 @@ pub struct WorkerArgs {
     /// TLS and the internal token.
     #[command(flatten)]
     pub security: SecurityArgs,
+    /// How pages move between prefill and decode workers.
+    #[command(flatten)]
+    pub transfer: TransferArgs,
+}
+
+/// Page transfer flags: NCCL (GPU to GPU) or the gRPC stream.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TransferArgs {
+    /// auto: offer NCCL when the engine runs on a GPU, NCCL (2.17+) loads and a coordination
+    /// store (--etcd-endpoints, or `nibble up`'s registry) carries the ids; grpc: only the gRPC
+    /// stream. Pages move over NCCL between two workers that both offer it on different GPUs.
+    #[arg(long, env = "NIBBLE_KV_TRANSFER", default_value = "auto")]
+    pub kv_transfer: TransferMode,
+    /// Deadline of NCCL pair set-up and of each NCCL transfer, in milliseconds; past it the
+    /// pair is torn down and the request moves over gRPC.
+    #[arg(long, env = "NIBBLE_NCCL_TIMEOUT_MS", default_value_t = 10_000)]
+    pub nccl_timeout_ms: u64,
+    /// This machine's name in the NCCL endpoint this worker advertises (default: the hostname).
+    #[arg(long, env = "NIBBLE_HOST_ID")]
+    pub host_id: Option<String>,
+}
+
+impl Default for TransferArgs {
+    fn default() -> Self {
+        Self {
+            kv_transfer: TransferMode::Auto,
+            nccl_timeout_ms: 10_000,
+            host_id: None,
+        }
+    }
+}
+
+/// Sets up NCCL on `state` when [`offer_nccl`] allows it (logging why not otherwise).
+fn configure_nccl(
+    args: &TransferArgs,
+    cuda: Option<Arc<CudaContext>>,
+    discovery: Option<&Arc<dyn Discovery>>,
+    state: &WorkerState,
+) -> Result<()> {
+    let mut links = None;
+    let offered = offer_nccl(
+        args.kv_transfer,
+        cuda.is_some(),
+        discovery.is_some(),
+        || {
+            let ctx = cuda.clone().expect("checked: on a GPU");
+            let made = NcclLinks::new(ctx).map_err(|e| e.to_string())?;
+            let gpu = made.gpu_uuid().map_err(|e| e.to_string())?;
+            links = Some((made, gpu));
+            Ok(())
+        },
+    );
+    let (Ok(()), Some((links, gpu)), Some(discovery)) = (offered.clone(), links, discovery) else {
+        tracing::info!(why = %offered.err().unwrap_or_default(), "pages move over gRPC only");
+        return Ok(());
+    };
+    let host = args.host_id.clone().unwrap_or_else(hostname);
+    let (version, path) = nibble_kernels::nccl::version()?;
+    tracing::info!(%version, path = %path.display(), %host, %gpu, "offering NCCL page transfer");
+    state.set_nccl(Arc::new(NcclTransport::new(
+        Arc::new(links),
+        Arc::clone(discovery),
+        state.identity().worker_id.clone(),
+        NcclEndpoint { host, gpu },
+        NcclTimeouts {
+            timeout: Duration::from_millis(args.nccl_timeout_ms.max(1)),
+            ..NcclTimeouts::default()
+        },
+    )))
+}
+
+/// The kernel's hostname, or "localhost".
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
 }
 
 fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
@@ -101,8 +182,13 @@ pub fn load_security(args: &WorkerArgs) -> Result<Security> {
     Ok(security)
 }
 
-/// Loads the model, starts the engine thread and returns the worker's state.
-pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result<Arc<WorkerState>> {
+/// Loads the model, starts the engine thread and returns the worker's state, with the CUDA
+/// context when the engine runs on a GPU.
+pub fn start_engine(
+    args: &WorkerArgs,
+    role: Role,
+    identity_port: u16,
+) -> Result<(Arc<WorkerState>, Option<Arc<CudaContext>>)> {
     let security = load_security(args)?;
     let source = ModelSource::open(&args.model)?;
     let tokenizer = Arc::new(source.load_tokenizer()?);
@@ -130,6 +216,7 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
     } else {
         None
     };
+    let context = cuda.as_ref().map(|b| Arc::clone(b.context()));
     let engine = match cuda {
         Some(backend) => {
             EngineHandle::spawn(source.load_model(Arc::new(backend))?, tokenizer, config)?
@@ -144,7 +231,7 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
         .model_name
         .clone()
         .unwrap_or_else(|| ModelSource::default_name(&args.model));
-    WorkerState::with_security(
+    let state = WorkerState::with_security(
         engine,
         WorkerIdentity {
             worker_id: args
@@ -161,7 +248,8 @@ pub fn start_engine(args: &WorkerArgs, role: Role, identity_port: u16) -> Result
             reservation_ttl: Duration::from_millis(args.reservation_ttl_ms),
         },
         security,
-    )
+    )?;
+    Ok((state, context))
 }
 
 /// Runs a worker of `role` until Ctrl-C, registered in etcd when `--etcd-endpoints` names it.
@@ -210,7 +298,7 @@ pub async fn run_on(
     let address = args.advertise.clone().unwrap_or_else(|| local.to_string());
     let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
     let _metrics = nibble_telemetry::start(metrics_listen, &format!("nibble-{role}")).await?;
-    let state = {
+    let (state, cuda) = {
         let args = args.clone();
         tokio::task::spawn_blocking(move || start_engine(&args, role, local.port()))
             .await
@@ -224,6 +312,7 @@ pub async fn run_on(
     } else {
         state
     };
+    configure_nccl(&args.transfer, cuda, discovery.as_ref(), &state)?;
     let registration = match &discovery {
         None => None,
         Some(discovery) => Some(
@@ -252,7 +341,11 @@ pub async fn run_on(
         }
         tracing::info!(%role, "stopping: draining open calls");
     };
-    crate::server::serve(state, listener, shutdown).await
+    let served = crate::server::serve(Arc::clone(&state), listener, shutdown).await;
+    if let Some(nccl) = state.nccl() {
+        nccl.shutdown().await;
+    }
+    served
 }
 
 /// Aborts a background task when dropped (a detached task would outlive a failed server).

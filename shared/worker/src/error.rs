@@ -53,6 +53,20 @@ pub enum Error {
         address: String,
         source: tonic::transport::Error,
     },
+    /// The device link (NCCL) failed, timed out or is not set up; the request falls back to the
+    /// gRPC stream.
+    #[error("NCCL link: {0}")]
+    Link(String),
+    /// The sender's NCCL pair is unknown here (never set up, replaced, or dropped after an
+    /// error): it must connect again.
+    #[error("no NCCL communicator with sender {sender} at generation {generation}")]
+    NoCommunicator { sender: String, generation: u64 },
+    /// This worker does not offer NCCL.
+    #[error("NCCL is not available on this worker ({0})")]
+    NcclUnavailable(String),
+    /// A CUDA or NCCL call failed.
+    #[error(transparent)]
+    Kernels(#[from] nibble_kernels::Error),
     /// The engine thread is gone.
     #[error("the engine has stopped")]
     EngineStopped,
@@ -91,7 +105,13 @@ impl From<Error> for tonic::Status {
             Error::FingerprintMismatch { .. } | Error::Incomplete { .. } => {
                 Status::failed_precondition(message)
             }
-            Error::UnknownReservation(_) => Status::not_found(message),
+            Error::UnknownReservation(_) | Error::NoCommunicator { .. } => {
+                Status::not_found(message)
+            }
+            Error::NcclUnavailable(_) => Status::failed_precondition(message),
+            Error::Link(_) | Error::Discovery(nibble_discovery::Error::Timeout { .. }) => {
+                Status::unavailable(message)
+            }
             Error::DuplicatePage(_) => Status::already_exists(message),
             Error::Aborted(_) => Status::aborted(message),
             // The peer's classification stands (a fingerprint refusal stays FAILED_PRECONDITION).
@@ -101,6 +121,7 @@ impl From<Error> for tonic::Status {
                 Status::invalid_argument(message)
             }
             Error::Engine(_)
+            | Error::Kernels(_)
             | Error::Failed(_)
             | Error::Security(_)
             | Error::Discovery(_)

@@ -6,8 +6,9 @@
 //!   release, load, KV events).
 //! * [`service`]: the `Worker` gRPC service (worker.proto) and, on decode workers, `KvTransfer`
 //!   (transfer.proto), over one [`WorkerState`].
-//! * [`transfer`]: pushing a prefilled request's pages to a decode worker's reservation, and the
-//!   counters of pages and bytes moved.
+//! * [`transfer`]: moving a prefilled request's pages into a decode worker's reservation, over
+//!   the gRPC stream or NCCL (GPU to GPU, with a fall back to gRPC), and the counters of pages
+//!   and bytes moved.
 //! * [`server`]: [`serve`] on a bound listener until a shutdown future completes, with
 //!   `grpc.health.v1` and reflection.
 //! * [`registration`]: membership through a [`nibble_discovery::Discovery`].
@@ -16,7 +17,8 @@
 //! * [`error`]: [`Error`] and its one mapping to `tonic::Status`.
 //!
 //! The flow (DESIGN.md): the router calls `Reserve` on decode worker D, `Prefill` on prefill
-//! worker P (which pushes exactly the pages D lacks to D's `KvTransfer`), then `Decode` on D.
+//! worker P (which pushes exactly the pages D lacks to D's `KvTransfer`, over NCCL when both
+//! offer it), then `Decode` on D.
 
 pub mod actor;
 pub mod cli;
@@ -30,7 +32,7 @@ pub mod service;
 pub mod transfer;
 
 pub use actor::{EngineHandle, EngineInfo, EventStream, LoadSnapshot};
-pub use cli::{run, run_on, WorkerArgs};
+pub use cli::{run, run_on, TransferArgs, WorkerArgs};
 pub use error::{Error, Result};
 pub use nibble_discovery::Role;
 pub use nibble_proto::logging;

@@ -6,8 +6,9 @@
 //! the engine), are read from the engine when the metrics are scraped ([`WorkerState`]'s
 //! [`Collect`] implementation).
 //!
-//! Labels are bounded: `call` is `reserve`, `prefill`, `decode` or `push_pages`; `code` a gRPC
-//! status code's name (`ok` for success); `direction` `sent` or `received`.
+//! Labels are bounded: `call` is `reserve`, `prefill`, `decode`, `push_pages`, `nccl_connect` or
+//! `nccl_pages`; `code` a gRPC status code's name (`ok` for success); `direction` `sent` or
+//! `received`; `backend` `grpc` or `nccl`; `reason` `connect`, `refused` or `transfer`.
 
 use std::time::Duration;
 
@@ -31,6 +32,15 @@ pub const KV_TRANSFER_BYTES_TOTAL: &str = "nibble_worker_kv_transfer_bytes_total
 /// Histogram: duration of one request's page transfer, labelled `direction` (the sender
 /// measures connect to acknowledgement; the receiver the stream it read).
 pub const KV_TRANSFER_DURATION_SECONDS: &str = "nibble_worker_kv_transfer_duration_seconds";
+/// Counter: page transfers (one per request), labelled `direction` and `backend` (`grpc` or
+/// `nccl`).
+pub const KV_TRANSFERS_TOTAL: &str = "nibble_worker_kv_transfers_total";
+/// Counter: transfers that tried NCCL and moved over the gRPC stream instead, labelled `reason`
+/// (`connect`: the pair could not be set up; `refused`: the decode worker turned the NCCL
+/// request down before anything moved; `transfer`: the link failed mid-way).
+pub const KV_TRANSFER_FALLBACKS_TOTAL: &str = "nibble_worker_kv_transfer_fallbacks_total";
+/// Gauge: NCCL pairs with a live communicator (both roles).
+pub const NCCL_LINKS: &str = "nibble_worker_nccl_links";
 /// Gauge: pages in the KV page pool.
 pub const KV_PAGES_TOTAL: &str = "nibble_worker_kv_pages_total";
 /// Gauge: pages no request and no cached block holds.
@@ -97,6 +107,12 @@ pub fn describe() {
         Unit::Seconds,
         "Duration of one request's page transfer."
     );
+    describe_counter!(KV_TRANSFERS_TOTAL, "Page transfers, by backend.");
+    describe_counter!(
+        KV_TRANSFER_FALLBACKS_TOTAL,
+        "Transfers that fell back from NCCL to the gRPC stream."
+    );
+    describe_gauge!(NCCL_LINKS, "NCCL pairs with a live communicator.");
     describe_gauge!(KV_PAGES_TOTAL, "Pages in the KV page pool.");
     describe_gauge!(
         KV_PAGES_FREE,
@@ -166,6 +182,30 @@ pub(crate) fn transfer(role: &'static str, direction: Direction, pages: u64, byt
     metrics::counter!(KV_TRANSFER_BYTES_TOTAL, "role" => role, "direction" => d).increment(bytes);
 }
 
+/// Counts one transfer by the backend that moved it.
+pub(crate) fn transfer_backend(
+    role: &'static str,
+    direction: Direction,
+    backend: nibble_proto::v1::TransferBackend,
+) {
+    let backend = match backend {
+        nibble_proto::v1::TransferBackend::Nccl => "nccl",
+        _ => "grpc",
+    };
+    metrics::counter!(
+        KV_TRANSFERS_TOTAL,
+        "role" => role,
+        "direction" => direction.as_str(),
+        "backend" => backend
+    )
+    .increment(1);
+}
+
+/// Counts one fall back from NCCL to gRPC.
+pub(crate) fn fallback(role: &'static str, reason: &'static str) {
+    metrics::counter!(KV_TRANSFER_FALLBACKS_TOTAL, "role" => role, "reason" => reason).increment(1);
+}
+
 impl Collect for WorkerState {
     fn collect(&self) -> CollectFuture<'_> {
         Box::pin(async move {
@@ -184,6 +224,7 @@ impl Collect for WorkerState {
             gauge(RUNNING_REQUESTS, load.running);
             gauge(WAITING_REQUESTS, load.waiting);
             gauge(PENDING_RESERVATIONS, self.pending_reservations());
+            gauge(NCCL_LINKS, self.nccl().map_or(0, |n| n.live_links()));
             let cache = load.cache;
             let counter = |name: &'static str, value: u64| {
                 metrics::counter!(name, "role" => role).absolute(value);

@@ -1,5 +1,6 @@
 //! Membership: a worker registers under its role with its addresses, model, KV-format
-//! fingerprint, page size and capacity, and refreshes its capacity periodically until stopped.
+//! fingerprint, page size, capacity and NCCL endpoint (when it offers NCCL), and refreshes its
+//! capacity periodically until stopped.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +36,7 @@ pub async fn worker_info(
             free_pages: load.free_pages as u64,
             total_pages: load.total_pages as u64,
         },
+        nccl: state.nccl().map(|n| n.endpoint().clone()),
     })
 }
 

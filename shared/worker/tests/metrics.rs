@@ -126,6 +126,19 @@ async fn workers_export_calls_transfers_pages_and_the_prefix_cache() {
     assert_eq!(s.value(m::KV_TRANSFER_PAGES_TOTAL, &received), pages);
     assert_eq!(s.value(m::KV_TRANSFER_BYTES_TOTAL, &sent), bytes);
     assert_eq!(s.value(m::KV_TRANSFER_BYTES_TOTAL, &received), bytes);
+    let grpc = |dir: &[(&'static str, &'static str); 2]| {
+        s.value(
+            m::KV_TRANSFERS_TOTAL,
+            &[dir[0], dir[1], ("backend", "grpc")],
+        )
+    };
+    assert_eq!((grpc(&sent), grpc(&received)), (2.0, 2.0), "both over gRPC");
+    assert_eq!(
+        s.get(m::KV_TRANSFER_FALLBACKS_TOTAL, &[]),
+        None,
+        "no NCCL, no fall back"
+    );
+    assert_eq!(s.value(m::NCCL_LINKS, &[("role", "decode")]), 0.0);
     let durations = format!("{}_count", m::KV_TRANSFER_DURATION_SECONDS);
     assert_eq!(s.value(&durations, &sent), 2.0);
     assert_eq!(s.value(&durations, &received), 2.0);

@@ -167,7 +167,16 @@ async fn top_logprobs_survive_the_handoff() {
         first_logprob,
         logprobs,
         ..
-    } = handoff_with(&p, &d, "top", &prompt(), stopping(), Some(options)).await;
+    } = handoff_with(
+        &p,
+        &d,
+        "top",
+        &prompt(),
+        stopping(),
+        Some(options),
+        v1::TransferBackend::Grpc,
+    )
+    .await;
     assert_eq!(tokens, expected, "logprobs change no token");
     let first = first_logprob.expect("the prefill worker computed them");
     assert_eq!(first.top.len(), 3);

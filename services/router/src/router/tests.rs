@@ -24,6 +24,7 @@ fn info(role: Role, id: &str, fingerprint: u64) -> WorkerInfo {
             free_pages: 10_000,
             total_pages: 10_000,
         },
+        nccl: None,
     }
 }
 

@@ -36,6 +36,7 @@ pub fn worker(role: Role, name: &str, free: u64) -> WorkerInfo {
             free_pages: free,
             total_pages: 1000,
         },
+        nccl: None,
     }
 }
 

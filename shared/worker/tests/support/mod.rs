@@ -127,11 +127,32 @@ pub async fn handoff(
     prompt: &[u32],
     stopping: v1::StoppingCriteria,
 ) -> Handoff {
-    handoff_with(p, d, request_id, prompt, stopping, None).await
+    handoff_with(
+        p,
+        d,
+        request_id,
+        prompt,
+        stopping,
+        None,
+        v1::TransferBackend::Grpc,
+    )
+    .await
 }
 
-/// [`handoff`] asking both workers for `logprobs`; the prefill worker's first-token entry
-/// travels in the hand-off, as the router sends it.
+/// [`handoff`] with the target's backend set to `backend` (NCCL also names D's worker id).
+pub async fn handoff_over(
+    p: &Server,
+    d: &Server,
+    request_id: &str,
+    prompt: &[u32],
+    stopping: v1::StoppingCriteria,
+    backend: v1::TransferBackend,
+) -> Handoff {
+    handoff_with(p, d, request_id, prompt, stopping, None, backend).await
+}
+
+/// [`handoff`] asking both workers for `logprobs` (the prefill worker's first-token entry
+/// travels in the hand-off, as the router sends it), over `backend`.
 pub async fn handoff_with(
     p: &Server,
     d: &Server,
@@ -139,6 +160,7 @@ pub async fn handoff_with(
     prompt: &[u32],
     stopping: v1::StoppingCriteria,
     logprobs: Option<v1::LogprobsOptions>,
+    backend: v1::TransferBackend,
 ) -> Handoff {
     let fingerprint = p.state.engine().info().fingerprint;
     let reservation = d
@@ -169,7 +191,8 @@ pub async fn handoff_with(
                 page_count: reservation.page_count,
                 page_ids: reservation.page_ids.clone(),
                 kv_format_fingerprint: reservation.kv_format_fingerprint,
-                backend: v1::TransferBackend::Grpc as i32,
+                backend: backend as i32,
+                decode_worker_id: d.state.identity().worker_id.clone(),
             }),
         })
         .await

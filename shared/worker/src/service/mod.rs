@@ -1,29 +1,34 @@
 //! The gRPC services on an [`EngineHandle`]: `Worker` (worker.proto) and, on decode workers,
-//! `KvTransfer` (transfer.proto). Both share one [`WorkerState`]: the pending reservations, the
-//! map from request ids to engine ids, and the transfer counters.
+//! `KvTransfer` (transfer.proto, in [`kv_transfer`]). Both share one [`WorkerState`]: the pending
+//! reservations, the map from request ids to engine ids, the transfer counters and, when this
+//! worker offers it, its NCCL pairs.
+
+mod kv_transfer;
+
+pub use kv_transfer::TransferService;
 
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nibble_engine::scheduler::SeqId;
 use nibble_engine::Event;
 use nibble_proto::v1;
-use nibble_proto::v1::kv_transfer_server::KvTransfer;
 use nibble_proto::v1::worker_server::Worker;
 use nibble_security::{Peers, Security};
 use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream};
 use tokio_stream::{Stream, StreamExt};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::actor::EngineHandle;
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::metrics::{self, Direction};
-use crate::transfer::{self, Pending, Reservations, TransferCounters};
+use crate::transfer::nccl::NcclTransport;
+use crate::transfer::{Pending, Reservations, TransferCounters};
 
 /// What a worker says about itself.
 #[derive(Debug, Clone)]
@@ -52,6 +57,8 @@ pub struct WorkerState {
     requests: Mutex<HashMap<String, SeqId>>,
     next_id: AtomicU64,
     counters: TransferCounters,
+    /// Set once, before serving, when this worker offers NCCL.
+    nccl: OnceLock<Arc<NcclTransport>>,
 }
 
 impl WorkerState {
@@ -78,6 +85,7 @@ impl WorkerState {
             requests: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             counters: TransferCounters::default(),
+            nccl: OnceLock::new(),
         });
         metrics::describe();
         nibble_telemetry::register(&state);
@@ -95,6 +103,19 @@ impl WorkerState {
     /// What this worker's server requires (TLS, the internal token).
     pub fn security(&self) -> &Security {
         &self.security
+    }
+
+    /// Offers NCCL transfers (before serving; the registration advertises its endpoint).
+    /// Fails if NCCL was already set.
+    pub fn set_nccl(&self, nccl: Arc<NcclTransport>) -> Result<()> {
+        self.nccl
+            .set(nccl)
+            .map_err(|_| Error::InvalidArgument("NCCL is already set up on this worker".into()))
+    }
+
+    /// This worker's NCCL pairs, when it offers NCCL.
+    pub fn nccl(&self) -> Option<&Arc<NcclTransport>> {
+        self.nccl.get()
     }
 
     /// Pages and bytes this worker moved.
@@ -219,11 +240,6 @@ impl WorkerState {
     async fn prefill(self: &Arc<Self>, r: v1::PrefillRequest) -> Result<v1::PrefillResponse> {
         if let Some(target) = &r.target {
             self.check_fingerprint(target.kv_format_fingerprint)?;
-            if target.backend == v1::TransferBackend::Nccl as i32 {
-                return Err(Error::InvalidArgument(
-                    "target.backend: NCCL is not available on this worker".into(),
-                ));
-            }
         }
         // A prefill samples one token; room for more would only refuse long prompts.
         let params = convert::sampling_params(r.sampling.as_ref(), None, r.logprobs.as_ref(), 1)?;
@@ -274,21 +290,15 @@ impl WorkerState {
                         pages.len()
                     )));
                 }
-                let summary = transfer::push_pages(
-                    &self.engine,
-                    &self.peers,
-                    &r.request_id,
-                    target,
-                    &pages[first..],
-                    &self.counters,
-                )
-                .await?;
+                let summary = self.push(&r.request_id, target, &pages[first..]).await?;
                 metrics::transfer(role, Direction::Sent, summary.pages as u64, summary.bytes);
                 metrics::transfer_duration(role, Direction::Sent, summary.duration);
+                metrics::transfer_backend(role, Direction::Sent, summary.backend);
                 Some(v1::TransferSummary {
                     pages: summary.pages as u32,
                     bytes: summary.bytes,
                     duration_us: summary.duration.as_micros() as u64,
+                    backend: summary.backend as i32,
                 })
             }
             None => None,
@@ -444,81 +454,6 @@ impl WorkerState {
             transfer_address: self.identity.transfer_address.clone(),
         }
     }
-
-    async fn receive(
-        &self,
-        mut stream: Streaming<v1::PushPagesRequest>,
-    ) -> Result<v1::PushPagesResponse> {
-        let start = Instant::now();
-        let Some(first) = stream.message().await.map_err(push_status)? else {
-            return Err(Error::InvalidArgument(
-                "the stream carried no message".into(),
-            ));
-        };
-        let theirs = first.kv_format_fingerprint.ok_or_else(|| {
-            Error::InvalidArgument("kv_format_fingerprint is required on the first message".into())
-        })?;
-        self.check_fingerprint(theirs)?;
-        let reservation = first.reservation_id;
-        let request_id = self
-            .reservations
-            .request_id(reservation)
-            .ok_or(Error::UnknownReservation(reservation))?;
-        tracing::Span::current().record("request_id", tracing::field::display(&request_id));
-        let role = metrics::role_label(self);
-        let page_bytes = self.engine.info().page_bytes;
-        let (mut pages, mut bytes, mut complete) = (0usize, 0u64, false);
-        let mut next = Some(first);
-        while let Some(message) = next {
-            if message.reservation_id != 0 && message.reservation_id != reservation {
-                return Err(Error::InvalidArgument(format!(
-                    "reservation_id changed from {reservation} to {} mid-stream",
-                    message.reservation_id
-                )));
-            }
-            let targets = self
-                .reservations
-                .targets(reservation, &message.page_indices)?;
-            let len = message.data.len() as u64;
-            if message.data.len() != targets.len() * page_bytes {
-                return Err(Error::InvalidArgument(format!(
-                    "data must be {} pages of {page_bytes} bytes, got {len} bytes",
-                    targets.len()
-                )));
-            }
-            self.engine.import_pages(targets, message.data).await?;
-            complete = self.reservations.mark(reservation, &message.page_indices)?;
-            pages += message.page_indices.len();
-            bytes += len;
-            self.counters
-                .pages_received
-                .fetch_add(message.page_indices.len() as u64, Ordering::Relaxed);
-            self.counters
-                .bytes_received
-                .fetch_add(len, Ordering::Relaxed);
-            let count = message.page_indices.len() as u64;
-            metrics::transfer(role, Direction::Received, count, len);
-            next = stream.message().await.map_err(push_status)?;
-        }
-        metrics::transfer_duration(role, Direction::Received, start.elapsed());
-        tracing::info!(
-            reservation,
-            pages,
-            bytes,
-            complete,
-            micros = start.elapsed().as_micros() as u64,
-            "received pages"
-        );
-        Ok(v1::PushPagesResponse {
-            pages: pages as u32,
-            bytes,
-            complete,
-        })
-    }
-}
-
-fn push_status(status: Status) -> Error {
-    Error::Aborted(format!("page stream broke: {status}"))
 }
 
 /// Releases a prefilled request's held pages and forgets its id when the call ends, however it
@@ -736,31 +671,5 @@ impl Worker for WorkerService {
         _: Request<v1::KvSnapshotRequest>,
     ) -> Result<Response<v1::KvSnapshotResponse>, Status> {
         Ok(Response::new(self.0.engine.kv_snapshot().await?))
-    }
-}
-
-/// The `KvTransfer` gRPC service of a decode worker.
-#[derive(Clone)]
-pub struct TransferService(pub Arc<WorkerState>);
-
-#[tonic::async_trait]
-impl KvTransfer for TransferService {
-    async fn push_pages(
-        &self,
-        request: Request<Streaming<v1::PushPagesRequest>>,
-    ) -> Result<Response<v1::PushPagesResponse>, Status> {
-        // The request id is known once the first message names the reservation.
-        let span = tracing::info_span!(
-            "request",
-            request_id = tracing::field::Empty,
-            call = "push_pages"
-        );
-        async {
-            let call = Call::start(&self.0, "push_pages");
-            call.end(self.0.receive(request.into_inner()).await)
-                .map(Response::new)
-        }
-        .instrument(span)
-        .await
     }
 }
