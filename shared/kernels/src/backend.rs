@@ -1,11 +1,15 @@
 //! [`CudaBackend`]: nibble-engine's [`Backend`] on one CUDA device.
 //!
 //! * Tensors are f32 device buffers ([`CudaTensor`]), row-major, grown on demand and never
-//!   shrunk. Weights are dequantized on the host with the engine's exact GGML decoders (the
-//!   trait's default `upload_weight`) and kept as f32: the values equal the CPU backend's.
-//! * GEMMs (`matmul_t`) go to cuBLAS SGEMM (FP32, default math mode: no TF32), loaded at run time
-//!   like NVRTC; without cuBLAS a tiled f32 kernel of `cu/ops.cu` runs instead (also chosen by
-//!   `NIBBLE_CUDA_GEMM=tiled`). The elementwise kernels (embedding, RMSNorm, RoPE in both pairings,
+//!   shrunk. Weight matrices are dequantized on the host with the engine's exact GGML decoders
+//!   and stored in the backend's [`WeightPrecision`] (`weights`): BF16 codes by default (rounded
+//!   on the host, so no f32 copy reaches the device), or f32 (`NIBBLE_CUDA_WEIGHTS=f32`), whose
+//!   values equal the CPU backend's. Vectors (norms, biases) are always f32.
+//! * GEMMs (`matmul_t`) go to cuBLAS, loaded at run time like NVRTC: `cublasGemmEx` over BF16
+//!   weights and BF16-cast activations with f32 accumulation and output, or SGEMM over f32
+//!   weights (FP32, default math mode: no TF32). Without cuBLAS a tiled f32 kernel of `cu/ops.cu`
+//!   runs instead (also chosen by `NIBBLE_CUDA_GEMM=tiled`), and weights stay f32 for it. The
+//!   elementwise kernels (embedding, RMSNorm, RoPE in both pairings,
 //!   SwiGLU, residual/bias adds) and the contiguous-cache f32 attention are in `cu/ops.cu`,
 //!   compiled with `--fmad=false`.
 //! * Paged KV ([`CudaPages`]) lives in device memory with exactly the bytes of
@@ -22,13 +26,14 @@
 use std::fmt::Display;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use nibble_engine::backend::{AttentionArgs, Backend, PagedSeq, RopeArgs};
+use nibble_engine::gguf::{dequant, GgmlType};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
@@ -36,12 +41,19 @@ use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout};
 
 use crate::{nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result};
 
+mod weights;
+
+use weights::{to_bf16, Bf16Gemm};
+pub use weights::{WeightPrecision, WEIGHTS_ENV};
+
 /// The dense kernels' source (compiled separately: `--fmad=false`).
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 9] = [
+pub const OPS_ENTRY_POINTS: [&str; 11] = [
     "embed_rows",
+    "embed_rows_bf16",
+    "f32_to_bf16",
     "add_f32",
     "add_bias_f32",
     "silu_mul_f32",
@@ -61,16 +73,39 @@ pub fn compile_ops(arch: &'static str) -> Result<nvrtc::Compiled> {
 /// memory, next to 1 KiB of reductions).
 const MAX_CONTIGUOUS_CONTEXT: usize = 11 * 1024;
 
-/// A device tensor: `rows × cols` f32, row-major, in the first `rows * cols` values of `buf`.
+/// A device tensor: `rows × cols`, row-major, in the first `rows * cols` values of `data`.
 pub struct CudaTensor {
-    buf: CudaSlice<f32>,
+    data: Data,
     rows: usize,
     cols: usize,
+}
+
+/// The values of a [`CudaTensor`].
+enum Data {
+    /// Activations, vectors, and weight matrices under [`WeightPrecision::F32`].
+    F32(CudaSlice<f32>),
+    /// BF16 codes of a weight matrix ([`WeightPrecision::Bf16`]): read only as the `w` of
+    /// `matmul_t` and the table of `embed`.
+    Bf16(CudaSlice<u16>),
 }
 
 impl CudaTensor {
     fn len(&self) -> usize {
         self.rows * self.cols
+    }
+
+    fn f32(&self) -> &CudaSlice<f32> {
+        match &self.data {
+            Data::F32(b) => b,
+            Data::Bf16(_) => panic!("{BF16_MISUSE}"),
+        }
+    }
+
+    fn f32_mut(&mut self) -> &mut CudaSlice<f32> {
+        match &mut self.data {
+            Data::F32(b) => b,
+            Data::Bf16(_) => panic!("{BF16_MISUSE}"),
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -87,8 +122,14 @@ enum GemmImpl {
     Tiled,
 }
 
+const BF16_MISUSE: &str =
+    "a BF16 weight matrix was passed where f32 values are needed (only matmul_t's w and embed's \
+     table may be BF16)";
+
 struct Ops {
     embed: CudaFunction,
+    embed_bf16: CudaFunction,
+    to_bf16: CudaFunction,
     add: CudaFunction,
     add_bias: CudaFunction,
     silu_mul: CudaFunction,
@@ -105,6 +146,10 @@ pub struct CudaBackend {
     kernels: Kernels,
     ops: Ops,
     gemm: GemmImpl,
+    weights: WeightPrecision,
+    /// The BF16 cast of `matmul_t`'s activations (BF16 weights), grown on demand; used in stream
+    /// order, so one buffer serves every GEMM.
+    x_bf16: Mutex<CudaSlice<u16>>,
 }
 
 /// Whether a CUDA driver with at least one device is present (for `--device auto`).
@@ -118,14 +163,24 @@ pub fn cuda_available() -> bool {
 
 impl CudaBackend {
     /// Opens device `ordinal`, compiles every kernel and loads cuBLAS (falling back to the tiled
-    /// GEMM, with a note on stderr, when cuBLAS is not found).
+    /// GEMM, with a note on stderr, when cuBLAS is not found). Weights are stored as
+    /// `NIBBLE_CUDA_WEIGHTS` says ([`WeightPrecision::from_env`]: BF16 unless it is "f32").
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_weights(ordinal, WeightPrecision::from_env()?)
+    }
+
+    /// As [`CudaBackend::new`], with the weight precision given (the environment is not read for
+    /// it). The tiled GEMM reads f32 weights: without cuBLAS the precision is f32 whatever is
+    /// asked ([`CudaBackend::weights`] tells).
+    pub fn with_weights(ordinal: usize, weights: WeightPrecision) -> Result<Self> {
         let kernels = Kernels::new(ordinal)?;
         let ctx = kernels.context().clone();
         let module = ctx.load_module(compile_ops(kernels.arch())?.ptx)?;
         let f = |name: &str| module.load_function(name);
         let ops = Ops {
             embed: f("embed_rows")?,
+            embed_bf16: f("embed_rows_bf16")?,
+            to_bf16: f("f32_to_bf16")?,
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
             silu_mul: f("silu_mul_f32")?,
@@ -150,12 +205,24 @@ impl CudaBackend {
                 }
             }
         };
+        let weights = match gemm {
+            GemmImpl::Cublas(_) => weights,
+            GemmImpl::Tiled => WeightPrecision::F32,
+        };
+        let x_bf16 = Mutex::new(kernels.stream().alloc_zeros(1)?);
         Ok(Self {
             ordinal,
             kernels,
             ops,
             gemm,
+            weights,
+            x_bf16,
         })
+    }
+
+    /// How weight matrices are stored (and so which GEMM `matmul_t` runs).
+    pub fn weights(&self) -> WeightPrecision {
+        self.weights
     }
 
     /// "cublas" or "tiled".
@@ -202,7 +269,7 @@ impl CudaBackend {
         let mut out = self.stream().alloc_zeros((rows.len() * c).max(1))?;
         if !rows.is_empty() {
             self.stream().memcpy_dtod(
-                &t.buf.slice(rows.start * c..rows.end * c),
+                &t.f32().slice(rows.start * c..rows.end * c),
                 &mut out.slice_mut(0..rows.len() * c),
             )?;
         }
@@ -301,10 +368,11 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         format!(
-            "cuda:{} ({}, {} GEMM)",
+            "cuda:{} ({}, {} GEMM, {} weights)",
             self.ordinal,
             self.kernels.arch(),
-            self.gemm_name()
+            self.gemm_name(),
+            self.weights.as_str()
         )
     }
 
@@ -326,22 +394,59 @@ impl Backend for CudaBackend {
         } else {
             self.stream().clone_htod(data).map_err(engine_err)?
         };
-        Ok(CudaTensor { buf, rows, cols })
+        Ok(CudaTensor {
+            data: Data::F32(buf),
+            rows,
+            cols,
+        })
+    }
+
+    fn upload_weight(
+        &self,
+        rows: usize,
+        cols: usize,
+        ty: GgmlType,
+        bytes: &[u8],
+    ) -> EngineResult<CudaTensor> {
+        let mut data = vec![0.0f32; rows * cols];
+        if !dequant::dequantize(ty, bytes, &mut data) {
+            return Err(EngineError::InvalidInput(format!(
+                "{} bytes of {ty} do not make a {rows}x{cols} matrix",
+                bytes.len()
+            )));
+        }
+        if self.weights == WeightPrecision::F32 {
+            return self.upload_vec(rows, cols, data);
+        }
+        // Rounded on the host: only the BF16 codes reach the device.
+        let codes = to_bf16(&data);
+        drop(data);
+        self.bind();
+        let buf = if codes.is_empty() {
+            self.stream().alloc_zeros(1).map_err(engine_err)?
+        } else {
+            self.stream().clone_htod(&codes).map_err(engine_err)?
+        };
+        Ok(CudaTensor {
+            data: Data::Bf16(buf),
+            rows,
+            cols,
+        })
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> CudaTensor {
         self.bind();
         CudaTensor {
-            buf: self.alloc(rows * cols),
+            data: Data::F32(self.alloc(rows * cols)),
             rows,
             cols,
         }
     }
 
     fn resize(&self, t: &mut CudaTensor, rows: usize, cols: usize) {
-        if t.buf.len() < rows * cols {
+        if t.f32().len() < rows * cols {
             self.bind();
-            t.buf = self.alloc(rows * cols);
+            t.data = Data::F32(self.alloc(rows * cols));
         }
         t.rows = rows;
         t.cols = cols;
@@ -358,7 +463,7 @@ impl Backend for CudaBackend {
         self.bind();
         let host = self
             .stream()
-            .clone_dtoh(&t.buf.slice(rows.start * t.cols..rows.end * t.cols))
+            .clone_dtoh(&t.f32().slice(rows.start * t.cols..rows.end * t.cols))
             .unwrap_or_else(|e| panic!("CUDA: device-to-host copy: {e}"));
         out.extend_from_slice(&host);
     }
@@ -383,8 +488,8 @@ impl Backend for CudaBackend {
         let c = src.cols;
         launched(
             self.stream().memcpy_dtod(
-                &src.buf.slice(src_row * c..(src_row + n) * c),
-                &mut dst.buf.slice_mut(dst_row * c..(dst_row + n) * c),
+                &src.f32().slice(src_row * c..(src_row + n) * c),
+                &mut dst.f32_mut().slice_mut(dst_row * c..(dst_row + n) * c),
             ),
             "copy_rows",
         );
@@ -406,13 +511,20 @@ impl Backend for CudaBackend {
         self.bind();
         let dev = self.htod_u32(tokens);
         let (n, cols) = (tokens.len() as u32, table.cols as u32);
-        let mut b = self.stream().launch_builder(&self.ops.embed);
-        b.arg(&mut out.buf)
-            .arg(&table.buf)
-            .arg(&dev)
-            .arg(&n)
-            .arg(&cols);
-        // SAFETY: matches embed_rows; out holds n*cols values, tokens are < table.rows.
+        let mut b;
+        match &table.data {
+            Data::F32(t) => {
+                b = self.stream().launch_builder(&self.ops.embed);
+                b.arg(out.f32_mut()).arg(t);
+            }
+            Data::Bf16(t) => {
+                b = self.stream().launch_builder(&self.ops.embed_bf16);
+                b.arg(out.f32_mut()).arg(t);
+            }
+        }
+        b.arg(&dev).arg(&n).arg(&cols);
+        // SAFETY: matches embed_rows / embed_rows_bf16; out holds n*cols values, tokens are
+        // < table.rows.
         launched(
             unsafe { b.launch(grid(n as u64 * cols as u64)) }.map(|_| ()),
             "embed",
@@ -427,8 +539,8 @@ impl Backend for CudaBackend {
             return;
         }
         self.bind();
-        match &self.gemm {
-            GemmImpl::Cublas(blas) => {
+        match (&self.gemm, &w.data) {
+            (GemmImpl::Cublas(blas), Data::F32(wb)) => {
                 // Row-major out[n][m] = x[n][k] · w[m][k]ᵀ is, column-major, outᵀ (m × n) =
                 // wᵀ (w read as k × m, transposed) · xᵀ (x read as k × n).
                 let cfg = GemmConfig {
@@ -443,16 +555,46 @@ impl Backend for CudaBackend {
                     beta: 0.0f32,
                     ldc: m as i32,
                 };
-                let mut o = out.buf.slice_mut(0..n * m);
+                let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).
                 let r = unsafe {
-                    blas.gemm(cfg, &w.buf.slice(0..m * k), &x.buf.slice(0..n * k), &mut o)
+                    blas.gemm(cfg, &wb.slice(0..m * k), &x.f32().slice(0..n * k), &mut o)
                 };
                 if let Err(e) = r {
                     panic!("cuBLAS SGEMM failed: {e:?}");
                 }
             }
-            GemmImpl::Tiled => {
+            (GemmImpl::Cublas(blas), Data::Bf16(wb)) => {
+                let values = n * k;
+                let mut xs = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
+                if xs.len() < values {
+                    *xs = self
+                        .stream()
+                        .alloc_zeros(values)
+                        .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
+                }
+                let count = values as u64;
+                let mut b = self.stream().launch_builder(&self.ops.to_bf16);
+                b.arg(&mut *xs).arg(x.f32()).arg(&count);
+                // SAFETY: matches f32_to_bf16; both hold at least n*k values.
+                launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
+                let gemm = Bf16Gemm { n, m, k };
+                let mut o = out.f32_mut().slice_mut(0..n * m);
+                // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).
+                let r = unsafe {
+                    gemm.run(
+                        blas,
+                        self.stream(),
+                        &wb.slice(0..m * k),
+                        &xs.slice(0..values),
+                        &mut o,
+                    )
+                };
+                if let Err(e) = r {
+                    panic!("cuBLAS GemmEx (BF16) failed: {e:?}");
+                }
+            }
+            (GemmImpl::Tiled, Data::F32(wb)) => {
                 let (n32, m32, k32) = (n as u32, m as u32, k as u32);
                 let cfg = LaunchConfig {
                     grid_dim: (m32.div_ceil(16), n32.div_ceil(16), 1),
@@ -460,15 +602,17 @@ impl Backend for CudaBackend {
                     shared_mem_bytes: 0,
                 };
                 let mut b = self.stream().launch_builder(&self.ops.gemm);
-                b.arg(&x.buf)
-                    .arg(&w.buf)
-                    .arg(&mut out.buf)
+                b.arg(x.f32())
+                    .arg(wb)
+                    .arg(out.f32_mut())
                     .arg(&n32)
                     .arg(&m32)
                     .arg(&k32);
                 // SAFETY: matches gemm_nt_f32; buffers hold at least n*k, m*k, n*m values.
                 launched(unsafe { b.launch(cfg) }.map(|_| ()), "gemm");
             }
+            // `with_weights` keeps weights f32 whenever the GEMM is the tiled kernel.
+            (GemmImpl::Tiled, Data::Bf16(_)) => unreachable!("the tiled GEMM has f32 weights"),
         }
     }
 
@@ -481,7 +625,7 @@ impl Backend for CudaBackend {
         self.bind();
         let cols = x.cols as u32;
         let mut b = self.stream().launch_builder(&self.ops.add_bias);
-        b.arg(&mut x.buf).arg(&bias.buf).arg(&n).arg(&cols);
+        b.arg(x.f32_mut()).arg(bias.f32()).arg(&n).arg(&cols);
         // SAFETY: matches add_bias_f32; x holds n values, bias cols.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add_bias");
     }
@@ -494,7 +638,7 @@ impl Backend for CudaBackend {
         }
         self.bind();
         let mut b = self.stream().launch_builder(&self.ops.add);
-        b.arg(&mut x.buf).arg(&y.buf).arg(&n);
+        b.arg(x.f32_mut()).arg(y.f32()).arg(&n);
         // SAFETY: matches add_f32; both hold n values.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add");
     }
@@ -523,9 +667,9 @@ impl Backend for CudaBackend {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream().launch_builder(&self.ops.rms_norm);
-        b.arg(&x.buf)
-            .arg(&weight.buf)
-            .arg(&mut out.buf)
+        b.arg(x.f32())
+            .arg(weight.f32())
+            .arg(out.f32_mut())
             .arg(&width)
             .arg(&eps);
         // SAFETY: matches rms_norm_f32; x and out hold groups*width values.
@@ -553,10 +697,10 @@ impl Backend for CudaBackend {
         let (rows, cols, hd) = (x.rows as u32, x.cols as u32, d as u32);
         let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
         let mut b = self.stream().launch_builder(&self.ops.rope);
-        b.arg(&mut x.buf)
+        b.arg(x.f32_mut())
             .arg(&pos)
-            .arg(&rope.cos.buf)
-            .arg(&rope.sin.buf)
+            .arg(rope.cos.f32())
+            .arg(rope.sin.f32())
             .arg(&rows)
             .arg(&cols)
             .arg(&hd)
@@ -577,7 +721,7 @@ impl Backend for CudaBackend {
         }
         self.bind();
         let mut b = self.stream().launch_builder(&self.ops.silu_mul);
-        b.arg(&mut gate.buf).arg(&up.buf).arg(&n);
+        b.arg(gate.f32_mut()).arg(up.f32()).arg(&n);
         // SAFETY: matches silu_mul_f32; both hold n values.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "silu_mul");
     }
@@ -607,10 +751,10 @@ impl Backend for CudaBackend {
             shared_mem_bytes: kv_len * 4,
         };
         let mut b = self.stream().launch_builder(&self.ops.attention);
-        b.arg(&args.q.buf)
-            .arg(&args.k.buf)
-            .arg(&args.v.buf)
-            .arg(&mut out.buf)
+        b.arg(args.q.f32())
+            .arg(args.k.f32())
+            .arg(args.v.f32())
+            .arg(out.f32_mut())
             .arg(&row0)
             .arg(&n32)
             .arg(&kv_len)
@@ -930,7 +1074,9 @@ impl CudaBackend {
             self.kernels.prefill(&batch, &mut o)?;
             stream.memcpy_dtod(
                 &o,
-                &mut out.buf.slice_mut(span.start * q_row..span.end * q_row),
+                &mut out
+                    .f32_mut()
+                    .slice_mut(span.start * q_row..span.end * q_row),
             )?;
             let slots: Vec<u32> = seq.slots.iter().map(|s| s.0).collect();
             let slots = stream.clone_htod(&slots)?;
@@ -959,15 +1105,15 @@ impl CudaBackend {
         for (i, (seq, span)) in decodes.iter().enumerate() {
             let r = span.start;
             stream.memcpy_dtod(
-                &step.q.buf.slice(r * q_row..(r + 1) * q_row),
+                &step.q.f32().slice(r * q_row..(r + 1) * q_row),
                 &mut q.slice_mut(i * q_row..(i + 1) * q_row),
             )?;
             stream.memcpy_dtod(
-                &step.k.buf.slice(r * kv_row..(r + 1) * kv_row),
+                &step.k.f32().slice(r * kv_row..(r + 1) * kv_row),
                 &mut k.slice_mut(i * kv_row..(i + 1) * kv_row),
             )?;
             stream.memcpy_dtod(
-                &step.v.buf.slice(r * kv_row..(r + 1) * kv_row),
+                &step.v.f32().slice(r * kv_row..(r + 1) * kv_row),
                 &mut v.slice_mut(i * kv_row..(i + 1) * kv_row),
             )?;
             let ctx = seq.stored + 1;
@@ -1002,7 +1148,7 @@ impl CudaBackend {
             let r = span.start;
             stream.memcpy_dtod(
                 &o.slice(i * q_row..(i + 1) * q_row),
-                &mut out.buf.slice_mut(r * q_row..(r + 1) * q_row),
+                &mut out.f32_mut().slice_mut(r * q_row..(r + 1) * q_row),
             )?;
         }
         Ok(())

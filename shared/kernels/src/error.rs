@@ -1,5 +1,6 @@
 //! Errors of the kernel crate: NVRTC or NCCL missing, a source that does not compile, a driver or
-//! NCCL error, a deadline passed, or a geometry the kernels do not handle.
+//! NCCL error, a deadline passed, a geometry the kernels do not handle, or a bad `NIBBLE_CUDA_*`
+//! setting.
 
 use cudarc::driver::DriverError;
 
@@ -19,6 +20,12 @@ pub enum Error {
     NoDevice(String),
     #[error("unsupported by the CUDA kernels: {0}")]
     Unsupported(String),
+    #[error("{var}={value:?} is not valid: expected {expected}")]
+    InvalidEnv {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
     #[error("NCCL: {0}")]
     NcclNotFound(String),
     #[error("NCCL {op} failed ({code}): {message}")]

@@ -24,7 +24,7 @@ mod launch;
 pub mod nccl;
 pub mod nvrtc;
 
-pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor};
+pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrecision};
 pub use device::{Device, KvNeeds};
 pub use error::{Error, Result};
 pub use geom::PageGeom;

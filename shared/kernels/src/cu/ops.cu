@@ -1,7 +1,7 @@
-// The dense kernels of the CUDA backend (src/backend.rs): embedding, RMSNorm, RoPE, SwiGLU,
-// residual and bias adds, causal f32 attention for the contiguous cache, the f32 -> work-dtype
-// workspace encoder of the paged prefill/extend paths, and a tiled f32 GEMM used only when
-// cuBLAS cannot be loaded. Compiled with --fmad=false so products and sums round like the CPU
+// The dense kernels of the CUDA backend (src/backend.rs): embedding (f32 or BF16 table), the
+// f32 -> BF16 activation cast of the BF16-weight GEMM, RMSNorm, RoPE, SwiGLU, residual and bias
+// adds, causal f32 attention for the contiguous cache, the f32 -> work-dtype workspace encoder of
+// the paged prefill/extend paths, and a tiled f32 GEMM used only when cuBLAS cannot be loaded. Compiled with --fmad=false so products and sums round like the CPU
 // backend's (which never fuses).
 
 // out[r][c] = table[tokens[r]][c]
@@ -11,6 +11,22 @@ extern "C" __global__ void embed_rows(float* __restrict__ out, const float* __re
     if (i >= (u64)n * cols) return;
     const u32 r = (u32)(i / cols), c = (u32)(i % cols);
     out[i] = table[(u64)tokens[r] * cols + c];
+}
+
+// embed_rows over a BF16 table (BF16 weights): the widening to f32 is exact.
+extern "C" __global__ void embed_rows_bf16(float* __restrict__ out, const u16* __restrict__ table,
+                                           const u32* __restrict__ tokens, u32 n, u32 cols) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n * cols) return;
+    const u32 r = (u32)(i / cols), c = (u32)(i % cols);
+    out[i] = bf16_decode(table[(u64)tokens[r] * cols + c]);
+}
+
+// out[i] = BF16(x[i]), round to nearest even (kvfmt::bf16::encode): the activation operand of the
+// BF16-weight cuBLAS GEMM.
+extern "C" __global__ void f32_to_bf16(u16* __restrict__ out, const float* __restrict__ x, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = (u16)bf16_encode(x[i]);
 }
 
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, u64 n) {
