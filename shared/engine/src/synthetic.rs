@@ -70,7 +70,8 @@ pub fn random_model<B: Backend>(
     Model::new(backend, config, weights)
 }
 
-/// Random weights of `config`'s shapes, uploaded as f32 (`Backend::upload_vec`). Matrices are
+/// Random weights of `config`'s shapes: matrices through `Backend::upload_matrix` (kept as the
+/// backend keeps a loaded model's matrices), vectors as f32 (`Backend::upload_vec`). Matrices are
 /// uniform in ±sqrt(3 / cols) (unit variance out for unit variance in, so activations stay in
 /// range through any depth), norm weights are 1, Q/K/V biases uniform in ±0.1.
 pub fn random_weights<B: Backend>(
@@ -89,7 +90,12 @@ pub fn random_weights<B: Backend>(
     let mut tensor = 0u64;
     let mut draw = |rows: usize, cols: usize, scale: f32| -> Result<B::Tensor> {
         tensor += 1;
-        backend.upload_vec(rows, cols, uniform(seed, tensor, rows * cols, scale))
+        let data = uniform(seed, tensor, rows * cols, scale);
+        if rows == 1 {
+            backend.upload_vec(rows, cols, data) // a bias
+        } else {
+            backend.upload_matrix(rows, cols, data)
+        }
     };
     // Unit variance out for unit variance in.
     let fan_in = |cols: usize| (3.0 / cols as f32).sqrt();

@@ -415,6 +415,10 @@ impl Backend for CudaBackend {
                 bytes.len()
             )));
         }
+        self.upload_matrix(rows, cols, data)
+    }
+
+    fn upload_matrix(&self, rows: usize, cols: usize, data: Vec<f32>) -> EngineResult<CudaTensor> {
         if self.weights == WeightPrecision::F32 {
             return self.upload_vec(rows, cols, data);
         }

@@ -105,6 +105,14 @@ pub trait Backend: Send + Sync + 'static {
                 bytes.len()
             )));
         }
+        self.upload_matrix(rows, cols, data)
+    }
+
+    /// A weight matrix (a `matmul_t` operand or the embedding table) given as f32 values, from
+    /// any loader (GGUF through `upload_weight`, safetensors, random weights). A backend may keep
+    /// it in a narrower type for its GEMMs: the CUDA backend rounds to BF16 by default. The
+    /// default keeps f32. Vectors (norm weights, biases) go through `upload_vec`.
+    fn upload_matrix(&self, rows: usize, cols: usize, data: Vec<f32>) -> Result<Self::Tensor> {
         self.upload_vec(rows, cols, data)
     }
 

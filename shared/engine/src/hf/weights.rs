@@ -30,12 +30,11 @@ impl<B: Backend> Weights<B> {
         let load = |name: &str, shape: &[usize]| -> Result<B::Tensor> {
             let data = checkpoint.load_f32(name, shape)?;
             used.borrow_mut().insert(name.to_string());
-            let (rows, cols) = match *shape {
-                [len] => (1, len),
-                [rows, cols] => (rows, cols),
+            match *shape {
+                [len] => backend.upload_vec(1, len, data),
+                [rows, cols] => backend.upload_matrix(rows, cols, data),
                 _ => unreachable!("weights are vectors or matrices"),
-            };
-            backend.upload_vec(rows, cols, data)
+            }
         };
 
         let mut layers = Vec::with_capacity(config.num_layers);
