@@ -3,8 +3,9 @@
 //! object per line (docs/BENCHMARKS.md, "End-to-end decode").
 //!
 //! * The model is `nibble_engine::synthetic::random_model` (seeded, uniform ±sqrt(3/fan-in)):
-//!   random weights measure speed only, the tokens mean nothing. The CUDA backend keeps every
-//!   weight as f32 (cuBLAS SGEMM): 8.03 B parameters are 32.1 GB of device memory.
+//!   random weights measure speed only, the tokens mean nothing. The CUDA backend keeps the
+//!   weight matrices as it keeps a loaded model's: BF16 by default (cuBLAS GemmEx; 8.03 B
+//!   parameters are 16.1 GB of device memory), f32 with `NIBBLE_CUDA_WEIGHTS=f32` (SGEMM, 32.1 GB).
 //! * The measurement is `nibble_engine::decode_bench` through the engine's decode-worker path:
 //!   each sequence's 32K-token prompt K/V arrive as page bytes (`Engine::reserve`,
 //!   `import_page`, `start_decode`: the disaggregated hand-off) holding random values quantized
@@ -151,7 +152,8 @@ fn measure<B: Backend>(
         "bench": "e2e_decode_model", "device": backend.name(), "shape": shape,
         "weights": format!("RANDOM (seed {}): speed only, outputs meaningless", bench.seed),
         "config": config_json(&config), "params": config.parameter_count(),
-        "weight_dtype": "f32", "weight_bytes": 4 * config.parameter_count(), "build_s": build_s,
+        // The weight precision is in `device` (the backend's name).
+        "weight_bytes_on_device": before.zip(after).map(|(b, a)| b.0 - a.0), "build_s": build_s,
         "device_free_before": before.map(|m| m.0), "device_free_after": after.map(|m| m.0),
         "device_total": after.map(|m| m.1),
         "kv_fill": "prompt pages imported through Engine::import_page (decode-worker hand-off): \
