@@ -301,16 +301,7 @@ impl Kernels {
         page_bytes: usize,
     ) -> Result<()> {
         check_page_copy(staging.len(), pool.len(), page_ids, page_bytes)?;
-        if page_ids.is_empty() {
-            return Ok(());
-        }
-        let ids = self.stream.clone_htod(page_ids)?;
-        let (n32, pb) = (page_ids.len() as u32, page_bytes as u64);
-        let mut b = self.stream.launch_builder(&self.pages_gather);
-        b.arg(staging).arg(pool).arg(&ids).arg(&n32).arg(&pb);
-        // SAFETY: matches pages_gather's signature; sizes and ids checked above.
-        unsafe { b.launch(page_copy_grid(page_ids.len(), page_bytes)) }?;
-        Ok(())
+        self.copy_pages(&self.pages_gather, staging, pool, page_ids, page_bytes)
     }
 
     /// The inverse of [`gather_pages`](Self::gather_pages): `page page_ids[i] = staging[i]`.
@@ -322,14 +313,28 @@ impl Kernels {
         page_bytes: usize,
     ) -> Result<()> {
         check_page_copy(staging.len(), pool.len(), page_ids, page_bytes)?;
+        self.copy_pages(&self.pages_scatter, pool, staging, page_ids, page_bytes)
+    }
+
+    /// Launches `pages_gather` or `pages_scatter` (both `(dst, src, ids, n, page_bytes)`), the
+    /// sizes already checked.
+    fn copy_pages(
+        &self,
+        kernel: &CudaFunction,
+        dst: &mut CudaSlice<u8>,
+        src: &CudaSlice<u8>,
+        page_ids: &[u32],
+        page_bytes: usize,
+    ) -> Result<()> {
         if page_ids.is_empty() {
             return Ok(());
         }
         let ids = self.stream.clone_htod(page_ids)?;
         let (n32, pb) = (page_ids.len() as u32, page_bytes as u64);
-        let mut b = self.stream.launch_builder(&self.pages_scatter);
-        b.arg(pool).arg(staging).arg(&ids).arg(&n32).arg(&pb);
-        // SAFETY: matches pages_scatter's signature; sizes and ids checked above.
+        let mut b = self.stream.launch_builder(kernel);
+        b.arg(dst).arg(src).arg(&ids).arg(&n32).arg(&pb);
+        // SAFETY: matches pages_gather's and pages_scatter's signature (dst, src, ids, n,
+        // page_bytes); the callers checked the sizes and ids.
         unsafe { b.launch(page_copy_grid(page_ids.len(), page_bytes)) }?;
         Ok(())
     }
