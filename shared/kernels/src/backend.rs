@@ -33,7 +33,6 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use nibble_engine::backend::{AttentionArgs, Backend, PagedSeq, RopeArgs};
-use nibble_engine::gguf::{dequant, GgmlType};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
@@ -401,22 +400,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn upload_weight(
-        &self,
-        rows: usize,
-        cols: usize,
-        ty: GgmlType,
-        bytes: &[u8],
-    ) -> EngineResult<CudaTensor> {
-        let mut data = vec![0.0f32; rows * cols];
-        if !dequant::dequantize(ty, bytes, &mut data) {
-            return Err(EngineError::InvalidInput(format!(
-                "{} bytes of {ty} do not make a {rows}x{cols} matrix",
-                bytes.len()
-            )));
-        }
-        self.upload_matrix(rows, cols, data)
-    }
+    // `upload_weight` is the trait's: GGML blocks dequantized on the host, then `upload_matrix`.
 
     fn upload_matrix(&self, rows: usize, cols: usize, data: Vec<f32>) -> EngineResult<CudaTensor> {
         if self.weights == WeightPrecision::F32 {
