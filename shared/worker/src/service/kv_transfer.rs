@@ -41,12 +41,7 @@ impl WorkerState {
                 .await
             {
                 Ok(summary) => {
-                    let c = &self.counters;
-                    c.pushes.fetch_add(1, Ordering::Relaxed);
-                    c.nccl_pushes.fetch_add(1, Ordering::Relaxed);
-                    c.pages_sent
-                        .fetch_add(summary.pages as u64, Ordering::Relaxed);
-                    c.bytes_sent.fetch_add(summary.bytes, Ordering::Relaxed);
+                    self.counters.pushed(&summary);
                     tracing::info!(
                         to = %target.address,
                         reservation = target.reservation_id,
@@ -127,13 +122,8 @@ impl WorkerState {
             complete = self.reservations.mark(reservation, &message.page_indices)?;
             pages += message.page_indices.len();
             bytes += len;
-            self.counters
-                .pages_received
-                .fetch_add(message.page_indices.len() as u64, Ordering::Relaxed);
-            self.counters
-                .bytes_received
-                .fetch_add(len, Ordering::Relaxed);
             let count = message.page_indices.len() as u64;
+            self.counters.received(count, len);
             metrics::transfer(role, Direction::Received, count, len);
             next = stream.message().await.map_err(push_status)?;
         }
@@ -197,8 +187,10 @@ impl WorkerState {
                 }
                 let received = async {
                     let staging = nccl.recv(&r.sender_id, &mut pair, bytes).await?;
-                    drop(pair); // the next transfer of the pair may start
-                                // Checked again: an Abort or the TTL may have taken the reservation meanwhile.
+                    // The next transfer of the pair may start.
+                    drop(pair);
+                    // Checked again: an Abort or the TTL may have taken the reservation
+                    // meanwhile.
                     let targets = state.reservations.targets(reservation, &r.page_indices)?;
                     state.engine.scatter_staging(targets, staging).await?;
                     state.reservations.mark(reservation, &r.page_indices)
@@ -208,9 +200,7 @@ impl WorkerState {
                     Ok(complete) => {
                         let role = metrics::role_label(&state);
                         let pages = r.page_indices.len() as u64;
-                        let c = &state.counters;
-                        c.pages_received.fetch_add(pages, Ordering::Relaxed);
-                        c.bytes_received.fetch_add(bytes as u64, Ordering::Relaxed);
+                        state.counters.received(pages, bytes as u64);
                         metrics::transfer(role, Direction::Received, pages, bytes as u64);
                         metrics::transfer_duration(role, Direction::Received, start.elapsed());
                         metrics::transfer_backend(

@@ -2,7 +2,6 @@
 //! `KvTransfer.PushPages` in messages of about [`MESSAGE_BYTES`], exporting, sending and
 //! importing in a pipeline.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use nibble_kvcache::PageId;
@@ -123,13 +122,7 @@ pub async fn push_pages(
         duration: start.elapsed(),
         backend: v1::TransferBackend::Grpc,
     };
-    counters.pushes.fetch_add(1, Ordering::Relaxed);
-    counters
-        .pages_sent
-        .fetch_add(summary.pages as u64, Ordering::Relaxed);
-    counters
-        .bytes_sent
-        .fetch_add(summary.bytes, Ordering::Relaxed);
+    counters.pushed(&summary);
     tracing::info!(
         to = %address,
         reservation = target.reservation_id,

@@ -72,6 +72,23 @@ impl TransferCounters {
             fallbacks: get(&self.fallbacks),
         }
     }
+
+    /// Counts one finished push, over whichever backend `summary` names.
+    pub fn pushed(&self, summary: &PushSummary) {
+        self.pushes.fetch_add(1, Ordering::Relaxed);
+        if summary.backend == nibble_proto::v1::TransferBackend::Nccl {
+            self.nccl_pushes.fetch_add(1, Ordering::Relaxed);
+        }
+        self.pages_sent
+            .fetch_add(summary.pages as u64, Ordering::Relaxed);
+        self.bytes_sent.fetch_add(summary.bytes, Ordering::Relaxed);
+    }
+
+    /// Counts received pages.
+    pub fn received(&self, pages: u64, bytes: u64) {
+        self.pages_received.fetch_add(pages, Ordering::Relaxed);
+        self.bytes_received.fetch_add(bytes, Ordering::Relaxed);
+    }
 }
 
 /// A reservation waiting for its pages and its Decode call.
