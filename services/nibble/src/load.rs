@@ -109,28 +109,15 @@ impl Opened {
             page_size: kv.map_or(16, |kv| kv.page_size),
             hadamard: kv.is_some_and(|kv| kv.hadamard),
         };
-        if self.device == Device::Auto && nibble_kernels::cuda_available() {
-            if let Some(reason) = needs.unsupported() {
-                eprintln!("nibble: --device auto: a GPU was found but {reason}; using the CPU");
-            }
-        }
-        let cuda = if self.device.wants_cuda_for(needs) {
-            match CudaBackend::new(0) {
-                Ok(b) => Some(b),
-                Err(e) if self.device == Device::Auto => {
-                    eprintln!("nibble: --device auto: CUDA unavailable ({e}); using the CPU");
-                    None
-                }
-                Err(e) => {
-                    return Err(Error::Flag {
-                        flag: "--device",
-                        reason: format!("cuda: {e}"),
-                    })
-                }
-            }
-        } else {
-            None
-        };
+        let cuda = self
+            .device
+            .start(needs, |why| {
+                eprintln!("nibble: --device auto: {why}; using the CPU")
+            })
+            .map_err(|e| Error::Flag {
+                flag: "--device",
+                reason: format!("cuda: {e}"),
+            })?;
         let model = match cuda {
             Some(backend) => LoadedModel::Cuda(self.load_on(backend)?),
             None => {

@@ -36,20 +36,32 @@ impl Device {
         }
     }
 
-    /// [`wants_cuda`](Self::wants_cuda) for a model whose KV cache has these needs: `auto`
-    /// stays on the CPU (saying why on the log) when the CUDA backend cannot run them, so a GPU
-    /// machine never turns a working default into an error. `cuda` tries anyway and fails with
-    /// the backend's reason.
-    pub fn wants_cuda_for(self, kv: KvNeeds) -> bool {
-        if self != Device::Auto || !self.wants_cuda() {
-            return self.wants_cuda();
+    /// The backend this choice gives a model whose KV cache has `kv`'s needs: a started
+    /// [`CudaBackend`](crate::CudaBackend) on GPU 0, or `None` for the CPU. `cuda` that cannot
+    /// start is an error. `auto` never turns a working default into an error: without a GPU it
+    /// is the CPU, and when it finds a GPU but passes it by (a cache the kernels cannot run, a
+    /// backend that fails to start) it calls `note` with why before settling on the CPU.
+    pub fn start(
+        self,
+        kv: KvNeeds,
+        note: impl FnOnce(&str),
+    ) -> crate::Result<Option<crate::CudaBackend>> {
+        if !self.wants_cuda() {
+            return Ok(None);
         }
-        match kv.unsupported() {
-            Some(reason) => {
-                tracing::info!("--device auto: using the CPU, {reason}");
-                false
+        if self == Device::Cuda {
+            return crate::CudaBackend::new(0).map(Some);
+        }
+        if let Some(reason) = kv.unsupported() {
+            note(&format!("a GPU was found but {reason}"));
+            return Ok(None);
+        }
+        match crate::CudaBackend::new(0) {
+            Ok(backend) => Ok(Some(backend)),
+            Err(e) => {
+                note(&format!("CUDA unavailable ({e})"));
+                Ok(None)
             }
-            None => true,
         }
     }
 }
@@ -135,10 +147,17 @@ mod tests {
         .contains("Hadamard"));
         assert!(reason(KvNeeds { head_dim: 96, ..ok }).contains("head dim 64 or 128, not 96"));
         assert!(reason(KvNeeds { page_size: 8, ..ok }).contains("not 8"));
-        // `cpu` never asks; `cuda` always does, and fails later with the backend's reason.
+        // `cpu` never starts CUDA; `auto` passes a GPU by for a cache it cannot run (here, or on
+        // a machine with no GPU, it settles on the CPU either way).
         let bad = KvNeeds { head_dim: 96, ..ok };
-        assert!(!Device::Cpu.wants_cuda_for(ok));
-        assert!(Device::Cuda.wants_cuda_for(bad));
-        assert!(!Device::Auto.wants_cuda_for(bad));
+        assert!(Device::Cpu
+            .start(ok, |_| panic!("no note"))
+            .unwrap()
+            .is_none());
+        assert!(Device::Auto.start(bad, |_| {}).unwrap().is_none());
+        // `cuda` always tries: without a GPU that is an error, never a quiet CPU.
+        if !crate::cuda_available() {
+            assert!(Device::Cuda.start(ok, |_| panic!("no note")).is_err());
+        }
     }
 }

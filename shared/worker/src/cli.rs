@@ -10,7 +10,7 @@ use cudarc::driver::CudaContext;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
-use nibble_kernels::{CudaBackend, Device, KvNeeds};
+use nibble_kernels::{Device, KvNeeds};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_security::{Security, SecurityArgs};
@@ -204,18 +204,12 @@ pub fn start_engine(
         page_size: args.page_size,
         hadamard: false,
     };
-    let cuda = if args.device.wants_cuda_for(needs) {
-        match CudaBackend::new(0) {
-            Ok(b) => Some(b),
-            Err(e) if args.device == Device::Auto => {
-                tracing::warn!("--device auto: CUDA unavailable ({e}); using the CPU");
-                None
-            }
-            Err(e) => return Err(Error::InvalidArgument(format!("--device cuda: {e}"))),
-        }
-    } else {
-        None
-    };
+    let cuda = args
+        .device
+        .start(needs, |why| {
+            tracing::warn!("--device auto: {why}; using the CPU")
+        })
+        .map_err(|e| Error::InvalidArgument(format!("--device cuda: {e}")))?;
     let context = cuda.as_ref().map(|b| Arc::clone(b.context()));
     let engine = match cuda {
         Some(backend) => {
