@@ -1,8 +1,9 @@
 // The dense kernels of the CUDA backend (src/backend.rs): embedding (f32 or BF16 table), the
 // f32 -> BF16 activation cast of the BF16-weight GEMM, RMSNorm, RoPE, SwiGLU, residual and bias
 // adds, causal f32 attention for the contiguous cache, the f32 -> work-dtype workspace encoder of
-// the paged prefill/extend paths, and a tiled f32 GEMM used only when cuBLAS cannot be loaded. Compiled with --fmad=false so products and sums round like the CPU
-// backend's (which never fuses).
+// the paged prefill/extend paths, and a tiled f32 GEMM used only when cuBLAS cannot be loaded.
+// Compiled with --fmad=false so products and sums round like the CPU backend's (which never
+// fuses).
 
 // out[r][c] = table[tokens[r]][c]
 extern "C" __global__ void embed_rows(float* __restrict__ out, const float* __restrict__ table,
