@@ -38,6 +38,7 @@ use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
 use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout};
 
+use crate::libs::Search;
 use crate::{nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result};
 
 mod weights;
@@ -295,71 +296,37 @@ fn engine_err(e: impl Display) -> EngineError {
     EngineError::InvalidInput(format!("CUDA backend: {e}"))
 }
 
-/// Opens cuBLAS (and cuBLASLt) by absolute path so that cudarc's by-name lookup finds them: from
-/// `NIBBLE_CUBLAS_LIB` (file or directory), the loader path, the PyPI wheels under python3's
-/// site-packages, or /usr/local/cuda/lib64.
+/// Where cuBLAS is looked for (`crate::libs`'s order).
+const CUBLAS: Search = Search {
+    env: "NIBBLE_CUBLAS_LIB",
+    names: &["libcublas.so.13", "libcublas.so.12"],
+    wheel_dirs: &["nvidia/cu13/lib", "nvidia/cublas/lib"],
+    system_dirs: &["/usr/local/cuda/lib64"],
+};
+
+/// Opens cuBLAS (and cuBLASLt beside it) by absolute path so that cudarc's by-name lookup finds
+/// them, from `NIBBLE_CUBLAS_LIB` (file or directory), the loader path, the PyPI wheels under
+/// python3's site-packages, or /usr/local/cuda/lib64.
 fn load_cublas() -> std::result::Result<PathBuf, String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
-    const NAMES: [&str; 2] = ["libcublas.so.13", "libcublas.so.12"];
     // SAFETY: loading cuBLAS runs its initializers, which have no preconditions.
     let open = |p: &std::path::Path| unsafe { Library::open(Some(p), RTLD_NOW | RTLD_GLOBAL) };
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Some(v) = std::env::var_os("NIBBLE_CUBLAS_LIB") {
-        let p = PathBuf::from(v);
-        if p.is_file() {
-            if let Some(d) = p.parent() {
-                dirs.push(d.to_path_buf());
-            }
+    let found = CUBLAS.find(|file| {
+        let name = file.file_name().unwrap_or_default().to_string_lossy();
+        if let Ok(lt) = open(&file.with_file_name(name.replace("cublas", "cublasLt"))) {
+            std::mem::forget(lt);
+        }
+        std::mem::forget(open(file).map_err(|e| e.to_string())?);
+        // SAFETY: only checks that the library now opens by name.
+        if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            Ok(())
         } else {
-            dirs.push(p);
+            Err("opened, but not by name".into())
         }
-    }
-    // The loader path first.
-    for name in NAMES {
-        // SAFETY: as above.
-        if let Ok(lib) = unsafe { Library::open(Some(name), RTLD_NOW | RTLD_GLOBAL) } {
-            std::mem::forget(lib);
-            // SAFETY: only checks that the library opens by name.
-            if unsafe { cudarc::cublas::sys::is_culib_present() } {
-                return Ok(PathBuf::from(name));
-            }
-        }
-    }
-    for site in nvrtc::python_site_dirs() {
-        for d in ["nvidia/cu13/lib", "nvidia/cublas/lib"] {
-            dirs.push(site.join(d));
-        }
-    }
-    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
-    let mut tried = Vec::new();
-    for dir in dirs {
-        for name in NAMES {
-            let file = dir.join(name);
-            if !file.exists() {
-                tried.push(file.display().to_string());
-                continue;
-            }
-            let lt = dir.join(name.replace("cublas", "cublasLt"));
-            if let Ok(lib) = open(&lt) {
-                std::mem::forget(lib);
-            }
-            match open(&file) {
-                Ok(lib) => {
-                    std::mem::forget(lib);
-                    // SAFETY: as above.
-                    if unsafe { cudarc::cublas::sys::is_culib_present() } {
-                        return Ok(file);
-                    }
-                    tried.push(format!("{} (opened, but not by name)", file.display()));
-                }
-                Err(e) => tried.push(format!("{}: {e}", file.display())),
-            }
-        }
-    }
-    Err(format!(
-        "libcublas not found; looked in {}",
-        tried.join(", ")
-    ))
+    });
+    found
+        .map(|(file, ())| file)
+        .map_err(|tried| format!("libcublas not found; looked in {tried}"))
 }
 
 impl Backend for CudaBackend {

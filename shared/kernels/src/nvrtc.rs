@@ -3,31 +3,30 @@
 //! cudarc opens `libnvrtc` by name at first use, so the dynamic loader must be able to find it.
 //! [`load`] makes that so without `LD_LIBRARY_PATH`: it opens the library (and its builtins) by
 //! absolute path first, after which the by-name lookup matches the already-loaded SONAME. Where
-//! it looks, in order:
-//!
-//! 1. `NIBBLE_NVRTC_LIB`: the library file, or the directory holding it;
-//! 2. the loader's own search path (`LD_LIBRARY_PATH`, the system cache);
-//! 3. the PyPI wheel `nvidia-cuda-nvrtc` (`nvidia/cu13/lib`, or `nvidia/cuda_nvrtc/lib` for
-//!    CUDA 12) under the `site-packages`/`dist-packages` of `python3`;
-//! 4. `/usr/local/cuda/lib64`.
+//! it looks is `crate::libs`'s order: `NIBBLE_NVRTC_LIB` (the library or its directory), the
+//! loader's search path, the PyPI wheel `nvidia-cuda-nvrtc` (`nvidia/cu13/lib`, or
+//! `nvidia/cuda_nvrtc/lib` for CUDA 12), `/usr/local/cuda/lib64`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
+use crate::libs::Search;
 use crate::{Error, Result};
 
-/// Library names, newest first (the bindings are built for CUDA 13.0; 12.x NVRTC also works for
-/// compiling these sources).
-const NAMES: [&str; 2] = ["libnvrtc.so.13", "libnvrtc.so.12"];
-/// Directories of the PyPI wheels, relative to a site-packages directory.
-const WHEEL_DIRS: [&str; 2] = ["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"];
+/// Where NVRTC is looked for. Library names newest first (the bindings are built for CUDA 13.0;
+/// 12.x NVRTC also works for compiling these sources).
+const SEARCH: Search = Search {
+    env: "NIBBLE_NVRTC_LIB",
+    names: &["libnvrtc.so.13", "libnvrtc.so.12"],
+    wheel_dirs: &["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"],
+    system_dirs: &["/usr/local/cuda/lib64"],
+};
 
 static LOADED: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
 
-/// Makes NVRTC loadable, returning the library path it uses (or "(loader search path)").
+/// Makes NVRTC loadable, returning the library path it uses (a bare name: the loader found it).
 /// Fails with a message that lists every place it looked.
 pub fn load() -> Result<PathBuf> {
     LOADED
@@ -37,59 +36,16 @@ pub fn load() -> Result<PathBuf> {
 }
 
 fn find_and_open() -> std::result::Result<PathBuf, String> {
-    let mut tried = Vec::new();
-    if let Some(value) = std::env::var_os("NIBBLE_NVRTC_LIB") {
-        let path = PathBuf::from(value);
-        let candidates: Vec<PathBuf> = if path.is_dir() {
-            NAMES.iter().map(|n| path.join(n)).collect()
-        } else {
-            vec![path]
-        };
-        for file in candidates {
-            match open_file(&file) {
-                Ok(()) => return Ok(file),
-                Err(e) => tried.push(format!("NIBBLE_NVRTC_LIB {}: {e}", file.display())),
-            }
-        }
-        return Err(format!(
-            "NVRTC not found where NIBBLE_NVRTC_LIB points: {}",
-            tried.join("; ")
-        ));
-    }
-    for name in NAMES {
-        // SAFETY: loading NVRTC runs its initializers, which have no preconditions.
-        match unsafe { libloading::Library::new(name) } {
-            Ok(lib) => {
-                std::mem::forget(lib);
-                return Ok(PathBuf::from(format!("{name} (loader search path)")));
-            }
-            Err(_) => tried.push(format!("{name} on the loader search path")),
-        }
-    }
-    let mut dirs: Vec<PathBuf> = python_site_dirs()
-        .into_iter()
-        .flat_map(|site| WHEEL_DIRS.iter().map(move |d| site.join(d)))
-        .collect();
-    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
-    for dir in dirs {
-        for name in NAMES {
-            let file = dir.join(name);
-            if !file.exists() {
-                tried.push(file.display().to_string());
-                continue;
-            }
-            match open_file(&file) {
-                Ok(()) => return Ok(file),
-                Err(e) => tried.push(format!("{}: {e}", file.display())),
-            }
-        }
-    }
-    Err(format!(
-        "NVRTC (libnvrtc.so.13 or .12) not found. Install it with \
-         `pip install nvidia-cuda-nvrtc==13.0.88` (scripts/deps.sh does), or set NIBBLE_NVRTC_LIB \
-         to the library or its directory. Looked in: {}",
-        tried.join(", ")
-    ))
+    SEARCH
+        .find(open_file)
+        .map(|(file, ())| file)
+        .map_err(|tried| {
+            format!(
+                "NVRTC (libnvrtc.so.13 or .12) not found. Install it with \
+             `pip install nvidia-cuda-nvrtc==13.0.88` (scripts/deps.sh does), or set \
+             NIBBLE_NVRTC_LIB to the library or its directory. Looked in: {tried}"
+            )
+        })
 }
 
 /// Opens NVRTC's builtins (same directory) and then NVRTC itself, globally, and keeps them.
@@ -116,22 +72,6 @@ fn open_file(file: &Path) -> std::result::Result<(), String> {
         unsafe { Library::open(Some(file), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
     std::mem::forget(lib);
     Ok(())
-}
-
-/// The `site-packages` (or `dist-packages`) directories of `python3`, if it runs.
-pub(crate) fn python_site_dirs() -> Vec<PathBuf> {
-    let script = "import site,sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))";
-    let Ok(out) = Command::new("python3").args(["-c", script]).output() else {
-        return Vec::new();
-    };
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let dir = PathBuf::from(line.trim());
-        if !line.trim().is_empty() && dir.is_dir() && !dirs.contains(&dir) {
-            dirs.push(dir);
-        }
-    }
-    dirs
 }
 
 /// One compiled source: its name and PTX.

@@ -18,6 +18,8 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, Symbol, RTLD_GLOBAL, RTLD_NOW};
 
+use crate::libs::Search;
+
 /// `ncclResult_t`.
 pub(crate) type NcclResult = c_int;
 pub(crate) const NCCL_SUCCESS: NcclResult = 0;
@@ -149,52 +151,26 @@ pub(crate) fn api() -> std::result::Result<&'static Api, String> {
     API.get_or_init(open).as_ref().map_err(Clone::clone)
 }
 
-const NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
-
-fn candidates() -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    if let Some(value) = std::env::var_os("NIBBLE_NCCL_LIB") {
-        let path = PathBuf::from(value);
-        if path.is_dir() {
-            files.extend(NAMES.iter().map(|n| path.join(n)));
-        } else {
-            files.push(path);
-        }
-        return files;
-    }
-    // Bare names: the loader's own search path.
-    files.extend(NAMES.iter().map(PathBuf::from));
-    let mut dirs: Vec<PathBuf> = crate::nvrtc::python_site_dirs()
-        .into_iter()
-        .map(|site| site.join("nvidia/nccl/lib"))
-        .collect();
-    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
-    dirs.push(PathBuf::from("/usr/lib/x86_64-linux-gnu"));
-    for dir in dirs {
-        files.extend(NAMES.iter().map(|n| dir.join(n)));
-    }
-    files
-}
+/// Where NCCL is looked for (`crate::libs`'s order).
+const SEARCH: Search = Search {
+    env: "NIBBLE_NCCL_LIB",
+    names: &["libnccl.so.2", "libnccl.so"],
+    wheel_dirs: &["nvidia/nccl/lib"],
+    system_dirs: &["/usr/local/cuda/lib64", "/usr/lib/x86_64-linux-gnu"],
+};
 
 fn open() -> std::result::Result<Api, String> {
-    let mut tried = Vec::new();
-    for file in candidates() {
-        let bare = file.components().count() == 1;
-        if !bare && !file.exists() {
-            tried.push(format!("{} (absent)", file.display()));
-            continue;
-        }
-        // SAFETY: loading NCCL runs its initializers, which have no preconditions.
-        match unsafe { Library::open(Some(&file), RTLD_NOW | RTLD_GLOBAL) } {
-            Ok(lib) => return resolve(lib, file),
-            Err(e) => tried.push(format!("{}: {e}", file.display())),
-        }
-    }
-    Err(format!(
-        "NCCL (libnccl.so.2) not found: install the NCCL runtime (the CUDA image's libnccl2, or \
-         `pip install nvidia-nccl-cu13`) or set NIBBLE_NCCL_LIB. Looked at: {}",
-        tried.join(", ")
-    ))
+    // SAFETY: loading NCCL runs its initializers, which have no preconditions.
+    let found = SEARCH.find(|file| {
+        unsafe { Library::open(Some(file), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())
+    });
+    let (file, lib) = found.map_err(|tried| {
+        format!(
+            "NCCL (libnccl.so.2) not found: install the NCCL runtime (the CUDA image's libnccl2, \
+             or `pip install nvidia-nccl-cu13`) or set NIBBLE_NCCL_LIB. Looked at: {tried}"
+        )
+    })?;
+    resolve(lib, file)
 }
 
 fn resolve(lib: Library, path: PathBuf) -> std::result::Result<Api, String> {
