@@ -375,8 +375,21 @@ async fn top_logprobs_have_openais_shape_streamed_or_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_mid_stream_frees_the_requests_pages() {
     let cluster = Cluster::start(HttpConfig::default()).await;
+    let (stream, seen) = stream_to_first_text(&cluster, 512).await;
+    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
+    assert!(cluster.router.shared.router().stats().in_flight == 1);
+    drop(stream);
+    cluster.pages_back().await;
+}
+
+/// Starts a long greedy streamed completion (`max_tokens`, EOS ignored) and reads until its first
+/// text chunk; returns the open connection and the bytes read so far (headers included).
+async fn stream_to_first_text(
+    cluster: &Cluster,
+    max_tokens: u32,
+) -> (tokio::net::TcpStream, Vec<u8>) {
     let body = json!({
-        "prompt": support::PROMPT, "max_tokens": 512, "temperature": 0,
+        "prompt": support::PROMPT, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": true, "stream": true,
     })
     .to_string();
@@ -402,10 +415,7 @@ async fn a_client_that_hangs_up_mid_stream_frees_the_requests_pages() {
         );
         seen.extend_from_slice(&buf[..n]);
     }
-    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
-    assert!(cluster.router.shared.router().stats().in_flight == 1);
-    drop(stream);
-    cluster.pages_back().await;
+    (stream, seen)
 }
 
 fn assert_error(r: &HttpResponse, status: u16, param: Option<&str>) -> Value {
@@ -702,26 +712,7 @@ async fn shutdown_stops_both_apis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failure_mid_stream_ends_with_an_error_event_and_done() {
     let cluster = Cluster::start(HttpConfig::default()).await;
-    let body = json!({
-        "prompt": support::PROMPT, "max_tokens": 1000, "temperature": 0,
-        "ignore_eos": true, "stream": true,
-    })
-    .to_string();
-    let mut stream = http_client::send(
-        cluster.http(),
-        "POST",
-        "/v1/completions",
-        &[],
-        Some(body.as_bytes()),
-    )
-    .await;
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"text\":") {
-        let n = stream.read(&mut buf).await.unwrap();
-        assert!(n > 0, "ended early: {}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (mut stream, mut seen) = stream_to_first_text(&cluster, 1000).await;
     // The response id is the request id the workers know: abort it on the decode worker.
     let head = String::from_utf8_lossy(&seen).to_string();
     let id = head
