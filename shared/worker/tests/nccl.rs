@@ -8,7 +8,7 @@
 mod etcd_server;
 mod support;
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -17,31 +17,20 @@ use nibble_discovery::{
     WorkerId, WorkerInfo, WorkerWatch,
 };
 use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{CpuBackend, EngineConfig, KvConfig, Model, ModelSource, Tokenizer};
+use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_worker::transfer::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
 use nibble_worker::transfer::nccl::{NcclTimeouts, NcclTransport};
 use nibble_worker::EngineHandle;
-use support::{handoff_over, model_path, Handoff, Server};
+use support::{handoff_over, model, Handoff, Server};
 use tonic::Code;
 
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
      fortune, must be in want of a wife.";
 const PAGES: usize = 64;
-
-fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
-    static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let source = ModelSource::open(model_path()).unwrap();
-        let model = source
-            .load_model(Arc::new(CpuBackend::new(2).unwrap()))
-            .unwrap();
-        (model, Arc::new(source.load_tokenizer().unwrap()))
-    })
-}
 
 fn prompt() -> Vec<u32> {
     model().1.encode(PROMPT, false).unwrap()

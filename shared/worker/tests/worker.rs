@@ -3,17 +3,17 @@
 
 mod support;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{SchedulerConfig, SeqId};
-use nibble_engine::{CpuBackend, EngineConfig, Event, KvConfig, Model, ModelSource, Tokenizer};
+use nibble_engine::{EngineConfig, Event, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_worker::EngineHandle;
-use support::{greedy, handoff, handoff_with, model_path, Handoff, Server};
+use support::{greedy, handoff, handoff_with, model, Handoff, Server};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -25,18 +25,6 @@ const PROMPT: &str =
      fortune, must be in want of a wife. However little known the feelings";
 const PAGES: usize = 64;
 const NEW_TOKENS: u32 = 8;
-
-/// The model and tokenizer, loaded once per test binary.
-fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
-    static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let source = ModelSource::open(model_path()).unwrap();
-        let model = source
-            .load_model(Arc::new(CpuBackend::new(2).unwrap()))
-            .unwrap();
-        (model, Arc::new(source.load_tokenizer().unwrap()))
-    })
-}
 
 fn prompt() -> Vec<u32> {
     model().1.encode(PROMPT, false).unwrap()

@@ -1,12 +1,14 @@
-//! What the worker's test binaries share: the model's path, a worker served on loopback, and one
-//! prefill → transfer → decode hand-off through the gRPC APIs.
+//! What the worker's test binaries share: the model (its path, and the model loaded once per
+//! binary), a worker served on loopback, and one prefill → transfer → decode hand-off through the
+//! gRPC APIs.
 
 #![allow(dead_code)] // each test binary uses its own part
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use nibble_engine::{CpuBackend, Model, ModelSource, Tokenizer};
 use nibble_proto::v1;
 use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
@@ -26,6 +28,18 @@ pub fn model_path() -> PathBuf {
     );
     assert!(path.is_file(), "model file {} not found", path.display());
     path
+}
+
+/// The model and tokenizer, loaded once per test binary.
+pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
+    static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let source = ModelSource::open(model_path()).unwrap();
+        let model = source
+            .load_model(Arc::new(CpuBackend::new(2).unwrap()))
+            .unwrap();
+        (model, Arc::new(source.load_tokenizer().unwrap()))
+    })
 }
 
 /// A worker served on 127.0.0.1:0 until dropped.
