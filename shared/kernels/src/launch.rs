@@ -468,7 +468,10 @@ impl Kernels {
             max_pages: batch.max_pages as u32,
             splits: plan.splits as u32,
             tokens_per_split: plan.tokens_per_split as u32,
-            score_scale: batch.softmax_scale * gk * fmt_factor(dtype) * std::f32::consts::LOG2_E,
+            // Positive, as the kernel needs (masked scores are -inf times it); only an underflow
+            // of the product could make it 0.
+            score_scale: (batch.softmax_scale * gk * fmt_factor(dtype) * std::f32::consts::LOG2_E)
+                .max(f32::MIN_POSITIVE),
         };
         let cfg = LaunchConfig {
             grid_dim: (plan.splits as u32, kv_heads as u32, seqs as u32),

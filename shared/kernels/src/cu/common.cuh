@@ -159,9 +159,21 @@ __device__ __forceinline__ u32 fp8_13(u32 w) {
     return ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);
 }
 
+// 2^x, flushing results below 2^-126 to zero: softmax weights that small add nothing next to the
+// 1 of the row's maximum, and without .ftz the instruction is wrapped in a range check (a compare
+// and two predicated multiplies) on every call.
 __device__ __forceinline__ float fast_exp2(float x) {
     float r;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// The 8x8 matrix of 16-bit elements held in the mma fragment layout (lane l: row l / 4, columns
+// 2 (l % 4) and 2 (l % 4) + 1), transposed, in the same layout. A warp-wide register shuffle:
+// every lane of the warp must execute it.
+__device__ __forceinline__ u32 transpose_b16(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
     return r;
 }
 

@@ -150,11 +150,18 @@ __device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, u32 p
                                           u32 end, u32 lg, u32 lc) {
     typedef Fmt<FMT, D> F;
     const u32 off0 = t0 & (g.page_size - 1u);
-    const u8* page = pages + (u64)page_id * g.page_bytes;
-    const u8* kd = page + (lo.kd + off0 * F::VB);
-    const u8* vd = page + (lo.vd + off0 * F::VB);
-    const u8* ks = page + (lo.ks + off0 * (D / 16));
-    const u8* vs = page + (lo.vs + off0 * (D / 16));
+    // The page's address in one wide multiply-add (a page is far smaller than 4 GiB), then each
+    // part's pointer one 32-bit offset from it: written plainly, the compiler redoes the wide
+    // multiply for every part.
+    u64 page;
+    asm("mad.wide.u32 %0, %1, %2, %3;"
+        : "=l"(page)
+        : "r"(page_id), "r"((u32)g.page_bytes), "l"(reinterpret_cast<u64>(pages)));
+    const u32 data = off0 * F::VB, scales = off0 * (D / 16);
+    const u8* kd = reinterpret_cast<const u8*>(page + (lo.kd + data));
+    const u8* vd = reinterpret_cast<const u8*>(page + (lo.vd + data));
+    const u8* ks = reinterpret_cast<const u8*>(page + (lo.ks + scales));
+    const u8* vs = reinterpret_cast<const u8*>(page + (lo.vs + scales));
     if (t0 + TILE <= end) {
 #pragma unroll
         for (int t = 0; t < 2; ++t) load_k<FMT, D>(r, t, kd + 8 * t * F::VB, ks + 8 * t * (D / 16));
@@ -201,10 +208,13 @@ __device__ __forceinline__ int k_dim(int s, int j) {
     return 4 * s + j;
 }
 
+// The running state of heads 2c, 2c+1 of the group: m, the max score so far in the mma's units
+// (score_scale, > 0, not applied); nm, -m * score_scale, the exponent's offset (0 while m is
+// -inf); l, this lane's share of the sum of 2^(s * score_scale + nm); o, the unnormalized output.
 template <int FMT, int D>
 __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb)[2], float* m,
-                                            float* l, float (*o)[4], u32* p_smem, u32 t0,
-                                            u32 end, float score_scale, u32 lg, u32 lc) {
+                                            float* nm, float* l, float (*o)[4], u32 t0, u32 end,
+                                            float score_scale, u32 lg, u32 lc) {
     typedef Fmt<FMT, D> F;
     // ---- scores: S^T = K . Q^T ----
     float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -248,10 +258,9 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
         }
     }
 
-    // ---- online softmax (log2 units) for heads 2c, 2c+1 over tokens g, g+8 ----
+    // ---- online softmax (log2 units once scaled) for heads 2c, 2c+1 over tokens g, g+8; the
+    // scale enters only through the exponent's FMA ----
     const float NEG_INF = __int_as_float(0xff800000);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[i] *= score_scale;
     if (t0 + TILE > end) {  // the last tile of a split: mask tokens past its end
         const bool v0 = t0 + lg < end, v1 = t0 + lg + 8u < end;
         s[0] = v0 ? s[0] : NEG_INF;
@@ -271,9 +280,10 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
             tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
             tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
             const float mnew = fmaxf(m[h], tmax);
-            corr[h] = fast_exp2(m[h] - (mnew == NEG_INF ? 0.f : mnew));
+            corr[h] = m[h] == NEG_INF ? 0.f : fast_exp2((m[h] - mnew) * score_scale);
             l[h] *= corr[h];
             m[h] = mnew;
+            nm[h] = mnew == NEG_INF ? 0.f : -mnew * score_scale;
         }
 #pragma unroll
         for (int rt = 0; rt < D / 16; ++rt) {
@@ -286,25 +296,19 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
     float p[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float mu = m[h] == NEG_INF ? 0.f : m[h];
-        p[h] = fast_exp2(s[h] - mu);
-        p[2 + h] = fast_exp2(s[2 + h] - mu);
+        p[h] = fast_exp2(fmaf(s[h], score_scale, nm[h]));
+        p[2 + h] = fast_exp2(fmaf(s[2 + h], score_scale, nm[h]));
         // this lane's share of the sum; the lanes of a head are added once, at the end
         l[h] += p[h] + p[2 + h];
     }
 
-    // ---- P^T through shared memory: P[head][token] as 16-bit, rows of 16 tokens (8 words) ----
-    u16* ps = reinterpret_cast<u16*>(p_smem);
+    // ---- P^T as the B operand: this lane holds P[token g or g+8][heads 2c, 2c+1], the fragment
+    // layout of the two 8x8 blocks of P; their transposes are P^T[head g][tokens 2c, 2c+1] and
+    // [tokens 2c+8, 2c+9], which is what the mma's B wants ----
     const u32 pk0 = FMT == NIBBLE_BF16 ? pack_bf16(p[0], p[1]) : pack_f16(p[0], p[1]);
     const u32 pk1 = FMT == NIBBLE_BF16 ? pack_bf16(p[2], p[3]) : pack_f16(p[2], p[3]);
-    ps[(2 * lc) * TILE + lg] = (u16)(pk0 & 0xFFFFu);
-    ps[(2 * lc + 1) * TILE + lg] = (u16)(pk0 >> 16);
-    ps[(2 * lc) * TILE + lg + 8] = (u16)(pk1 & 0xFFFFu);
-    ps[(2 * lc + 1) * TILE + lg + 8] = (u16)(pk1 >> 16);
-    __syncwarp();
-    const u32 pb0 = p_smem[lg * (TILE / 2) + lc];
-    const u32 pb1 = p_smem[lg * (TILE / 2) + 4 + lc];
-    __syncwarp();
+    const u32 pb0 = transpose_b16(pk0);
+    const u32 pb1 = transpose_b16(pk1);
 
     // ---- O^T += V^T . P^T: lane g holds dims [g*D/8, (g+1)*D/8) of tokens (2c, 2c+1) and
     // (2c+8, 2c+9), paired across tokens ----
@@ -366,7 +370,6 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             float* __restrict__ part_o,
                                             float* __restrict__ part_ml, PageGeom geom,
                                             DecodeArgs args) {
-    __shared__ u32 p_smem[WARPS][8 * TILE / 2];
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_o[WARPS][8][D];
 
@@ -397,6 +400,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     }
 
     float m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
+    float nm[2] = {0.f, 0.f};
     float l[2] = {0.f, 0.f};
     float o[D / 16][4];
 #pragma unroll
@@ -415,8 +419,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
         if (FMT == NIBBLE_BF16) {
             // 256 B per lane in flight already; double-buffering would not fit in registers.
             while (true) {
-                attend_tile<FMT, D>(cur, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
-                                    lc);
+                attend_tile<FMT, D>(cur, qb, m, nm, l, o, t0, end, args.score_scale, lg, lc);
                 t0 += stride;
                 if (t0 >= end) break;
                 const u32 page = next_page;
@@ -433,8 +436,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                     next_page = page_of(t0 + 2 * stride);
                     load_tile<FMT, D>(other, pages, page, geom, lanes, t0 + stride, end, lg, lc);
                 }
-                attend_tile<FMT, D>(cur, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
-                                    lc);
+                attend_tile<FMT, D>(cur, qb, m, nm, l, o, t0, end, args.score_scale, lg, lc);
                 if (!more) break;
                 t0 += stride;
                 more = t0 + stride < end;
@@ -443,8 +445,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                     next_page = page_of(t0 + 2 * stride);
                     load_tile<FMT, D>(cur, pages, page, geom, lanes, t0 + stride, end, lg, lc);
                 }
-                attend_tile<FMT, D>(other, qb, m, l, o, p_smem[warp], t0, end, args.score_scale, lg,
-                                    lc);
+                attend_tile<FMT, D>(other, qb, m, nm, l, o, t0, end, args.score_scale, lg, lc);
                 if (!more) break;
                 t0 += stride;
             }
@@ -458,9 +459,9 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
     }
-    if (lg == 0) {
-        sm_m[warp][2 * lc] = m[0];
-        sm_m[warp][2 * lc + 1] = m[1];
+    if (lg == 0) {  // the max in log2 units, as the partial results carry it
+        sm_m[warp][2 * lc] = m[0] * args.score_scale;
+        sm_m[warp][2 * lc + 1] = m[1] * args.score_scale;
         sm_l[warp][2 * lc] = l[0];
         sm_l[warp][2 * lc + 1] = l[1];
     }
