@@ -97,7 +97,8 @@ impl LocalCluster {
                 worker_id: None,
                 kv_dtype: setup.kv_dtype,
                 page_size: 16,
-                kv_budget_mib: setup.kv_budget_mib,
+                kv_budget_mib: Some(setup.kv_budget_mib),
+                kv_memory_fraction: nibble_worker::cli::DEFAULT_KV_MEMORY_FRACTION,
                 threads: setup.threads,
                 device: Default::default(),
                 // A cold prefill of a long prompt on a busy machine can take a while.

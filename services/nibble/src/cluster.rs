@@ -27,6 +27,13 @@ use tokio::sync::watch;
 use crate::cli::{parse_dtype, GenerateArgs, DEFAULT_MODEL};
 use crate::{Error, Result};
 
+/// The shares of one GPU's memory the KV pages of `nibble up`'s two workers take when no budget
+/// is given: decode holds every running sequence's context, prefill only the prompts in flight
+/// and its prefix cache. Together 85%, leaving room for two copies of the model's weights and
+/// the activations (each worker also keeps 5% of the GPU free when it sizes its pool).
+const UP_PREFILL_KV_FRACTION: f64 = 0.25;
+const UP_DECODE_KV_FRACTION: f64 = 0.6;
+
 /// Flags of `nibble up`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
@@ -50,9 +57,11 @@ pub struct UpArgs {
     /// Tokens per KV page.
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
     pub page_size: usize,
-    /// MiB of KV pages each worker allocates.
-    #[arg(long, env = "NIBBLE_KV_BUDGET_MIB", default_value_t = 256)]
-    pub kv_budget_mib: usize,
+    /// MiB of KV pages each worker allocates [default: 256 on the CPU; on a GPU, which the two
+    /// workers share, 25% of its memory for the prefill worker's pages and 60% for the decode
+    /// worker's].
+    #[arg(long, env = "NIBBLE_KV_BUDGET_MIB")]
+    pub kv_budget_mib: Option<usize>,
     /// Where both workers' engines run: cpu, cuda (GPU 0; an error if it cannot start) or auto
     /// (CUDA when a GPU is found, else the CPU).
     #[arg(
@@ -209,6 +218,10 @@ pub async fn up_until(
             kv_dtype: args.kv_dtype,
             page_size: args.page_size,
             kv_budget_mib: args.kv_budget_mib,
+            kv_memory_fraction: match role {
+                Role::Prefill => UP_PREFILL_KV_FRACTION,
+                _ => UP_DECODE_KV_FRACTION,
+            },
             threads,
             device: args.device,
             reservation_ttl_ms: 30_000,

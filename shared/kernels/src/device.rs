@@ -66,6 +66,22 @@ impl Device {
     }
 }
 
+/// A GPU's memory as the driver reports it at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub free: usize,
+    pub total: usize,
+}
+
+impl DeviceMemory {
+    /// The memory of `context`'s GPU now (every process's allocations counted).
+    pub fn of(context: &cudarc::driver::CudaContext) -> crate::Result<DeviceMemory> {
+        context.bind_to_thread()?;
+        let (free, total) = cudarc::driver::result::mem_get_info()?;
+        Ok(DeviceMemory { free, total })
+    }
+}
+
 /// What a model's KV cache asks of the attention kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvNeeds {

@@ -26,7 +26,7 @@ pub mod nccl;
 pub mod nvrtc;
 
 pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrecision};
-pub use device::{Device, KvNeeds};
+pub use device::{Device, DeviceMemory, KvNeeds};
 pub use error::{Error, Result};
 pub use geom::PageGeom;
 pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};

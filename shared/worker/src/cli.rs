@@ -10,7 +10,7 @@ use cudarc::driver::CudaContext;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
-use nibble_kernels::{Device, KvNeeds};
+use nibble_kernels::{Device, DeviceMemory, KvNeeds};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_security::{Security, SecurityArgs};
@@ -46,9 +46,16 @@ pub struct WorkerArgs {
     /// Tokens per KV page.
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
     pub page_size: usize,
-    /// Bytes of KV pages to allocate, in MiB.
-    #[arg(long, env = "NIBBLE_KV_BUDGET_MIB", default_value_t = 256)]
-    pub kv_budget_mib: usize,
+    /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
+    /// --kv-memory-fraction of the GPU's memory].
+    #[arg(long, env = "NIBBLE_KV_BUDGET_MIB")]
+    pub kv_budget_mib: Option<usize>,
+    /// Without --kv-budget-mib, on a GPU: the share of the GPU's total memory the KV pages take,
+    /// at most what is free once the model is loaded less 5% of the GPU (kept for activations,
+    /// attention workspaces and cuBLAS).
+    #[arg(long, env = "NIBBLE_KV_MEMORY_FRACTION", default_value_t = DEFAULT_KV_MEMORY_FRACTION,
+          value_parser = parse_fraction)]
+    pub kv_memory_fraction: f64,
     /// CPU threads of the engine.
     #[arg(long, env = "NIBBLE_THREADS", default_value_t = 2)]
     pub threads: usize,
@@ -154,6 +161,57 @@ fn hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
+/// The KV budget of a worker on the CPU when none is given.
+pub const CPU_KV_BUDGET_MIB: usize = 256;
+/// `--kv-memory-fraction`'s default: a worker alone on its GPU.
+pub const DEFAULT_KV_MEMORY_FRACTION: f64 = 0.9;
+/// The share of a GPU's memory a worker sized by `--kv-memory-fraction` leaves free.
+const GPU_RESERVE_FRACTION: f64 = 0.05;
+
+fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a fraction in (0, 1]")),
+    }
+}
+
+/// The bytes of KV pages a worker allocates: `--kv-budget-mib` when given; otherwise 256 MiB on
+/// the CPU, and on a GPU (`gpu`: its memory once the model is loaded) `--kv-memory-fraction` of
+/// the GPU's total memory, at most what is free less 5% of the total. Sizing by the total makes
+/// two workers sharing a GPU (`nibble up`) get their shares whichever loads first.
+pub fn kv_budget_bytes(args: &WorkerArgs, gpu: Option<DeviceMemory>) -> Result<usize> {
+    if let Some(mib) = args.kv_budget_mib {
+        tracing::info!(mib, "KV pool from --kv-budget-mib");
+        return Ok(mib << 20);
+    }
+    let Some(memory) = gpu else {
+        tracing::info!(mib = CPU_KV_BUDGET_MIB, "KV pool: the CPU default");
+        return Ok(CPU_KV_BUDGET_MIB << 20);
+    };
+    let share = (memory.total as f64 * args.kv_memory_fraction) as usize;
+    let reserve = (memory.total as f64 * GPU_RESERVE_FRACTION) as usize;
+    let left = memory.free.saturating_sub(reserve);
+    let budget = share.min(left);
+    if budget < 1 << 20 {
+        return Err(Error::InvalidArgument(format!(
+            "no --kv-budget-mib given and the GPU has {} MiB free of {} MiB once the model is \
+             loaded, less than the {} MiB it keeps in reserve: nothing is left for KV pages \
+             (give --kv-budget-mib, or free GPU memory)",
+            memory.free >> 20,
+            memory.total >> 20,
+            reserve >> 20
+        )));
+    }
+    tracing::info!(
+        mib = budget >> 20,
+        fraction = args.kv_memory_fraction,
+        gpu_free_mib = memory.free >> 20,
+        gpu_total_mib = memory.total >> 20,
+        "KV pool: --kv-memory-fraction of the GPU, at most its free memory less 5%"
+    );
+    Ok(budget)
+}
+
 fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
     KvDtype::ALL
         .into_iter()
@@ -194,11 +252,6 @@ pub fn start_engine(
     let tokenizer = Arc::new(source.load_tokenizer()?);
     let mut kv = KvConfig::new(args.kv_dtype);
     kv.page_size = args.page_size;
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: args.kv_budget_mib << 20,
-        scheduler: SchedulerConfig::default(),
-    };
     let needs = KvNeeds {
         head_dim: source.config()?.head_dim,
         page_size: args.page_size,
@@ -211,14 +264,29 @@ pub fn start_engine(
         })
         .map_err(|e| Error::InvalidArgument(format!("--device cuda: {e}")))?;
     let context = cuda.as_ref().map(|b| Arc::clone(b.context()));
+    let config = |gpu: Option<DeviceMemory>| -> Result<EngineConfig> {
+        Ok(EngineConfig {
+            kv,
+            kv_budget_bytes: kv_budget_bytes(args, gpu)?,
+            scheduler: SchedulerConfig::default(),
+        })
+    };
     let engine = match cuda {
         Some(backend) => {
-            EngineHandle::spawn(source.load_model(Arc::new(backend))?, tokenizer, config)?
+            // Two workers of one process sharing the GPU (`nibble up`) load, measure and
+            // allocate one at a time, so each sees the other's memory in use.
+            static GPU_START: std::sync::Mutex<()> = std::sync::Mutex::new(());
+            let _one_at_a_time = GPU_START.lock().unwrap_or_else(|e| e.into_inner());
+            let context = Arc::clone(backend.context());
+            let model = source.load_model(Arc::new(backend))?;
+            let memory = DeviceMemory::of(&context)
+                .map_err(|e| Error::InvalidArgument(format!("reading the GPU's memory: {e}")))?;
+            EngineHandle::spawn(model, tokenizer, config(Some(memory))?)?
         }
         None => EngineHandle::spawn(
             source.load_model(Arc::new(CpuBackend::new(args.threads)?))?,
             tokenizer,
-            config,
+            config(None)?,
         )?,
     };
     let model_name = args
@@ -348,5 +416,100 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    }
+
+    fn args(extra: &[&str]) -> std::result::Result<WorkerArgs, clap::Error> {
+        let argv = ["worker", "--model", "m.gguf", "--listen", "127.0.0.1:0"];
+        Cli::try_parse_from(argv.iter().chain(extra)).map(|c| c.worker)
+    }
+
+    const GIB: usize = 1 << 30;
+
+    fn gpu(free_gib: usize, total_gib: usize) -> Option<DeviceMemory> {
+        Some(DeviceMemory {
+            free: free_gib * GIB,
+            total: total_gib * GIB,
+        })
+    }
+
+    #[test]
+    fn an_explicit_budget_wins_on_either_device() {
+        let a = args(&["--kv-budget-mib", "1000"]).unwrap();
+        assert_eq!(kv_budget_bytes(&a, None).unwrap(), 1000 << 20);
+        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 1000 << 20);
+    }
+
+    #[test]
+    fn without_a_budget_the_cpu_takes_256_mib_and_a_gpu_its_share() {
+        let a = args(&[]).unwrap();
+        assert_eq!(a.kv_memory_fraction, 0.9);
+        assert_eq!(kv_budget_bytes(&a, None).unwrap(), 256 << 20);
+        // 90% of 100 GiB, but only 80 GiB are free: all of it less the 5 GiB reserve.
+        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 75 * GIB);
+        let a = args(&["--kv-memory-fraction", "0.5"]).unwrap();
+        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 50 * GIB);
+    }
+
+    #[test]
+    fn two_workers_sharing_a_gpu_get_their_shares_in_either_order() {
+        // nibble up's fractions on a 100 GiB GPU, a 1 GiB model loaded by each worker.
+        let total = 100;
+        let prefill = args(&["--kv-memory-fraction", "0.25"]).unwrap();
+        let decode = args(&["--kv-memory-fraction", "0.6"]).unwrap();
+        for first_is_prefill in [true, false] {
+            let (first, second) = if first_is_prefill {
+                (&prefill, &decode)
+            } else {
+                (&decode, &prefill)
+            };
+            let a = kv_budget_bytes(first, gpu(total - 1, total)).unwrap();
+            let free = total * GIB - GIB - a - GIB;
+            let memory = Some(DeviceMemory {
+                free,
+                total: total * GIB,
+            });
+            let b = kv_budget_bytes(second, memory).unwrap();
+            let (p, d) = if first_is_prefill { (a, b) } else { (b, a) };
+            assert_eq!(
+                (p, d),
+                (25 * GIB, 60 * GIB),
+                "prefill first: {first_is_prefill}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gpu_with_nothing_left_is_an_error_that_says_what_to_do() {
+        let a = args(&[]).unwrap();
+        let e = kv_budget_bytes(&a, gpu(4, 100)).unwrap_err().to_string();
+        assert!(e.contains("--kv-budget-mib"), "{e}");
+        assert!(e.contains("4096 MiB free of 102400 MiB"), "{e}");
+    }
+
+    #[test]
+    fn the_fraction_must_lie_in_zero_to_one() {
+        for bad in ["0", "1.5", "-0.1", "half", "NaN"] {
+            let flag = format!("--kv-memory-fraction={bad}");
+            let e = args(&[flag.as_str()]).expect_err(bad);
+            assert!(e.to_string().contains("not a fraction in (0, 1]"), "{e}");
+        }
+        assert_eq!(
+            args(&["--kv-memory-fraction", "1"])
+                .unwrap()
+                .kv_memory_fraction,
+            1.0
+        );
     }
 }
