@@ -47,8 +47,17 @@ impl PageGeom {
                 layout.part_bytes()
             )));
         }
+        // The kernels address within a page in 32 bits (decode's page address is one
+        // 32-bit-by-32-bit wide multiply).
+        let Ok(page_bytes) = u32::try_from(layout.page_bytes()) else {
+            return Err(Error::Unsupported(format!(
+                "pages of {} bytes (the kernels address at most 4 GiB per page: fewer tokens \
+                 per page)",
+                layout.page_bytes()
+            )));
+        };
         Ok(Self {
-            page_bytes: layout.page_bytes() as u64,
+            page_bytes: page_bytes as u64,
             part_bytes: layout.part_bytes() as u32,
             kv_heads: layout.kv_heads() as u32,
             page_size: page_size as u32,
@@ -92,5 +101,9 @@ mod tests {
         assert!(PageGeom::new(&small, 0).is_err());
         let layout = PageLayout::new(2, 1, 64, 16, KvDtype::Bf16).unwrap();
         assert!(PageGeom::new(&layout, 2).is_err());
+        // 128 layers x 64 KV heads x head dim 256 in BF16 at 2,048 tokens a page: 16 GiB.
+        let huge = PageLayout::new(128, 64, 256, 2048, KvDtype::Bf16).unwrap();
+        let e = PageGeom::new(&huge, 0).unwrap_err().to_string();
+        assert!(e.contains("at most 4 GiB per page"), "{e}");
     }
 }
