@@ -265,6 +265,7 @@ pub fn start_engine(
         .map_err(|e| Error::InvalidArgument(format!("--device cuda: {e}")))?;
     let context = cuda.as_ref().map(|b| Arc::clone(b.context()));
     let config = |gpu: Option<DeviceMemory>| -> Result<EngineConfig> {
+        let _worker = tracing::info_span!("worker", %role).entered();
         Ok(EngineConfig {
             kv,
             kv_budget_bytes: kv_budget_bytes(args, gpu)?,
