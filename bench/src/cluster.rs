@@ -3,7 +3,6 @@
 //! joined by the in-process registry. Requests and pages go over TCP exactly as between
 //! processes; only process boundaries are missing.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,22 +14,8 @@ use nibble_worker::WorkerArgs;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// The model the benchmarks run: `$NIBBLE_MODEL` or the repository's default model.
-pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        path.is_file(),
-        "model file {} not found: run `bash scripts/fetch-model.sh` or set NIBBLE_MODEL",
-        path.display()
-    );
-    path
-}
+/// The model the benchmarks run.
+pub use nibble_testkit::model_path;
 
 /// `n` tokens of English text (Pride and Prejudice, from its start, repeated as needed).
 pub fn text_tokens(n: usize) -> Vec<u32> {

@@ -27,22 +27,8 @@ pub use etcd_server::EtcdServer;
 /// How long a process may take to load the model and listen.
 const START_WAIT: Duration = Duration::from_secs(120);
 
-/// The model every process serves: `$NIBBLE_MODEL` or the repository's default model file.
-pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(
-        path.is_file(),
-        "model file {} not found: run `bash scripts/fetch-model.sh` or set NIBBLE_MODEL",
-        path.display()
-    );
-    path
-}
+/// The model every process serves.
+pub use nibble_testkit::model_path;
 
 /// One `nibble` process.
 pub struct Proc {

@@ -10,23 +10,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use nibble_testkit::model_path as model;
 use serde_json::Value;
 
 fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn model() -> PathBuf {
-    let path = match std::env::var_os("NIBBLE_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "model file {} not found: run `bash scripts/fetch-model.sh` or set NIBBLE_MODEL",
-        path.display()
-    );
-    path
 }
 
 fn austen() -> PathBuf {

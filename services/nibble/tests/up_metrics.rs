@@ -4,7 +4,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -12,19 +11,8 @@ use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::metrics as router;
 use nibble_telemetry::Samples;
+use nibble_testkit::model_path as model;
 use nibble_worker::metrics as worker;
-
-fn model() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(path.is_file(), "model file {} not found", path.display());
-    path
-}
 
 /// Kills the process when the test ends, however it ends.
 struct Up(Child);

@@ -6,26 +6,14 @@
 //! it this test fails, it never passes silently.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use nibble_security::testing::TestPki;
+use nibble_testkit::model_path as model;
 
 const KEY: &str = "up-api-key";
-
-fn model() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(path.is_file(), "model file {} not found", path.display());
-    path
-}
 
 /// `nibble ARGS` without the caller's NIBBLE_* settings.
 fn nibble(args: &[&str]) -> Command {

@@ -8,7 +8,6 @@
 pub mod http_client;
 pub mod logprobs;
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -22,6 +21,7 @@ use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_router::{HttpConfig, HttpListener, RouterConfig, ServiceConfig, Shared};
 use nibble_security::{Peers, Security};
+pub use nibble_testkit::model_path;
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -35,18 +35,6 @@ pub const PROMPT: &str =
 pub const PAGES: usize = 512;
 pub const NEW_TOKENS: u32 = 8;
 pub const MODEL: &str = "smollm2";
-
-pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(path.is_file(), "model file {} not found", path.display());
-    path
-}
 
 pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
     static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();

@@ -4,7 +4,6 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -16,19 +15,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-/// `$NIBBLE_MODEL`, else `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; fails (never
-/// skips) without it.
-pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("NIBBLE_MODEL").map_or_else(
-        || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        },
-        PathBuf::from,
-    );
-    assert!(path.is_file(), "model file {} not found", path.display());
-    path
-}
+pub use nibble_testkit::model_path;
 
 /// The model and tokenizer, loaded once per test binary.
 pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
