@@ -30,7 +30,7 @@ use crate::{Error, Result};
 /// The shares of one GPU's memory the KV pages of `nibble up`'s two workers take when no budget
 /// is given: decode holds every running sequence's context, prefill only the prompts in flight
 /// and its prefix cache. Together 85%, leaving room for two copies of the model's weights and
-/// the activations (each worker also keeps 5% of the GPU free when it sizes its pool).
+/// the activations (each worker also keeps 10% of the GPU free when it sizes its pool).
 const UP_PREFILL_KV_FRACTION: f64 = 0.25;
 const UP_DECODE_KV_FRACTION: f64 = 0.6;
 

@@ -51,7 +51,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "NIBBLE_KV_BUDGET_MIB")]
     pub kv_budget_mib: Option<usize>,
     /// Without --kv-budget-mib, on a GPU: the share of the GPU's total memory the KV pages take,
-    /// at most what is free once the model is loaded less 5% of the GPU (kept for activations,
+    /// at most what is free once the model is loaded less 10% of the GPU (kept for activations,
     /// attention workspaces and cuBLAS).
     #[arg(long, env = "NIBBLE_KV_MEMORY_FRACTION", default_value_t = DEFAULT_KV_MEMORY_FRACTION,
           value_parser = parse_fraction)]
@@ -166,7 +166,7 @@ pub const CPU_KV_BUDGET_MIB: usize = 256;
 /// `--kv-memory-fraction`'s default: a worker alone on its GPU.
 pub const DEFAULT_KV_MEMORY_FRACTION: f64 = 0.9;
 /// The share of a GPU's memory a worker sized by `--kv-memory-fraction` leaves free.
-const GPU_RESERVE_FRACTION: f64 = 0.05;
+const GPU_RESERVE_FRACTION: f64 = 0.1;
 
 fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
@@ -177,7 +177,7 @@ fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
 
 /// The bytes of KV pages a worker allocates: `--kv-budget-mib` when given; otherwise 256 MiB on
 /// the CPU, and on a GPU (`gpu`: its memory once the model is loaded) `--kv-memory-fraction` of
-/// the GPU's total memory, at most what is free less 5% of the total. Sizing by the total makes
+/// the GPU's total memory, at most what is free less 10% of the total. Sizing by the total makes
 /// two workers sharing a GPU (`nibble up`) get their shares whichever loads first.
 pub fn kv_budget_bytes(args: &WorkerArgs, gpu: Option<DeviceMemory>) -> Result<usize> {
     if let Some(mib) = args.kv_budget_mib {
@@ -207,7 +207,7 @@ pub fn kv_budget_bytes(args: &WorkerArgs, gpu: Option<DeviceMemory>) -> Result<u
         fraction = args.kv_memory_fraction,
         gpu_free_mib = memory.free >> 20,
         gpu_total_mib = memory.total >> 20,
-        "KV pool: --kv-memory-fraction of the GPU, at most its free memory less 5%"
+        "KV pool: --kv-memory-fraction of the GPU, at most its free memory less 10%"
     );
     Ok(budget)
 }
@@ -457,8 +457,8 @@ mod tests {
         let a = args(&[]).unwrap();
         assert_eq!(a.kv_memory_fraction, 0.9);
         assert_eq!(kv_budget_bytes(&a, None).unwrap(), 256 << 20);
-        // 90% of 100 GiB, but only 80 GiB are free: all of it less the 5 GiB reserve.
-        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 75 * GIB);
+        // 90% of 100 GiB, but only 80 GiB are free: all of it less the 10 GiB reserve.
+        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 70 * GIB);
         let a = args(&["--kv-memory-fraction", "0.5"]).unwrap();
         assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 50 * GIB);
     }
