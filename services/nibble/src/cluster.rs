@@ -301,7 +301,12 @@ pub async fn up_until(
                 writeln!(out, "> {prompt}").map_err(Error::Stdout)?;
                 let url = address.to_string();
                 let diag = &mut std::io::stderr();
-                stream_remote(&url, &prompt_peers, request, false, out, diag).await?;
+                // The services' log lines wait until the answer is printed, instead of landing
+                // in the middle of it on the same terminal.
+                let held = nibble_proto::logging::hold();
+                let answered = stream_remote(&url, &prompt_peers, request, false, out, diag).await;
+                drop(held);
+                answered?;
             }
             if let Some(http) = http_address {
                 writeln!(
