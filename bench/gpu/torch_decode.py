@@ -3,7 +3,8 @@ for one decode token (32 query heads, 8 KV heads, head dim 128, contiguous K/V),
 `gpu_bench`, plus torch's device-to-device copy bandwidth. One JSON object per line.
 
 Random inputs; small shapes rotate over several K/V copies so repeated runs do not read from L2;
-CUDA events around each call after warm-up; median. Run: python3 bench/gpu/torch_decode.py
+CUDA events around 5 calls queued back to back after warm-up (and, as `isolated_ms`, around one
+call alone); median per call. Run: python3 bench/gpu/torch_decode.py
 """
 
 import json
@@ -17,13 +18,16 @@ Q_HEADS, KV_HEADS, DIM = 32, 8, 128
 BATCHES = [1, 8, 32, 64, 128]
 CONTEXTS = [4096, 32768, 131072]
 L2_SAFE = 512 << 20  # rotate copies until one pass reads this many bytes
+REPS = 5  # decode calls per timed sample, back to back
 
 
 def emit(obj):
     print(json.dumps(obj), flush=True)
 
 
-def time_calls(fn, warmup=3, min_runs=10, max_runs=200, budget_ms=400.0):
+def time_calls(fn, warmup=3, min_runs=10, max_runs=200, budget_ms=400.0, reps=1):
+    """Sorted per-call times (ms); each sample is `reps` calls back to back between one pair of
+    events, divided by `reps` (gpu_bench times decode the same way)."""
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
@@ -31,10 +35,11 @@ def time_calls(fn, warmup=3, min_runs=10, max_runs=200, budget_ms=400.0):
     while len(times) < min_runs or (len(times) < max_runs and spent < budget_ms):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(warmup + len(times))
+        for r in range(reps):
+            fn(warmup + len(times) * reps + r)
         end.record()
         end.synchronize()
-        ms = start.elapsed_time(end)
+        ms = start.elapsed_time(end) / reps
         spent += ms
         times.append(ms)
     times.sort()
@@ -86,9 +91,11 @@ def main():
                     with sdpa_kernel([backend]):
                         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-                t = time_calls(call)
+                t = time_calls(call, reps=REPS)
                 ms = t[len(t) // 2]
+                alone = time_calls(call, warmup=0, min_runs=5, max_runs=50, budget_ms=100.0)
                 row.update({"backend": used[0], "ms": ms, "min_ms": t[0], "runs": len(t),
+                            "reps": REPS, "isolated_ms": alone[len(alone) // 2],
                             "copies": copies, "kv_bytes": kv_bytes,
                             "gbps": kv_bytes / (ms * 1e6)})
             except torch.cuda.OutOfMemoryError as e:

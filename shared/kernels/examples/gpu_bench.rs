@@ -3,8 +3,9 @@
 //! * `copy`: device-to-device copy bandwidth (bytes read + written), the ceiling;
 //! * `decode`: paged decode attention (32 query heads, 8 KV heads, head dim 128, page 16, one
 //!   layer's pages) for BF16, FP8 and NVFP4 pages, batch 1/8/32/64/128 x context 4K/32K/128K:
-//!   median time and effective KV bytes read per second (every K and V byte of the context,
-//!   scales included, once);
+//!   median time per call with 5 calls queued back to back (and, as `isolated_ms`, of a call
+//!   timed alone, which adds the host's launch latency) and effective KV bytes read per second
+//!   (every K and V byte of the context, scales included, once);
 //! * `quantize`, `gather`: quantize-on-write and extend-gather bandwidth;
 //! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
 //!   time and TFLOP/s;
@@ -13,7 +14,8 @@
 //!
 //! Inputs are random, never zero; small shapes rotate over disjoint page sets so repeated runs do
 //! not read from L2; times are CUDA events around each call, after warm-up, median of many.
-//! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick]`.
+//! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16]`
+//! (`--dtypes` runs only those decode sweeps, without prefill).
 
 use std::sync::Arc;
 
@@ -28,9 +30,21 @@ use serde_json::json;
 const KV_HEADS: usize = 8;
 const Q_HEADS: usize = 32;
 const DIM: usize = 128;
-const PAGE: usize = 16;
+/// Tokens per page: 16, or `--page N`.
+fn page() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        std::env::args()
+            .skip_while(|a| a != "--page")
+            .nth(1)
+            .map(|p| p.parse().expect("--page takes a number of tokens"))
+            .unwrap_or(16)
+    })
+}
 const BATCHES: [usize; 5] = [1, 8, 32, 64, 128];
 const CONTEXTS: [usize; 3] = [4096, 32768, 131072];
+/// Decode calls per timed sample, back to back (see `time_calls_rep`).
+const DECODE_REPS: usize = 5;
 /// Device memory left free for the workspace, tables and the driver.
 const HEADROOM: usize = 6 << 30;
 
@@ -53,10 +67,19 @@ fn main() -> Result<()> {
     );
     copy_bandwidth(&kernels)?;
     let mut rng = StdRng::seed_from_u64(7);
-    for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4] {
+    // `--dtypes nvfp4,fp8` limits the decode sweep to those page formats.
+    let only = std::env::args().skip_while(|a| a != "--dtypes").nth(1);
+    let dtypes: Vec<KvDtype> = match &only {
+        Some(list) => list
+            .split(',')
+            .map(|d| d.parse().map_err(|e| anyhow::anyhow!("--dtypes: {e}")))
+            .collect::<Result<_>>()?,
+        None => vec![KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4],
+    };
+    for dtype in dtypes {
         decode_sweep(&kernels, dtype, sweep, &mut rng)?;
     }
-    if sweep != Sweep::Quick {
+    if sweep != Sweep::Quick && only.is_none() {
         prefill(&kernels, &mut rng)?;
     }
     capacity(free);
@@ -124,7 +147,20 @@ fn emit(value: serde_json::Value) {
 fn time_calls(
     stream: &Arc<CudaStream>,
     warmup: usize,
+    runs: (usize, usize, f32),
+    f: impl FnMut(usize) -> Result<()>,
+) -> Result<Vec<f32>> {
+    time_calls_rep(stream, warmup, runs, 1, f)
+}
+
+/// `time_calls`, each sample `reps` calls back to back between one pair of events, divided by
+/// `reps`: the device time of a call when calls are queued ahead of the device, as a model's
+/// layers are, without the host's launch latency of an isolated call.
+fn time_calls_rep(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
     (min, max, budget_ms): (usize, usize, f32),
+    reps: usize,
     mut f: impl FnMut(usize) -> Result<()>,
 ) -> Result<Vec<f32>> {
     let ctx = stream.context();
@@ -138,9 +174,11 @@ fn time_calls(
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         start.record(stream)?;
-        f(warmup + times.len())?;
+        for r in 0..reps {
+            f(warmup + times.len() * reps + r)?;
+        }
         end.record(stream)?;
-        let ms = start.elapsed_ms(&end)?;
+        let ms = start.elapsed_ms(&end)? / reps as f32;
         spent += ms;
         times.push(ms);
     }
@@ -180,7 +218,7 @@ enum Sweep {
 
 fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRng) -> Result<()> {
     let stream = kernels.stream();
-    let layout = PageLayout::new(1, KV_HEADS, DIM, PAGE, dtype)?;
+    let layout = PageLayout::new(1, KV_HEADS, DIM, page(), dtype)?;
     let geom = PageGeom::new(&layout, 0)?;
     // Freed pools return to the driver at a synchronization point.
     stream.synchronize()?;
@@ -188,7 +226,7 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
     let largest = BATCHES[BATCHES.len() - 1] * CONTEXTS[CONTEXTS.len() - 1];
     // The pool the allocator would carve from this budget: the largest shape, four times over
     // when it fits (for rotation), never more than the free memory allows.
-    let mut want = 4 * largest / PAGE * layout.page_bytes();
+    let mut want = 4 * largest / page() * layout.page_bytes();
     if sweep == Sweep::Profile {
         want = want.min(8 << 30); // ncu saves and restores device memory between passes
     }
@@ -199,7 +237,7 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
     order.shuffle(rng);
     emit(
         json!({"bench": "pool", "dtype": dtype.to_string(), "pages": plan.pages,
-                "page_bytes": layout.page_bytes(), "bytes": plan.bytes}),
+                "page_bytes": layout.page_bytes(), "page_tokens": page(), "bytes": plan.bytes}),
     );
     let mut ws = DecodeWorkspace::new(kernels)?;
     let per_token = kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
@@ -213,7 +251,7 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
             if skip {
                 continue;
             }
-            let pps = ctx / PAGE;
+            let pps = ctx / page();
             let need = batch * pps;
             if need > plan.pages {
                 emit(
@@ -238,7 +276,7 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
             } else {
                 (10, 200, 400.0)
             };
-            let times = time_calls(stream, 3, runs, |i| {
+            let mut call = |i: usize| {
                 let batch_args = DecodeBatch {
                     q: &dq,
                     q_heads: Q_HEADS,
@@ -251,7 +289,9 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
                 };
                 kernels.decode(&pages, geom, dtype, &batch_args, &mut ws, &mut out)?;
                 Ok(())
-            })?;
+            };
+            let times = time_calls_rep(stream, 3, runs, DECODE_REPS, &mut call)?;
+            let isolated = time_calls(stream, 0, (5, 50, 100.0), &mut call)?;
             let ms = median(&times);
             let bytes = batch * ctx * per_token;
             let host_out = stream.clone_dtoh(&out)?;
@@ -259,6 +299,7 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
                 json!({"bench": "decode", "dtype": dtype.to_string(), "batch": batch,
                         "context": ctx, "ms": ms, "min_ms": times[0],
                         "max_ms": times[times.len() - 1], "runs": times.len(),
+                        "reps": DECODE_REPS, "isolated_ms": median(&isolated),
                         "rotation_sets": sets, "kv_bytes": bytes,
                         "gbps": bytes as f64 / (ms as f64 * 1e6),
                         "finite": host_out.iter().all(|x| x.is_finite())}),
@@ -288,7 +329,7 @@ fn quantize_and_gather(
     let v: Vec<f32> = (0..values).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
     let (dk, dv) = (stream.clone_htod(&k)?, stream.clone_htod(&v)?);
     let slots: Vec<u32> = (0..tokens)
-        .map(|t| order[t / PAGE] * PAGE as u32 + (t % PAGE) as u32)
+        .map(|t| order[t / page()] * page() as u32 + (t % page()) as u32)
         .collect();
     let dslots = stream.clone_htod(&slots)?;
     let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
@@ -306,7 +347,7 @@ fn quantize_and_gather(
     );
 
     let prefix = 131072;
-    let table = stream.clone_htod(&order[..prefix / PAGE])?;
+    let table = stream.clone_htod(&order[..prefix / page()])?;
     let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
     let ws_bytes = prefix * KV_HEADS * DIM * width;
     let mut wk: CudaSlice<u8> = stream.alloc_zeros(ws_bytes)?;
@@ -337,7 +378,7 @@ fn quantize_and_gather(
 fn capacity(free: usize) {
     let budget = free.saturating_sub(HEADROOM);
     for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4] {
-        let layout = PageLayout::new(32, KV_HEADS, DIM, PAGE, dtype).expect("valid geometry");
+        let layout = PageLayout::new(32, KV_HEADS, DIM, page(), dtype).expect("valid geometry");
         if let Ok(plan) = PoolPlan::for_budget(layout, budget) {
             emit(
                 json!({"bench": "capacity", "model": "Llama-3-8B shape (32 layers, 8 KV heads, head dim 128)",
