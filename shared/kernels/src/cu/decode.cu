@@ -195,160 +195,6 @@ __device__ __forceinline__ void load_tile(Raw<FMT, D>& r, const u8* pages, u32 p
     }
 }
 
-template <int N>
-__device__ __forceinline__ void lds_words(const u8* p, u32* w) {
-    if (N % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < N / 4; ++i) {
-            const uint4 v = reinterpret_cast<const uint4*>(p)[i];
-            w[4 * i] = v.x;
-            w[4 * i + 1] = v.y;
-            w[4 * i + 2] = v.z;
-            w[4 * i + 3] = v.w;
-        }
-    } else if (N == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        w[0] = v.x;
-        w[1] = v.y;
-    } else {
-        w[0] = *reinterpret_cast<const u32*>(p);
-    }
-}
-
-// ---- NVFP4 tiles stream through a ring of shared-memory stages (cp.async) ----
-//
-// Double-buffered in registers, a warp keeps one NVFP4 tile (2.3 KB) in flight while it unpacks
-// the other: with 16 warps per SM that is ~37 KB in flight, and the warps stalled on memory for a
-// quarter of their cycles (Nsight Compute, batch 32 x 32K). NVFP4 tiles instead go through a
-// ring of RING_STAGES tiles per warp in shared memory, filled by asynchronous copies (cp.async)
-// RING_STAGES tiles ahead: what is in flight costs no registers, and one tile's unpacking
-// overlaps the next tiles' loads.
-//
-// A stage: [K data][V data][K scales][V scales]. Each lane copies the K and V bytes it will read
-// itself, into its own slots (so only the scales cross lanes): K, a quarter vector of tokens g
-// and g + 8 at [t][lane]; V, an eighth vector of tokens 2c, 2c + 1 side by side at [0][lane] and
-// of 2c + 8, 2c + 9 at [1][lane]. Reads are then 16 bytes per lane over consecutive lanes: no
-// bank conflicts. The scales (16 tokens x D/16 bytes each for K and V) are copied 16 bytes per
-// lane by the first lanes and read at their natural offsets, after __syncwarp.
-
-#ifndef RING_STAGES
-#define RING_STAGES 4
-#endif
-
-template <int FMT, int D>
-struct Stage {
-    static const int DATA = TILE * Fmt<FMT, D>::VB;  // of K, and of V
-    static const int SCALES = TILE * (D / 16);        // of K, and of V
-    static const int BYTES = 2 * DATA + 2 * SCALES;
-};
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-template <int N>
-__device__ __forceinline__ void copy_async(u32 dst, const u8* src) {
-    if (N == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(N)
-                     : "memory");
-}
-
-__device__ __forceinline__ void copy_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Starts this lane's copies of the tile at token t0 of page `page_id` into the stage at shared
-// address `stage`. `lo` is this lane's LaneOffsets (its K and V bytes at token 0 of a page).
-template <int FMT, int D>
-__device__ __forceinline__ void ring_copy(const u8* pages, u32 page_id, const PageGeom& g,
-                                          const LaneOffsets& lo, u32 scale_src, u32 t0,
-                                          u32 stage, u32 lane) {
-    typedef Fmt<FMT, D> F;
-    typedef Stage<FMT, D> S;
-    const int KQ = F::VB / 4, VE = F::VB / 8;  // bytes of a K quarter, a V eighth
-    u64 page;
-    asm("mad.wide.u32 %0, %1, %2, %3;"
-        : "=l"(page)
-        : "r"(page_id), "r"((u32)g.page_bytes), "l"(reinterpret_cast<u64>(pages)));
-    const u32 off0 = t0 & (g.page_size - 1u);
-    const u8* k = reinterpret_cast<const u8*>(page + (lo.kd + off0 * F::VB));
-    const u8* v = reinterpret_cast<const u8*>(page + (lo.vd + off0 * F::VB));
-    const u32 kd = stage + lane * KQ, vd = stage + S::DATA + lane * (2 * VE);
-    copy_async<KQ>(kd, k);
-    copy_async<KQ>(kd + 32 * KQ, k + 8 * F::VB);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {  // tokens 2c + (t & 1) + 8 (t >> 1)
-        const int i = (t & 1) + 8 * (t >> 1);
-        copy_async<VE>(vd + (t >> 1) * (64 * VE) + (t & 1) * VE, v + i * F::VB);
-    }
-#ifndef NO_SCALE_COPY
-    if (lane < 2u * S::SCALES / 16u)
-#else
-    if (false)
-#endif
-        copy_async<16>(stage + 2 * S::DATA + lane * 16u,
-                       reinterpret_cast<const u8*>(page + (scale_src + off0 * (D / 16))));
-}
-
-// This lane's words of the tile in a stage, as load_tile reads them from a page: `data` is the
-// stage plus this lane's K slot, `ks` and `vs` the stage plus its scale offsets. Tokens past
-// `end` (the stage holds whatever the page has there) read as zeros.
-template <int FMT, int D>
-__device__ __forceinline__ void load_stage(Raw<FMT, D>& r, const u8* data, const u8* ks,
-                                           const u8* vs, u32 t0, u32 end, u32 lg, u32 lc) {
-    typedef Fmt<FMT, D> F;
-    typedef Stage<FMT, D> S;
-    const int KQ = F::VB / 4, VE = F::VB / 8;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-        lds_words<F::KW>(data + t * 32 * KQ, r.k[t]);
-        r.ks[t] = D / 64 == 2 ? (u32) * reinterpret_cast<const u16*>(ks + t * 8 * (D / 16))
-                              : (u32)ks[t * 8 * (D / 16)];
-    }
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-        u32 w[2 * F::VW];
-        lds_words<2 * F::VW>(data + S::DATA - 0 + b * 64 * VE, w);
-#pragma unroll
-        for (int j = 0; j < F::VW; ++j) {
-            r.v[2 * b][j] = w[j];
-            r.v[2 * b + 1][j] = w[F::VW + j];
-        }
-        r.vs[2 * b] = vs[b * 8 * (D / 16)];
-        r.vs[2 * b + 1] = vs[(b * 8 + 1) * (D / 16)];
-    }
-    if (t0 + TILE > end) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            if (t0 + lg + 8u * t >= end) {
-#pragma unroll
-                for (int j = 0; j < F::KW; ++j) r.k[t][j] = 0u;
-                r.ks[t] = 0u;
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            if (t0 + 2u * lc + (t & 1) + 8 * (t >> 1) >= end) {
-#pragma unroll
-                for (int j = 0; j < F::VW; ++j) r.v[t][j] = 0u;
-                r.vs[t] = 0u;
-            }
-        }
-    }
-}
-
-#define NIBBLE_DECODE_RING(FMT, D) ((FMT) == NIBBLE_NVFP4)
-
-
 // Local dim (within lane c's quarter of the head vector) of mma k-index j of k-step s:
 // j = 0, 1 are the B pair (k = 2c, 2c + 1); j = 2, 3 are k = 2c + 8, 2c + 9.
 template <int FMT>
@@ -362,23 +208,11 @@ __device__ __forceinline__ int k_dim(int s, int j) {
     return 4 * s + j;
 }
 
-// Q^T as the score mma's B operand, k-step st, register j of 2: held in registers, or in
-// shared memory ([st][lane][2] words, read when used) where registers are short.
-template <int D>
-struct QRegs {
-    u32 q[D / 16][2];
-    __device__ __forceinline__ u32 b(int st, int j) const { return q[st][j]; }
-};
-struct QShared {
-    const u32* lane_q;  // the block's words of k-step 0 for this lane; k-steps 64 words apart
-    __device__ __forceinline__ u32 b(int st, int j) const { return lane_q[64 * st + j]; }
-};
-
 // The running state of heads 2c, 2c+1 of the group: m, the max score so far in the mma's units
 // (score_scale, > 0, not applied); nm, -m * score_scale, the exponent's offset (0 while m is
 // -inf); l, this lane's share of the sum of 2^(s * score_scale + nm); o, the unnormalized output.
-template <int FMT, int D, typename QOperand>
-__device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const QOperand& qb, float* m,
+template <int FMT, int D>
+__device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb)[2], float* m,
                                             float* nm, float* l, float (*o)[4], u32 t0, u32 end,
                                             float score_scale, u32 lg, u32 lc) {
     typedef Fmt<FMT, D> F;
@@ -406,21 +240,21 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const QOperand
                 a1[t] = hmul2(hb_23(lo), scale);      // dims 4, 6
                 a1[2 + t] = hmul2(hb_23(hi), scale);  // dims 5, 7
             }
-            mma16816<FMT>(s, a0, qb.b(2 * w, 0), qb.b(2 * w, 1));
-            mma16816<FMT>(s, a1, qb.b(2 * w + 1, 0), qb.b(2 * w + 1, 1));
+            mma16816<FMT>(s, a0, qb[2 * w][0], qb[2 * w][1]);
+            mma16816<FMT>(s, a1, qb[2 * w + 1][0], qb[2 * w + 1][1]);
         }
     } else if (FMT == NIBBLE_FP8) {
 #pragma unroll
         for (int w = 0; w < F::KW; ++w) {
             const u32 a[4] = {fp8_02(r.k[0][w]), fp8_02(r.k[1][w]), fp8_13(r.k[0][w]),
                               fp8_13(r.k[1][w])};
-            mma16816<FMT>(s, a, qb.b(w, 0), qb.b(w, 1));
+            mma16816<FMT>(s, a, qb[w][0], qb[w][1]);
         }
     } else {
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
             const u32 a[4] = {r.k[0][2 * st], r.k[1][2 * st], r.k[0][2 * st + 1], r.k[1][2 * st + 1]};
-            mma16816<FMT>(s, a, qb.b(st, 0), qb.b(st, 1));
+            mma16816<FMT>(s, a, qb[st][0], qb[st][1]);
         }
     }
 
@@ -537,11 +371,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             float* __restrict__ part_ml, PageGeom geom,
                                             DecodeArgs args) {
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
-    // The ring's stages while tiles stream, then the warps' outputs: one buffer for both.
-    const int RING_BYTES = NIBBLE_DECODE_RING(FMT, D) ? WARPS * RING_STAGES * Stage<FMT, D>::BYTES : 0;
-    const int OUT_BYTES = WARPS * 8 * D * 4;
-    __shared__ __align__(128) u8 smem[RING_BYTES > OUT_BYTES ? RING_BYTES : OUT_BYTES];
-    float(*sm_o)[8][D] = reinterpret_cast<float(*)[8][D]>(smem);
+    __shared__ float sm_o[WARPS][8][D];
 
     const u32 split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -553,7 +383,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
 
     // Q^T as the B operand of the score mma: head g of the group, this lane's dims, BF16-rounded
     // (the precision decode takes Q in), then f16 (exact for |q| in [2^-14, 65504]) or bf16.
-    QRegs<D> qb;
+    u32 qb[D / 16][2];
     {
         const bool has = lg < args.group;
         const float* qh = q + ((u64)seq * args.q_heads + kv_head * args.group + (has ? lg : 0)) * D +
@@ -564,7 +394,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
             for (int j = 0; j < 2; ++j) {
                 float x0 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j)])) : 0.f;
                 float x1 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j + 1)])) : 0.f;
-                qb.q[st][j] = FMT == NIBBLE_BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
+                qb[st][j] = FMT == NIBBLE_BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
             }
         }
     }
@@ -582,74 +412,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     // for a page-table read (two dependent trips to memory).
     auto page_of = [&](u32 t) { return t < end ? __ldg(table + (t >> geom.page_shift)) : 0u; };
     u32 t0 = begin + warp * TILE;
-    if (NIBBLE_DECODE_RING(FMT, D)) {
-        typedef Stage<FMT, D> S;
-        const u32 first = t0;
-        const u32 n = first < end ? (end - first + stride - 1) / stride : 0u;
-        const u8* ring = smem + warp * (RING_STAGES * S::BYTES);
-        const u32 ring_s = smem_u32(ring);
-#ifdef Q_IN_SMEM
-        // Q^T from shared memory: 16 registers fewer per thread.
-        __shared__ u32 sq[D / 16 * 64];
-        if (warp == 0) {
-#pragma unroll
-            for (int st = 0; st < D / 16; ++st) {
-                sq[64 * st + 2 * lane] = qb.q[st][0];
-                sq[64 * st + 2 * lane + 1] = qb.q[st][1];
-            }
-        }
-        __syncthreads();
-        const QShared qop{sq + 2 * lane};
-#else
-        const QRegs<D>& qop = qb;
-#endif
-        const LaneOffsets lo = lane_offsets<FMT, D>(geom, kv_head, lg, lc);
-        // The scale chunk this lane copies (lanes below 2 * SCALES / 16): K's, then V's.
-        const u32 chunks = S::SCALES / 16;
-        const LaneOffsets head0 = lane_offsets<FMT, D>(geom, kv_head, 0, 0);
-        const u32 scale_src = (lane < chunks ? head0.ks : head0.vs) + (lane % chunks) * 16u;
-        // This lane's reads within a stage.
-        const u32 data_off = lane * (Fmt<FMT, D>::VB / 4);
-        const u32 ks_off = 2 * S::DATA + lg * (D / 16) + lc * (D / 64);
-        const u32 vs_off = 2 * S::DATA + S::SCALES + 2 * lc * (D / 16) + lg * D / 128;
-        // Page ids 32 tiles at a time, lane i holding tile 32 k + i's, the next 32 loaded a batch
-        // ahead: no copy waits on a page-table read.
-        auto page_of_tile = [&](u32 j) {
-            return j < n ? __ldg(table + ((first + j * stride) >> geom.page_shift)) : 0u;
-        };
-        u32 ids = page_of_tile(lane), ids_next = page_of_tile(32 + lane);
-        auto start = [&](u32 j) {  // warp-wide: starts the copies of the warp's tile j
-            if (j > 0 && (j & 31u) == 0) {
-                ids = ids_next;
-                ids_next = page_of_tile(j + 32 + lane);
-            }
-            const u32 page = __shfl_sync(0xffffffffu, ids, j & 31u);
-            ring_copy<FMT, D>(pages, page, geom, lo, scale_src, first + j * stride,
-                              ring_s + (j % RING_STAGES) * S::BYTES, lane);
-        };
-#pragma unroll
-        for (u32 j = 0; j < RING_STAGES; ++j) {
-            if (j < n) start(j);
-            copy_commit();
-        }
-        for (u32 j = 0; j < n; ++j) {
-            const u8* stage = ring + (j % RING_STAGES) * S::BYTES;
-            copy_wait<RING_STAGES - 1>();
-            __syncwarp();
-            Raw<FMT, D> cur;
-            load_stage<FMT, D>(cur, stage + data_off, stage + ks_off, stage + vs_off, t0, end, lg,
-                               lc);
-            attend_tile<FMT, D>(cur, qop, m, nm, l, o, t0, end, args.score_scale, lg, lc);
-            // Every lane has used its words of the stage (attend_tile consumed them) before the
-            // stage is refilled.
-            __syncwarp();
-            if (j + RING_STAGES < n) start(j + RING_STAGES);
-            copy_commit();
-            t0 += stride;
-        }
-        // The ring's memory becomes the warps' outputs below.
-        __syncthreads();
-    } else if (t0 < end) {
+    if (t0 < end) {
         Raw<FMT, D> cur;
         load_tile<FMT, D>(cur, pages, page_of(t0), geom, lanes, t0, end, lg, lc);
         u32 next_page = page_of(t0 + stride);
@@ -746,10 +509,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
 // Blocks per SM the register allocation must allow: 4 (16 warps) where it fits without
 // meaningful spilling.
 DECODE_KERNEL(decode_nvfp4_d64, NIBBLE_NVFP4, 64, 4)
-#ifndef NVFP4_MIN_BLOCKS
-#define NVFP4_MIN_BLOCKS 4
-#endif
-DECODE_KERNEL(decode_nvfp4_d128, NIBBLE_NVFP4, 128, NVFP4_MIN_BLOCKS)
+DECODE_KERNEL(decode_nvfp4_d128, NIBBLE_NVFP4, 128, 4)
 DECODE_KERNEL(decode_fp8_d64, NIBBLE_FP8, 64, 4)
 DECODE_KERNEL(decode_fp8_d128, NIBBLE_FP8, 128, 3)
 DECODE_KERNEL(decode_bf16_d64, NIBBLE_BF16, 64, 4)
