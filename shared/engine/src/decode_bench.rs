@@ -36,7 +36,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::backend::Backend;
-use crate::engine::{Engine, EngineConfig, Event, RequestError};
+use crate::engine::{Engine, EngineConfig, Event, RequestError, StepPhases};
 use crate::error::Error;
 use crate::model::Model;
 use crate::sampling::SamplingParams;
@@ -97,6 +97,8 @@ pub struct Timing {
     pub batch: usize,
     pub steps: usize,
     pub seconds: f64,
+    /// The timed steps' phases, summed.
+    pub phases: StepPhases,
 }
 
 impl Timing {
@@ -149,7 +151,7 @@ impl Run {
 /// One batch's result: measured, or too large for the memory budget.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    Ran(Run),
+    Ran(Box<Run>),
     DoesNotFit {
         dtype: KvDtype,
         batch: usize,
@@ -274,7 +276,7 @@ impl DecodeBench {
                     ),
                     None => None,
                 };
-                let outcome = Outcome::Ran(Run {
+                let outcome = Outcome::Ran(Box::new(Run {
                     dtype,
                     batch,
                     pool_bytes,
@@ -283,7 +285,7 @@ impl DecodeBench {
                     baseline,
                     fill,
                     tokens,
-                });
+                }));
                 report(&outcome);
                 outcomes.push(outcome);
             }
@@ -359,12 +361,16 @@ impl DecodeBench {
             collect(&events, base, vocab, &mut tokens)?;
         }
         let mut timed_from = Instant::now();
+        let mut phases = StepPhases::default();
         for step in 0..self.warmup + self.steps {
             if step == self.warmup {
                 sync();
                 timed_from = Instant::now();
             }
             let decoded = collect(&engine.step(), base, vocab, &mut tokens)?;
+            if step >= self.warmup {
+                phases += engine.last_step_phases();
+            }
             if decoded != batch {
                 return Err(BenchError::BatchShrank {
                     step,
@@ -385,6 +391,7 @@ impl DecodeBench {
             batch,
             steps: self.steps,
             seconds,
+            phases,
         };
         Ok((timing, fill, tokens))
     }

@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use nibble_kvcache::{PageId, PagePool, PoolPlan, RadixCache};
 
@@ -114,6 +115,64 @@ impl Request {
     }
 }
 
+/// Rows sampled per thread at least: below this, a thread costs more than the rows it takes
+/// (a greedy row of a 128K vocabulary is ~0.1-0.2 ms).
+const ROWS_PER_THREAD: usize = 4;
+
+/// Samples every row with its own sampler, in order. Large batches spread over the machine's
+/// cores: the rows are independent and each sampler owns its random state, so the result does
+/// not depend on how they are split.
+fn sample_rows(work: Vec<(SeqId, &mut Sampler, &mut [f32], &[u32])>) -> Vec<(SeqId, Sampled)> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(work.len() / ROWS_PER_THREAD)
+        .max(1);
+    let sample = |chunk: &mut [(SeqId, &mut Sampler, &mut [f32], &[u32])]| {
+        chunk
+            .iter_mut()
+            .map(|(id, sampler, row, seen)| (*id, sampler.sample(row, seen)))
+            .collect::<Vec<_>>()
+    };
+    let mut work = work;
+    if threads == 1 {
+        return sample(&mut work);
+    }
+    let per_thread = work.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .chunks_mut(per_thread)
+            .map(|chunk| scope.spawn(move || sample(chunk)))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a sampling thread panicked"))
+            .collect()
+    })
+}
+
+/// Where the wall time of one [`Engine::step`] went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepPhases {
+    /// Choosing the batch, its new slots and pages.
+    pub schedule: Duration,
+    /// The model's forward pass over the batch, until its logits are on the host (the device
+    /// synchronized).
+    pub forward: Duration,
+    /// Sampling each sequence's next token from its logits.
+    pub sample: Duration,
+    /// Recording the tokens: scheduler state, detokenization, stop strings, events.
+    pub finish: Duration,
+}
+
+impl std::ops::AddAssign for StepPhases {
+    fn add_assign(&mut self, other: Self) {
+        self.schedule += other.schedule;
+        self.forward += other.forward;
+        self.sample += other.sample;
+        self.finish += other.finish;
+    }
+}
+
 /// The engine.
 pub struct Engine<B: Backend> {
     model: Model<B>,
@@ -125,6 +184,8 @@ pub struct Engine<B: Backend> {
     requests: HashMap<SeqId, Request>,
     /// Token ids that end every request (the model's end of sequence).
     eos: Vec<u32>,
+    /// The last step's phases.
+    phases: StepPhases,
 }
 
 impl<B: Backend> Engine<B> {
@@ -148,6 +209,7 @@ impl<B: Backend> Engine<B> {
             ws,
             logits: Vec::new(),
             requests: HashMap::new(),
+            phases: StepPhases::default(),
         })
     }
 
@@ -225,14 +287,27 @@ impl<B: Backend> Engine<B> {
 
     /// Runs one batched forward pass and returns what it produced.
     pub fn step(&mut self) -> Vec<Event> {
+        let started = Instant::now();
+        self.phases = StepPhases::default();
         let batch = self.state.schedule();
+        self.phases.schedule = started.elapsed();
         if batch.is_empty() {
             return Vec::new();
         }
         match self.run(&batch) {
-            Ok(sampled) => self.finish_step(&batch, sampled),
+            Ok(sampled) => {
+                let finishing = Instant::now();
+                let events = self.finish_step(&batch, sampled);
+                self.phases.finish = finishing.elapsed();
+                events
+            }
             Err(e) => self.fail(&batch, &e),
         }
+    }
+
+    /// Where the last [`step`](Self::step)'s time went.
+    pub fn last_step_phases(&self) -> StepPhases {
+        self.phases
     }
 
     /// The forward pass and sampling of one batch.
@@ -259,6 +334,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         let tokens: Vec<&[u32]> = batch.items.iter().map(|i| i.tokens.as_slice()).collect();
+        let forwarding = Instant::now();
         let mut kv = PagedBatch::<B> {
             pages: &mut self.pages,
             pool: &self.state.pool,
@@ -271,19 +347,26 @@ impl<B: Backend> Engine<B> {
             Logits::Last,
             &mut self.logits,
         )?;
+        self.phases.forward = forwarding.elapsed();
+        let sampling = Instant::now();
         let vocab = self.model.config().vocab_size;
-        let mut sampled = Vec::new();
+        // The sampled rows in batch order, each with its request's sampler and the tokens it
+        // has seen; the requests are disjoint, so rows can be sampled on several threads.
+        let mut samplers: HashMap<SeqId, &mut Sampler> = self
+            .requests
+            .iter_mut()
+            .map(|(id, r)| (*id, &mut r.sampler))
+            .collect();
+        let mut work = Vec::new();
         for (item, row) in batch.items.iter().zip(self.logits.chunks_exact_mut(vocab)) {
-            if !item.sample {
-                continue;
+            if item.sample {
+                let sampler = samplers.remove(&item.seq).expect("submitted requests");
+                let seen = self.state.tokens(item.seq).unwrap_or_default();
+                work.push((item.seq, sampler, row, seen));
             }
-            let request = self
-                .requests
-                .get_mut(&item.seq)
-                .expect("submitted requests");
-            let seen = self.state.tokens(item.seq).unwrap_or_default();
-            sampled.push((item.seq, request.sampler.sample(row, seen)));
         }
+        let sampled = sample_rows(work);
+        self.phases.sample = sampling.elapsed();
         Ok(sampled)
     }
 
@@ -503,5 +586,64 @@ impl<B: Backend> Engine<B> {
             events.push(event);
         }
         events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samplers(n: usize) -> Vec<Sampler> {
+        (0..n)
+            .map(|i| {
+                Sampler::new(SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.9,
+                    seed: Some(i as u64),
+                    logprobs: true,
+                    top_logprobs: 2,
+                    ..SamplingParams::greedy(8)
+                })
+            })
+            .collect()
+    }
+
+    /// Spread over threads or not, every row gets what its sampler alone would draw, in order.
+    #[test]
+    fn rows_sampled_on_threads_match_one_by_one() {
+        let (n, vocab) = (37, 500);
+        let logits: Vec<f32> = (0..n * vocab)
+            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
+            .collect();
+        let seen = [1u32, 2, 3];
+        for rounds in 0..3 {
+            let (mut threaded, mut alone) = (samplers(n), samplers(n));
+            let mut rows = logits.clone();
+            let mut expected = Vec::new();
+            for _ in 0..=rounds {
+                let work: Vec<_> = threaded
+                    .iter_mut()
+                    .zip(rows.chunks_exact_mut(vocab))
+                    .enumerate()
+                    .map(|(i, (s, row))| (SeqId(i as u64), s, row, &seen[..]))
+                    .collect();
+                let got = sample_rows(work);
+                expected.clear();
+                for (i, (s, row)) in alone.iter_mut().zip(logits.chunks(vocab)).enumerate() {
+                    let mut row = row.to_vec();
+                    expected.push((SeqId(i as u64), s.sample(&mut row, &seen)));
+                }
+                assert_eq!(got.len(), n);
+                for ((gi, g), (ei, e)) in got.iter().zip(&expected) {
+                    assert_eq!(gi, ei);
+                    assert_eq!(g.token, e.token, "row {gi:?}");
+                    assert_eq!(
+                        g.logprobs.as_ref().map(|l| l.logprob),
+                        e.logprobs.as_ref().map(|l| l.logprob)
+                    );
+                }
+                rows.copy_from_slice(&logits);
+            }
+        }
     }
 }

@@ -212,10 +212,14 @@ fn top_k(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
 }
 
 fn argmax(logits: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, x) in logits.iter().enumerate() {
-        if *x > logits[best] {
-            best = i;
+    let Some(&first) = logits.first() else {
+        return 0;
+    };
+    // The first maximum; the best value kept in a register (not reloaded from the row).
+    let (mut best, mut best_x) = (0, first);
+    for (i, &x) in logits.iter().enumerate().skip(1) {
+        if x > best_x {
+            (best, best_x) = (i, x);
         }
     }
     best

@@ -95,7 +95,7 @@ fn decode_bench_measures_every_batch_that_fits() {
         let runs: Vec<&Run> = outcomes
             .iter()
             .filter_map(|o| match o {
-                Outcome::Ran(r) => Some(r),
+                Outcome::Ran(r) => Some(&**r),
                 Outcome::DoesNotFit { .. } => None,
             })
             .collect();

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use nibble_engine::decode_bench::{DecodeBench, Outcome};
+use nibble_engine::decode_bench::{DecodeBench, Outcome, Timing};
 use nibble_engine::synthetic::{llama3_8b, random_model, tiny_llama, tokenizer};
 use nibble_engine::{Backend, CpuBackend, ModelConfig};
 use nibble_kernels::CudaBackend;
@@ -183,6 +183,14 @@ fn config_json(c: &ModelConfig) -> serde_json::Value {
     })
 }
 
+/// The engine's step phases (`nibble_engine::StepPhases`), in ms per timed step.
+fn phase_ms(t: &Timing) -> serde_json::Value {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / t.steps.max(1) as f64;
+    let p = t.phases;
+    json!({"schedule": ms(p.schedule), "forward": ms(p.forward), "sample": ms(p.sample),
+           "finish": ms(p.finish)})
+}
+
 fn row(outcome: &Outcome) -> serde_json::Value {
     match outcome {
         Outcome::Ran(r) => {
@@ -192,6 +200,7 @@ fn row(outcome: &Outcome) -> serde_json::Value {
                 "context": r.main.context, "steps": r.main.steps,
                 "tokens_per_s": r.main.tokens_per_s(), "ms_per_step": r.main.ms_per_step(),
                 "seconds": r.main.seconds,
+                "phase_ms_per_step": phase_ms(&r.main),
                 "baseline_context": b.map(|b| b.context),
                 "baseline_ms_per_step": b.map(|b| b.ms_per_step()),
                 "baseline_tokens_per_s": b.map(|b| b.tokens_per_s()),

@@ -278,16 +278,23 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
             };
             let mut call = |i: usize| {
                 let batch_args = DecodeBatch {
-                    q: &dq,
+                    q: dq.as_view(),
                     q_heads: Q_HEADS,
-                    page_table: &tables[i % sets],
+                    page_table: tables[i % sets].as_view(),
                     max_pages: pps,
-                    context: &dctx,
+                    context: dctx.as_view(),
                     max_context: ctx,
                     scales: (0.8, 1.3),
                     softmax_scale: 1.0 / (DIM as f32).sqrt(),
                 };
-                kernels.decode(&pages, geom, dtype, &batch_args, &mut ws, &mut out)?;
+                kernels.decode(
+                    &pages,
+                    geom,
+                    dtype,
+                    &batch_args,
+                    &mut ws,
+                    &mut out.as_view_mut(),
+                )?;
                 Ok(())
             };
             let times = time_calls_rep(stream, 3, runs, DECODE_REPS, &mut call)?;
@@ -333,7 +340,15 @@ fn quantize_and_gather(
         .collect();
     let dslots = stream.clone_htod(&slots)?;
     let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
-        kernels.quantize(pages, geom, dtype, &dk, &dv, &dslots, (0.9, 1.1))?;
+        kernels.quantize(
+            pages,
+            geom,
+            dtype,
+            &dk.as_view(),
+            &dv.as_view(),
+            &dslots.as_view(),
+            (0.9, 1.1),
+        )?;
         Ok(())
     })?;
     let ms = median(&times);

@@ -288,7 +288,15 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         stream.clone_htod(&slot_ids)?,
     );
     let g = (scales.k[LAYER], scales.v[LAYER]);
-    kernels.quantize(&mut dev_pages, geom, dtype, &dk, &dv, &ds, g)?;
+    kernels.quantize(
+        &mut dev_pages,
+        geom,
+        dtype,
+        &dk.as_view(),
+        &dv.as_view(),
+        &ds.as_view(),
+        g,
+    )?;
     let gpu_bytes = stream.clone_dtoh(&dev_pages)?;
     let mut cpu_bytes = Vec::with_capacity(plan.bytes);
     for p in 0..plan.pages {
@@ -392,16 +400,23 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
     let mut dout = stream.clone_htod(&vec![f32::NAN; q.len()])?;
     let mut ws = DecodeWorkspace::new(kernels)?;
     let batch = DecodeBatch {
-        q: &dq,
+        q: dq.as_view(),
         q_heads: geo.q_heads,
-        page_table: &dtable,
+        page_table: dtable.as_view(),
         max_pages,
-        context: &dctx,
+        context: dctx.as_view(),
         max_context: *contexts.iter().max().unwrap_or(&1),
         scales: g,
         softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
     };
-    kernels.decode(&dev_pages, geom, dtype, &batch, &mut ws, &mut dout)?;
+    kernels.decode(
+        &dev_pages,
+        geom,
+        dtype,
+        &batch,
+        &mut ws,
+        &mut dout.as_view_mut(),
+    )?;
     let gpu_out = stream.clone_dtoh(&dout)?;
     for (i, ctx) in contexts.iter().enumerate() {
         let (c, gpu) = (

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
 };
 use nibble_engine::backend::{AttentionArgs, Backend, PagedSeq, RopeArgs};
 use nibble_engine::kv::StepTokens;
@@ -150,6 +150,8 @@ pub struct CudaBackend {
     /// The BF16 cast of `matmul_t`'s activations (BF16 weights), grown on demand; used in stream
     /// order, so one buffer serves every GEMM.
     x_bf16: Mutex<CudaSlice<u16>>,
+    /// RoPE's positions: every layer rotates Q and K at the same ones.
+    positions: Mutex<Uploaded>,
 }
 
 /// Whether a CUDA driver with at least one device is present (for `--device auto`).
@@ -217,6 +219,7 @@ impl CudaBackend {
             gemm,
             weights,
             x_bf16,
+            positions: Mutex::default(),
         })
     }
 
@@ -648,7 +651,13 @@ impl Backend for CudaBackend {
             return;
         }
         self.bind();
-        let pos = self.htod_u32(positions);
+        let mut uploaded = self
+            .positions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let pos = uploaded
+            .upload(self.stream(), positions.to_vec())
+            .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"));
         let (rows, cols, hd) = (x.rows as u32, x.cols as u32, d as u32);
         let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
         let mut b = self.stream().launch_builder(&self.ops.rope);
@@ -757,6 +766,7 @@ impl Backend for CudaBackend {
             ws_k: stream.alloc_zeros(1).map_err(engine_err)?,
             ws_v: stream.alloc_zeros(1).map_err(engine_err)?,
             decode: DecodeWorkspace::new(&self.kernels).map_err(engine_err)?,
+            decode_inputs: DecodeInputs::default(),
         })
     }
 
@@ -828,6 +838,45 @@ pub struct CudaPages {
     ws_k: CudaSlice<u8>,
     ws_v: CudaSlice<u8>,
     decode: DecodeWorkspace,
+    decode_inputs: DecodeInputs,
+}
+
+/// A small host array kept on the device, copied again only when it changes (RoPE's positions
+/// are the same for every layer of a step).
+#[derive(Default)]
+struct Uploaded {
+    host: Vec<u32>,
+    dev: Option<CudaSlice<u32>>,
+}
+
+impl Uploaded {
+    /// Makes the device copy hold `data`: unchanged when it already does, else `data` copied
+    /// into the buffer (stream-ordered after the launches that read it), grown when too small.
+    fn upload(&mut self, stream: &Arc<CudaStream>, data: Vec<u32>) -> Result<CudaView<'_, u32>> {
+        let fits = self.dev.as_ref().is_some_and(|d| d.len() >= data.len());
+        if !fits {
+            self.dev = Some(stream.clone_htod(&data)?);
+        } else if self.host != data {
+            let dev = self.dev.as_mut().expect("checked above");
+            stream.memcpy_htod(&data, &mut dev.slice_mut(0..data.len()))?;
+        }
+        self.host = data;
+        Ok(self.view())
+    }
+
+    /// The device copy of what was last uploaded.
+    fn view(&self) -> CudaView<'_, u32> {
+        let dev = self.dev.as_ref().expect("uploaded before it is viewed");
+        dev.slice(0..self.host.len())
+    }
+}
+
+/// A decode step's slots, context lengths and page table on the device, with the row length
+/// of its page table.
+#[derive(Default)]
+struct DecodeInputs {
+    uploaded: Uploaded,
+    max_pages: usize,
 }
 
 impl CudaPages {
@@ -1035,8 +1084,15 @@ impl CudaBackend {
             )?;
             let slots: Vec<u32> = seq.slots.iter().map(|s| s.0).collect();
             let slots = stream.clone_htod(&slots)?;
-            self.kernels
-                .quantize(&mut pages.bytes, geom, dtype, &k, &v, &slots, g)?;
+            self.kernels.quantize(
+                &mut pages.bytes,
+                geom,
+                dtype,
+                &k.as_view(),
+                &v.as_view(),
+                &slots.as_view(),
+                g,
+            )?;
         }
 
         // Decode: write every decode token's K/V, then one batched split-KV launch.
@@ -1049,56 +1105,109 @@ impl CudaBackend {
             return Ok(());
         }
         let count = decodes.len();
-        let mut q: CudaSlice<f32> = stream.alloc_zeros(count * q_row)?;
-        let mut k: CudaSlice<f32> = stream.alloc_zeros(count * kv_row)?;
-        let mut v: CudaSlice<f32> = stream.alloc_zeros(count * kv_row)?;
         let max_context = decodes.iter().map(|(s, _)| s.stored + 1).max().unwrap_or(1);
         let max_pages = max_context.div_ceil(layout.page_size());
-        let mut table = vec![0u32; count * max_pages];
-        let mut context = Vec::with_capacity(count);
-        let mut slots = Vec::with_capacity(count);
-        for (i, (seq, span)) in decodes.iter().enumerate() {
-            let r = span.start;
-            stream.memcpy_dtod(
-                &step.q.f32().slice(r * q_row..(r + 1) * q_row),
-                &mut q.slice_mut(i * q_row..(i + 1) * q_row),
-            )?;
-            stream.memcpy_dtod(
-                &step.k.f32().slice(r * kv_row..(r + 1) * kv_row),
-                &mut k.slice_mut(i * kv_row..(i + 1) * kv_row),
-            )?;
-            stream.memcpy_dtod(
-                &step.v.f32().slice(r * kv_row..(r + 1) * kv_row),
-                &mut v.slice_mut(i * kv_row..(i + 1) * kv_row),
-            )?;
-            let ctx = seq.stored + 1;
-            for (j, p) in seq.pages[..ctx.div_ceil(layout.page_size())]
-                .iter()
-                .enumerate()
-            {
-                table[i * max_pages + j] = p.0;
+        // [slots | context lengths | page table]: the same for every layer of a step, so built
+        // and uploaded at its first layer (KvBatch's protocol: layers in order from 0) and
+        // reused by the others; a step of other sequences (other slots) rebuilds it.
+        let slots_now: Vec<u32> = decodes.iter().map(|(seq, _)| seq.slots[0].0).collect();
+        let cached = &pages.decode_inputs;
+        let reuse = layer > 0
+            && cached.max_pages == max_pages
+            && cached.uploaded.host.len() == 2 * count + count * max_pages
+            && cached.uploaded.host[..count] == slots_now[..];
+        if !reuse {
+            let mut inputs = vec![0u32; 2 * count + count * max_pages];
+            inputs[..count].copy_from_slice(&slots_now);
+            for (i, (seq, _)) in decodes.iter().enumerate() {
+                let ctx = seq.stored + 1;
+                inputs[count + i] = ctx as u32;
+                let row = 2 * count + i * max_pages;
+                for (j, p) in seq.pages[..ctx.div_ceil(layout.page_size())]
+                    .iter()
+                    .enumerate()
+                {
+                    inputs[row + j] = p.0;
+                }
             }
-            context.push(ctx as u32);
-            slots.push(seq.slots[0].0);
+            pages.decode_inputs.max_pages = max_pages;
+            pages.decode_inputs.uploaded.upload(&stream, inputs)?;
         }
-        let slots = stream.clone_htod(&slots)?;
+        let inputs = pages.decode_inputs.uploaded.view();
+        let slots = inputs.slice(0..count);
+        let context = inputs.slice(count..2 * count);
+        let table = inputs.slice(2 * count..);
+
+        // A decode-only step has its rows in order: Q, K and V are read and the output written
+        // in place. Otherwise the decode rows are gathered into buffers of their own.
+        let first = decodes[0].1.start;
+        let in_place = decodes
+            .iter()
+            .enumerate()
+            .all(|(i, (_, span))| span.start == first + i && span.len() == 1);
+        let rows = first..first + count;
+        let gathered = if in_place {
+            None
+        } else {
+            let gather = |t: &CudaTensor, row: usize| -> Result<CudaSlice<f32>> {
+                let mut buf = stream.alloc_zeros(count * row)?;
+                for (i, (_, span)) in decodes.iter().enumerate() {
+                    let r = span.start;
+                    stream.memcpy_dtod(
+                        &t.f32().slice(r * row..(r + 1) * row),
+                        &mut buf.slice_mut(i * row..(i + 1) * row),
+                    )?;
+                }
+                Ok(buf)
+            };
+            Some((
+                gather(step.q, q_row)?,
+                gather(step.k, kv_row)?,
+                gather(step.v, kv_row)?,
+            ))
+        };
+        let (q, k, v) = match &gathered {
+            Some((q, k, v)) => (q.as_view(), k.as_view(), v.as_view()),
+            None => (
+                step.q.f32().slice(rows.start * q_row..rows.end * q_row),
+                step.k.f32().slice(rows.start * kv_row..rows.end * kv_row),
+                step.v.f32().slice(rows.start * kv_row..rows.end * kv_row),
+            ),
+        };
         self.kernels
             .quantize(&mut pages.bytes, geom, dtype, &k, &v, &slots, g)?;
-        let table = stream.clone_htod(&table)?;
-        let context = stream.clone_htod(&context)?;
         let batch = DecodeBatch {
-            q: &q,
+            q,
             q_heads,
-            page_table: &table,
+            page_table: table,
             max_pages,
-            context: &context,
+            context,
             max_context,
             scales: g,
             softmax_scale,
         };
+        if gathered.is_none() {
+            let mut o = out
+                .f32_mut()
+                .slice_mut(rows.start * q_row..rows.end * q_row);
+            return self.kernels.decode(
+                &pages.bytes,
+                geom,
+                dtype,
+                &batch,
+                &mut pages.decode,
+                &mut o,
+            );
+        }
         let mut o: CudaSlice<f32> = stream.alloc_zeros(count * q_row)?;
-        self.kernels
-            .decode(&pages.bytes, geom, dtype, &batch, &mut pages.decode, &mut o)?;
+        self.kernels.decode(
+            &pages.bytes,
+            geom,
+            dtype,
+            &batch,
+            &mut pages.decode,
+            &mut o.as_view_mut(),
+        )?;
         for (i, (_, span)) in decodes.iter().enumerate() {
             let r = span.start;
             stream.memcpy_dtod(

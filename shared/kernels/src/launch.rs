@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr,
-    LaunchConfig, PushKernelArg,
+    sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
+    CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use nibble_kvfmt::KvDtype;
 
@@ -190,9 +190,9 @@ impl Kernels {
         pages: &mut CudaSlice<u8>,
         geom: PageGeom,
         dtype: KvDtype,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        slots: &CudaSlice<u32>,
+        k: &CudaView<f32>,
+        v: &CudaView<f32>,
+        slots: &CudaView<u32>,
         scales: (f32, f32),
     ) -> Result<()> {
         let n = slots.len();
@@ -418,7 +418,7 @@ impl Kernels {
         dtype: KvDtype,
         batch: &DecodeBatch<'_>,
         ws: &mut DecodeWorkspace,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaViewMut<f32>,
     ) -> Result<()> {
         let d = geom.head_dim as usize;
         let dim_index = match d {
@@ -481,9 +481,9 @@ impl Kernels {
         let f = &self.decode[dtype_code(dtype) as usize][dim_index];
         let mut b = self.stream.launch_builder(f);
         b.arg(pages)
-            .arg(batch.q)
-            .arg(batch.page_table)
-            .arg(batch.context);
+            .arg(&batch.q)
+            .arg(&batch.page_table)
+            .arg(&batch.context);
         b.arg(&mut ws.part_o)
             .arg(&mut ws.part_ml)
             .arg(&geom)
@@ -577,13 +577,13 @@ fn split_plan(slots: usize, blocks_per_split: usize, max_context: usize) -> Spli
 /// One decode step's sequences, all on the device.
 pub struct DecodeBatch<'a> {
     /// Queries after RoPE, `[seq][q_head][head_dim]` f32 (rounded to BF16 by the kernel).
-    pub q: &'a CudaSlice<f32>,
+    pub q: CudaView<'a, f32>,
     pub q_heads: usize,
     /// `[seq][max_pages]` page ids; row i covers sequence i's context.
-    pub page_table: &'a CudaSlice<u32>,
+    pub page_table: CudaView<'a, u32>,
     pub max_pages: usize,
     /// Context length of each sequence (the new token, already written, included); >= 1.
-    pub context: &'a CudaSlice<u32>,
+    pub context: CudaView<'a, u32>,
     /// The largest entry of `context` (sizes the split).
     pub max_context: usize,
     /// The layer's (K, V) global scales (ignored for BF16 pages, which have none).
