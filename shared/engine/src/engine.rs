@@ -340,6 +340,29 @@ impl<B: Backend> Engine<B> {
             pool: &self.state.pool,
             seqs,
         };
+        // A batch whose every sampled sequence decodes greedily needs only each row's argmax:
+        // the backend finds it where the logits are, and they never come to the host.
+        let greedy = batch.items.iter().filter(|i| i.sample).all(|i| {
+            self.requests
+                .get(&i.seq)
+                .is_some_and(|r| r.sampler.is_greedy())
+        });
+        if greedy {
+            let mut tokens_out = Vec::with_capacity(batch.items.len());
+            self.model
+                .forward_batch_greedy(&mut self.ws, &tokens, &mut kv, &mut tokens_out)?;
+            self.phases.forward = forwarding.elapsed();
+            return Ok(batch
+                .items
+                .iter()
+                .zip(tokens_out)
+                .filter(|(item, _)| item.sample)
+                .map(|(item, token)| {
+                    let logprobs = None;
+                    (item.seq, Sampled { token, logprobs })
+                })
+                .collect());
+        }
         self.model.forward_batch(
             &mut self.ws,
             &tokens,

@@ -35,6 +35,12 @@ pub enum Logits {
     All,
 }
 
+/// Where a forward pass's result goes.
+enum Output<'a> {
+    Logits(&'a mut Vec<f32>),
+    Greedy(&'a mut Vec<u32>),
+}
+
 /// Scratch buffers for [`Model::forward`], reused across calls.
 pub struct Workspace<B: Backend> {
     x: B::Tensor,
@@ -193,7 +199,21 @@ impl<B: Backend> Model<B> {
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         self.backend
-            .scope(|| self.forward_in_scope(ws, tokens, kv, which, logits))
+            .scope(|| self.forward_in_scope(ws, tokens, kv, which, Output::Logits(logits)))
+    }
+
+    /// [`forward_batch`](Self::forward_batch) for greedy decoding: instead of the last token's
+    /// logits, each sequence's greedy token (the first largest logit, as the greedy sampler
+    /// picks it) in `greedy`, found by the backend where the logits are.
+    pub fn forward_batch_greedy(
+        &self,
+        ws: &mut Workspace<B>,
+        tokens: &[&[u32]],
+        kv: &mut dyn KvBatch<B>,
+        greedy: &mut Vec<u32>,
+    ) -> Result<()> {
+        self.backend
+            .scope(|| self.forward_in_scope(ws, tokens, kv, Logits::Last, Output::Greedy(greedy)))
     }
 
     fn forward_in_scope(
@@ -202,9 +222,12 @@ impl<B: Backend> Model<B> {
         tokens: &[&[u32]],
         kv: &mut dyn KvBatch<B>,
         which: Logits,
-        logits: &mut Vec<f32>,
+        mut out: Output<'_>,
     ) -> Result<()> {
-        logits.clear();
+        match &mut out {
+            Output::Logits(v) => v.clear(),
+            Output::Greedy(v) => v.clear(),
+        }
         self.prepare(ws, tokens, kv)?;
         let be = &*self.backend;
         let c = &self.config;
@@ -271,7 +294,7 @@ impl<B: Backend> Model<B> {
         ws.counts.clear();
         ws.counts.extend(ws.spans.iter().map(|s| s.len()));
         kv.commit(&ws.counts);
-        self.logits(ws, which, logits);
+        self.logits(ws, which, out);
         Ok(())
     }
 
@@ -328,8 +351,8 @@ impl<B: Backend> Model<B> {
         kv.reserve(&self.backend, &ws.counts)
     }
 
-    /// Final norm and LM head for the rows `which` selects.
-    fn logits(&self, ws: &mut Workspace<B>, which: Logits, out: &mut Vec<f32>) {
+    /// Final norm and LM head for the rows `which` selects, then their logits or greedy tokens.
+    fn logits(&self, ws: &mut Workspace<B>, which: Logits, out: Output<'_>) {
         let be = &*self.backend;
         let c = &self.config;
         let source = match which {
@@ -353,7 +376,10 @@ impl<B: Backend> Model<B> {
         );
         be.resize(&mut ws.logits, rows, c.vocab_size);
         be.matmul_t(&ws.normed, self.weights.lm_head(), &mut ws.logits);
-        be.download_rows(&ws.logits, 0..rows, out);
+        match out {
+            Output::Logits(v) => be.download_rows(&ws.logits, 0..rows, v),
+            Output::Greedy(v) => be.argmax_rows(&ws.logits, v),
+        }
     }
 }
 

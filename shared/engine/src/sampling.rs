@@ -211,7 +211,8 @@ fn top_k(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
     }
 }
 
-fn argmax(logits: &[f32]) -> usize {
+/// The first index of the largest value (a NaN never wins, unless it is first).
+pub(crate) fn argmax(logits: &[f32]) -> usize {
     let Some(&first) = logits.first() else {
         return 0;
     };
@@ -238,6 +239,14 @@ impl Sampler {
             candidates: Vec::new(),
             marked: Vec::new(),
         }
+    }
+
+    /// Whether [`sample`](Self::sample) is a plain argmax of the logits (temperature 0, no
+    /// repetition penalty, no log-probabilities): then the token can come from
+    /// `Backend::argmax_rows` without the logits.
+    pub fn is_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0 && p.repetition_penalty == 1.0 && !p.logprobs
     }
 
     pub fn params(&self) -> &SamplingParams {

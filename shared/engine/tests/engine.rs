@@ -279,3 +279,41 @@ fn token_events_carry_the_top_alternatives() {
     assert!(e.release(SeqId(2)));
     all_pages_back(&mut e);
 }
+
+/// A batch of greedy requests takes each token from `Backend::argmax_rows`, without the logits;
+/// the same requests asking for log-probabilities go through the logits and the sampler. Both
+/// give the same tokens, and a batch mixing the two kinds samples every row from logits.
+#[test]
+fn greedy_tokens_from_the_backend_match_the_sampler() {
+    let s = setup();
+    let texts = [
+        "The capital of France is",
+        "1, 2, 3, 4,",
+        "Once upon a time",
+    ];
+    let with_logprobs = SamplingParams {
+        logprobs: true,
+        ..SamplingParams::greedy(10)
+    };
+    let run_all = |params: &[SamplingParams]| {
+        let mut e = engine(&s, KvDtype::Bf16, 64, SchedulerConfig::default());
+        for (i, (t, p)) in texts.iter().zip(params).enumerate() {
+            e.submit(SeqId(i as u64), prompt(&s, t), p.clone()).unwrap();
+        }
+        let out = run(&mut e);
+        all_pages_back(&mut e);
+        (0..texts.len())
+            .map(|i| out[&SeqId(i as u64)].tokens.clone())
+            .collect::<Vec<_>>()
+    };
+    let greedy = run_all(&vec![SamplingParams::greedy(10); 3]);
+    let sampled = run_all(&vec![with_logprobs.clone(); 3]);
+    let mixed = run_all(&[
+        SamplingParams::greedy(10),
+        with_logprobs,
+        SamplingParams::greedy(10),
+    ]);
+    assert!(greedy.iter().all(|t| t.len() == 10));
+    assert_eq!(greedy, sampled);
+    assert_eq!(greedy, mixed);
+}

@@ -138,6 +138,7 @@ struct Ops {
     attention: CudaFunction,
     encode_work: CudaFunction,
     gemm: CudaFunction,
+    argmax: CudaFunction,
 }
 
 /// The CUDA backend: one device, its default stream, the nibble kernels and cuBLAS.
@@ -191,6 +192,7 @@ impl CudaBackend {
             attention: f("attention_f32")?,
             encode_work: f("encode_work")?,
             gemm: f("gemm_nt_f32")?,
+            argmax: f("argmax_rows_f32")?,
         };
         let forced_tiled = std::env::var("NIBBLE_CUDA_GEMM").is_ok_and(|v| v == "tiled");
         let gemm = if forced_tiled {
@@ -422,6 +424,32 @@ impl Backend for CudaBackend {
         let host = self
             .stream()
             .clone_dtoh(&t.f32().slice(rows.start * t.cols..rows.end * t.cols))
+            .unwrap_or_else(|e| panic!("CUDA: device-to-host copy: {e}"));
+        out.extend_from_slice(&host);
+    }
+
+    fn argmax_rows(&self, t: &CudaTensor, out: &mut Vec<u32>) {
+        if t.rows == 0 {
+            return;
+        }
+        self.bind();
+        let mut dev: CudaSlice<u32> = self
+            .stream()
+            .alloc_zeros(t.rows)
+            .unwrap_or_else(|e| panic!("CUDA: cannot allocate {} u32: {e}", t.rows));
+        let cols = t.cols as u32;
+        let mut b = self.stream().launch_builder(&self.ops.argmax);
+        b.arg(t.f32()).arg(&mut dev).arg(&cols);
+        let cfg = LaunchConfig {
+            grid_dim: (t.rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches argmax_rows_f32; t holds rows * cols values, dev one per row.
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "argmax_rows");
+        let host = self
+            .stream()
+            .clone_dtoh(&dev)
             .unwrap_or_else(|e| panic!("CUDA: device-to-host copy: {e}"));
         out.extend_from_slice(&host);
     }

@@ -129,6 +129,20 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies rows `rows` of `t` to the host, appending to `out`.
     fn download_rows(&self, t: &Self::Tensor, rows: Range<usize>, out: &mut Vec<f32>);
 
+    /// Appends, for every row of `t`, the first column holding the row's largest value (NaNs
+    /// ignored; 0 for a row that starts with a NaN): greedy decoding's token, as
+    /// `sampling::argmax` picks it. A device backend computes it where the rows are and copies
+    /// back one index per row instead of the rows.
+    fn argmax_rows(&self, t: &Self::Tensor, out: &mut Vec<u32>) {
+        let (rows, cols) = self.shape(t);
+        let mut host = Vec::with_capacity(rows * cols);
+        self.download_rows(t, 0..rows, &mut host);
+        out.extend(
+            host.chunks_exact(cols.max(1))
+                .map(|row| crate::sampling::argmax(row) as u32),
+        );
+    }
+
     /// `dst[dst_row + i] = src[src_row + i]` for `i < n`; same column count.
     fn copy_rows(
         &self,

@@ -277,3 +277,16 @@ fn validation_names_the_field() {
     );
     assert!(with_top(20, SamplingParams::default()).validate().is_ok());
 }
+
+/// The argmax the backends reproduce: the first largest value; NaNs never win unless first.
+#[test]
+fn argmax_takes_the_first_largest_and_skips_nans() {
+    use super::argmax;
+    assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
+    assert_eq!(argmax(&[f32::NAN, 5.0, 6.0]), 0);
+    assert_eq!(argmax(&[1.0, f32::NAN, 0.5]), 0);
+    assert_eq!(argmax(&[0.0, f32::NAN, 0.5]), 2);
+    assert_eq!(argmax(&[f32::NEG_INFINITY; 4]), 0);
+    assert_eq!(argmax(&[-1.0, f32::INFINITY, f32::INFINITY]), 1);
+    assert_eq!(argmax(&[]), 0);
+}

@@ -125,6 +125,27 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         gpu.embed(&tg, &tokens, &mut b);
         ok &= report("embed", &down(cpu, &a), &down(gpu, &b), 0.0);
     }
+    {
+        // argmax_rows: random rows of a 49,152-token vocabulary, ties (first wins), a NaN
+        // first (0), NaNs elsewhere (ignored), all -inf (0), a row of one value.
+        let vocab = 49152;
+        let mut rows: Vec<Vec<f32>> = (0..5).map(|_| values(&mut rng, vocab)).collect();
+        rows[1][100] = 9.0;
+        rows[1][40000] = 9.0;
+        rows[2][0] = f32::NAN;
+        rows[3][7] = f32::NAN;
+        rows[3][vocab - 1] = 5.0;
+        rows.push(vec![f32::NEG_INFINITY; vocab]);
+        rows.push(vec![1.5; vocab]);
+        let flat: Vec<f32> = rows.concat();
+        let (tc, tg) = p.up(rows.len(), vocab, &flat)?;
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        cpu.argmax_rows(&tc, &mut a);
+        gpu.argmax_rows(&tg, &mut b);
+        let same = a == b;
+        println!("{{\"op\":\"argmax_rows\",\"cpu\":{a:?},\"cuda\":{b:?},\"ok\":{same}}}");
+        ok &= same;
+    }
     for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
         let (hd, max_pos) = (64, 100);
         let cos: Vec<f32> = (0..max_pos * hd / 2)

@@ -179,3 +179,45 @@ extern "C" __global__ void gemm_nt_f32(const float* __restrict__ x, const float*
     }
     if (row < n && col < m) out[(u64)row * m + col] = acc;
 }
+
+// out[r] = the first column of row r holding the row's largest value, NaNs ignored, and 0 when
+// the row starts with a NaN: exactly what nibble_engine's host argmax returns (a running best
+// that only a strictly larger value replaces, starting from column 0). One block per row.
+extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, u32* __restrict__ out,
+                                           u32 cols) {
+    const float* row = x + (u64)blockIdx.x * cols;
+    float best = __int_as_float(0xff800000);
+    u32 at = 0xFFFFFFFFu;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = row[c];
+        if (v > best || (v == best && c < at)) {
+            best = v;
+            at = c;
+        }
+    }
+    __shared__ float sb[32];
+    __shared__ u32 sa[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const u32 oa = __shfl_xor_sync(0xffffffffu, at, o);
+        if (ob > best || (ob == best && oa < at)) {
+            best = ob;
+            at = oa;
+        }
+    }
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        sb[warp] = best;
+        sa[warp] = at;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (u32 w = 1; w < blockDim.x / 32; ++w) {
+            if (sb[w] > best || (sb[w] == best && sa[w] < at)) {
+                best = sb[w];
+                at = sa[w];
+            }
+        }
+        out[blockIdx.x] = (cols == 0 || row[0] != row[0] || at == 0xFFFFFFFFu) ? 0u : at;
+    }
+}
