@@ -87,7 +87,34 @@ extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict_
     float x[16];
     if (dtype == NIBBLE_NVFP4) {
         uint2 packed = *reinterpret_cast<const uint2*>(data + chunk * 8u);
-        float s = e4m3_decode(base[scale_offset(g, part, head, off) + chunk]);
+        const u32 scale_code = base[scale_offset(g, part, head, off) + chunk];
+        float s = e4m3_decode(scale_code);
+        if ((scale_code & 0x7Fu) != 0x7Fu) {
+            // A block's 16 codes take only 8 magnitudes: each magnitude's E4M3 byte is computed
+            // once, exactly as below, and a code's byte is its magnitude's with the sign bit
+            // flipped for a negative code (every step, the products, the division and the
+            // encoding, is symmetric in the sign). A NaN scale (never written by nibble, but a
+            // page can hold anything) takes the path below, whose NaN signs are the GPU's own.
+            u32 lut[2] = {0u, 0u};
+#pragma unroll
+            for (u32 m = 0; m < 8u; ++m) {
+                const float xm = __fmul_rn(__fmul_rn(e2m1_decode(m), s), gs);
+                lut[m >> 2] |= e4m3_encode(__fdiv_rn(xm, ws)) << (8u * (m & 3u));
+            }
+            u32 w[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {  // four codes (16 bits) per output word
+                const u32 codes = ((q < 2 ? packed.x : packed.y) >> (16 * (q & 1))) & 0xFFFFu;
+                const u32 mag = __byte_perm(lut[0], lut[1], codes & 0x7777u);
+                // prmt's sign-replicating mode: a selector nibble with its top bit set (a
+                // negative code) gives 0xFF from a 0x80 byte, a clear one gives 0x80.
+                u32 rep;
+                asm("prmt.b32 %0, %1, %1, %2;" : "=r"(rep) : "r"(0x80808080u), "r"(codes));
+                w[q] = mag ^ ((rep & 0x40404040u) << 1);
+            }
+            *reinterpret_cast<uint4*>(out + out_index) = make_uint4(w[0], w[1], w[2], w[3]);
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             u32 word = i < 8 ? packed.x : packed.y;
