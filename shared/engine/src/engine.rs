@@ -156,9 +156,9 @@ pub struct StepPhases {
     /// Choosing the batch, its new slots and pages.
     pub schedule: Duration,
     /// The model's forward pass over the batch, until its logits are on the host (the device
-    /// synchronized).
+    /// synchronized); for a greedy batch, until its tokens are (`Backend::argmax_rows`).
     pub forward: Duration,
-    /// Sampling each sequence's next token from its logits.
+    /// Sampling each sequence's next token from its logits (nothing for a greedy batch).
     pub sample: Duration,
     /// Recording the tokens: scheduler state, detokenization, stop strings, events.
     pub finish: Duration,
