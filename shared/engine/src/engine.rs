@@ -122,7 +122,7 @@ const ROWS_PER_THREAD: usize = 4;
 /// Samples every row with its own sampler, in order. Large batches spread over the machine's
 /// cores: the rows are independent and each sampler owns its random state, so the result does
 /// not depend on how they are split.
-fn sample_rows(work: Vec<(SeqId, &mut Sampler, &mut [f32], &[u32])>) -> Vec<(SeqId, Sampled)> {
+fn sample_rows(mut work: Vec<(SeqId, &mut Sampler, &mut [f32], &[u32])>) -> Vec<(SeqId, Sampled)> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(work.len() / ROWS_PER_THREAD)
@@ -133,7 +133,6 @@ fn sample_rows(work: Vec<(SeqId, &mut Sampler, &mut [f32], &[u32])>) -> Vec<(Seq
             .map(|(id, sampler, row, seen)| (*id, sampler.sample(row, seen)))
             .collect::<Vec<_>>()
     };
-    let mut work = work;
     if threads == 1 {
         return sample(&mut work);
     }
