@@ -391,56 +391,79 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         };
         scratch.decode(&store, args, &mut cpu_out[i * qn..(i + 1) * qn])?;
     }
-    let ctx32: Vec<u32> = contexts.iter().map(|c| *c as u32).collect();
-    let (dq, dtable, dctx) = (
-        stream.clone_htod(&q)?,
-        stream.clone_htod(&table)?,
-        stream.clone_htod(&ctx32)?,
-    );
-    let mut dout = stream.clone_htod(&vec![f32::NAN; q.len()])?;
+    // Two batches: every sequence (contexts up to 2,100 tokens: several splits, merged by
+    // decode_combine), and the first three alone (at most 16 tokens: one split, whose blocks
+    // write the output themselves). Each runs twice on the same workspace, and the second
+    // output must equal the first bit for bit: nothing left in the workspace changes a launch.
     let mut ws = DecodeWorkspace::new(kernels)?;
-    let batch = DecodeBatch {
-        q: dq.as_view(),
-        q_heads: geo.q_heads,
-        page_table: dtable.as_view(),
-        max_pages,
-        context: dctx.as_view(),
-        max_context: *contexts.iter().max().unwrap_or(&1),
-        scales: g,
-        softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
-    };
-    kernels.decode(
-        &dev_pages,
-        geom,
-        dtype,
-        &batch,
-        &mut ws,
-        &mut dout.as_view_mut(),
-    )?;
-    let gpu_out = stream.clone_dtoh(&dout)?;
-    for (i, ctx) in contexts.iter().enumerate() {
-        let (c, gpu) = (
-            &cpu_out[i * qn..(i + 1) * qn],
-            &gpu_out[i * qn..(i + 1) * qn],
+    for seqs in [contexts.len(), 3] {
+        let ctx32: Vec<u32> = contexts[..seqs].iter().map(|c| *c as u32).collect();
+        let (dq, dtable, dctx) = (
+            stream.clone_htod(&q[..seqs * qn])?,
+            stream.clone_htod(&table[..seqs * max_pages])?,
+            stream.clone_htod(&ctx32)?,
         );
-        let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
-        for (a, b) in c.iter().zip(gpu) {
-            let d = (*a as f64) - (*b as f64);
-            err += d * d;
-            norm += (*a as f64) * (*a as f64);
-            max_abs = max_abs.max(d.abs());
+        let batch = DecodeBatch {
+            q: dq.as_view(),
+            q_heads: geo.q_heads,
+            page_table: dtable.as_view(),
+            max_pages,
+            context: dctx.as_view(),
+            max_context: *contexts[..seqs].iter().max().unwrap_or(&1),
+            scales: g,
+            softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
+        };
+        let mut outputs = Vec::new();
+        for _ in 0..2 {
+            let mut dout = stream.clone_htod(&vec![f32::NAN; seqs * qn])?;
+            kernels.decode(
+                &dev_pages,
+                geom,
+                dtype,
+                &batch,
+                &mut ws,
+                &mut dout.as_view_mut(),
+            )?;
+            outputs.push(stream.clone_dtoh(&dout)?);
         }
-        let rel = (err / norm.max(1e-30)).sqrt();
-        let finite = gpu.iter().all(|x| x.is_finite());
+        let gpu_out = &outputs[0];
+        let repeat_same = outputs[0]
+            .iter()
+            .zip(&outputs[1])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
         failures += report(
-            &format!("decode {name} context {ctx}"),
-            finite && rel <= tolerance(dtype),
-            &format!(
-                "relative L2 error {rel:.2e} (limit {:.0e}), max abs error {max_abs:.2e}{}",
-                tolerance(dtype),
-                if finite { "" } else { ", NON-FINITE OUTPUT" }
-            ),
+            &format!("decode {name} {seqs} sequences, launched again"),
+            repeat_same,
+            if repeat_same {
+                "the same output bits"
+            } else {
+                "the second launch differs: state left in the workspace"
+            },
         );
+        for (i, ctx) in contexts[..seqs].iter().enumerate() {
+            let (c, gpu) = (
+                &cpu_out[i * qn..(i + 1) * qn],
+                &gpu_out[i * qn..(i + 1) * qn],
+            );
+            let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+            for (a, b) in c.iter().zip(gpu) {
+                let d = (*a as f64) - (*b as f64);
+                err += d * d;
+                norm += (*a as f64) * (*a as f64);
+                max_abs = max_abs.max(d.abs());
+            }
+            let rel = (err / norm.max(1e-30)).sqrt();
+            let finite = gpu.iter().all(|x| x.is_finite());
+            failures += report(
+                &format!("decode {name} of {seqs}: context {ctx}"),
+                finite && rel <= tolerance(dtype),
+                &format!(
+                    "relative L2 error {rel:.2e} (limit {:.0e}), max abs error {max_abs:.2e}{}",
+                    tolerance(dtype),
+                    if finite { "" } else { ", NON-FINITE OUTPUT" }
+                ),
+            );
+        }
     }
     if !(0..contexts.len()).all(|i| cpu_out[i * qn..(i + 1) * qn].iter().any(|x| *x != 0.0)) {
         bail!("CPU reference produced an all-zero output: the check itself is broken");

@@ -22,6 +22,7 @@ struct DecodeArgs {
     splits: u32,
     tokens_per_split: u32,
     score_scale: f32,
+    v_scale: f32,
 }
 
 // SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
@@ -472,6 +473,7 @@ impl Kernels {
             // of the product could make it 0.
             score_scale: (batch.softmax_scale * gk * fmt_factor(dtype) * std::f32::consts::LOG2_E)
                 .max(f32::MIN_POSITIVE),
+            v_scale: gv * fmt_factor(dtype),
         };
         let cfg = LaunchConfig {
             grid_dim: (plan.splits as u32, kv_heads as u32, seqs as u32),
@@ -486,13 +488,16 @@ impl Kernels {
             .arg(&batch.context);
         b.arg(&mut ws.part_o)
             .arg(&mut ws.part_ml)
+            .arg(&mut *out)
             .arg(&geom)
             .arg(&args);
         // SAFETY: matches decode_*'s signature; q, out and the page table were checked against
         // the batch, the workspace was sized for the plan, and page ids come from the pool.
         unsafe { b.launch(cfg) }?;
+        if plan.splits == 1 {
+            return Ok(()); // the blocks wrote the output themselves
+        }
         let (qh, splits, dim) = (q_heads as u32, plan.splits as u32, d as u32);
-        let v_scale = gv * fmt_factor(dtype);
         let mut c = self.stream.launch_builder(&self.combine);
         c.arg(&ws.part_o)
             .arg(&ws.part_ml)
@@ -500,7 +505,7 @@ impl Kernels {
             .arg(&qh)
             .arg(&splits)
             .arg(&dim)
-            .arg(&v_scale);
+            .arg(&args.v_scale);
         let cfg = LaunchConfig {
             grid_dim: (qh, seqs as u32, 1),
             block_dim: (dim, 1, 1),

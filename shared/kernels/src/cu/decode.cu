@@ -19,8 +19,11 @@
 // final output. Which dims of a head vector each lane holds is free (the sum over k does not
 // care), so lanes load contiguous 16-byte pieces and Q is laid out to match.
 //
-// Output: unnormalized partial results per split (max, sum in log2 units, and sum p*V), merged
-// by decode_combine.
+// Output: with one split (a batch that fills the GPU by sequences and heads alone), the
+// attention output itself; with several, unnormalized partial results per split (max, sum in
+// log2 units, and sum p*V), merged by decode_combine. (Merging in the last block of each
+// sequence and KV head to finish, counted on an atomic, was measured and lost: one block's
+// serial merge of dozens of splits costs more than a second launch, run 54.)
 
 #define WARPS 4
 #define TILE 16
@@ -103,6 +106,7 @@ struct DecodeArgs {
     u32 splits;
     u32 tokens_per_split;  // a multiple of 16
     float score_scale;     // softmax scale * gK * (64 for nvfp4) * log2(e)
+    float v_scale;         // with one split: gV * the format factor (2^7 nvfp4, 2^8 fp8, 1 bf16)
 };
 
 // This lane's byte offsets within a page, for a tile starting at token 0 of the page: K data of
@@ -368,7 +372,8 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             const u32* __restrict__ page_table,
                                             const u32* __restrict__ context,
                                             float* __restrict__ part_o,
-                                            float* __restrict__ part_ml, PageGeom geom,
+                                            float* __restrict__ part_ml,
+                                            float* __restrict__ out, PageGeom geom,
                                             DecodeArgs args) {
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_o[WARPS][8][D];
@@ -452,7 +457,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
         }
     }
 
-    // ---- merge the warps, write this split's partial result ----
+    // ---- merge the warps, write this split's partial result (or, alone, the output) ----
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
@@ -488,7 +493,12 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                 sum += sm_l[w][h] * f;
             }
         }
-        const u64 row = ((u64)seq * args.q_heads + kv_head * args.group + h) * args.splits + split;
+        const u64 head_row = (u64)seq * args.q_heads + kv_head * args.group + h;
+        if (args.splits == 1) {  // the whole context in this block: the output itself
+            out[head_row * D + d] = sum > 0.f ? acc / sum * args.v_scale : 0.f;
+            continue;
+        }
+        const u64 row = head_row * args.splits + split;
         part_o[row * D + d] = acc;
         if (d == 0) {
             part_ml[2 * row] = mx;
@@ -501,9 +511,9 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                              \
         NAME(const u8* __restrict__ pages, const float* __restrict__ q,                          \
              const u32* __restrict__ page_table, const u32* __restrict__ context,                \
-             float* __restrict__ part_o, float* __restrict__ part_ml, PageGeom geom,             \
-             DecodeArgs args) {                                                                  \
-        decode_body<FMT, D>(pages, q, page_table, context, part_o, part_ml, geom, args);        \
+             float* __restrict__ part_o, float* __restrict__ part_ml, float* __restrict__ out,  \
+             PageGeom geom, DecodeArgs args) {                                                   \
+        decode_body<FMT, D>(pages, q, page_table, context, part_o, part_ml, out, geom, args);   \
     }
 
 // Blocks per SM the register allocation must allow: 4 (16 warps) where it fits without
