@@ -367,6 +367,13 @@ fn quantize_and_gather(
     let ws_bytes = prefix * KV_HEADS * DIM * width;
     let mut wk: CudaSlice<u8> = stream.alloc_zeros(ws_bytes)?;
     let mut wv: CudaSlice<u8> = stream.alloc_zeros(ws_bytes)?;
+    // The work scales the engine gives the workspace: an nvfp4 cache's global scales times 6,
+    // an fp8 cache's own (then the gather is a copy).
+    let scales = (0.9, 1.1);
+    let work = match dtype {
+        KvDtype::Nvfp4 => (scales.0 * 6.0, scales.1 * 6.0),
+        KvDtype::Fp8 | KvDtype::Bf16 => scales,
+    };
     let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
         kernels.gather_work(
             (&mut wk, &mut wv),
@@ -375,8 +382,8 @@ fn quantize_and_gather(
             dtype,
             &table,
             prefix,
-            (0.9, 1.1),
-            (5.4, 6.6),
+            scales,
+            work,
         )?;
         Ok(())
     })?;

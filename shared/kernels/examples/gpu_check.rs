@@ -317,55 +317,61 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         ),
     );
 
-    // Extend gather of the longest sequence into the work-dtype workspace.
+    // Extend gather of the longest sequence into the work-dtype workspace, at the work scales
+    // the engine uses (an nvfp4 cache's global scale times 6; an fp8 cache's own, where the
+    // kernel copies the bytes) and, for fp8, at another (where it re-encodes them).
     let long = contexts.len() - 1;
     let prefix = contexts[long];
-    let work_scale = |part| match dtype {
-        KvDtype::Nvfp4 => scales.get(LAYER, part) * 6.0,
-        _ => scales.get(LAYER, part),
+    let factors: &[f32] = match dtype {
+        KvDtype::Nvfp4 => &[6.0],
+        KvDtype::Fp8 => &[1.0, 2.5],
+        KvDtype::Bf16 => &[1.0],
     };
-    let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
-    let mut expected = [Vec::new(), Vec::new()];
-    let mut head = vec![0.0f32; geo.head_dim];
-    let mut enc = vec![0u8; geo.head_dim * width];
-    for t in 0..prefix {
-        let slot = SlotId::new(seq_pages[long][t / PAGE], t % PAGE, PAGE);
-        for (i, part) in [KvPart::K, KvPart::V].into_iter().enumerate() {
-            for h in 0..geo.kv_heads {
-                store.read_head(LAYER, part, slot, h, &mut head)?;
-                match dtype {
-                    KvDtype::Bf16 => bf16::encode_le(&head, &mut enc),
-                    _ => fp8::quantize_unchecked(&head, work_scale(part), &mut enc),
-                }
-                expected[i].extend_from_slice(&enc);
-            }
-        }
-    }
     let table: Vec<u32> = seq_pages[long].iter().map(|p| p.0).collect();
     let dtable = stream.clone_htod(&table)?;
-    let mut wk: CudaSlice<u8> = stream.alloc_zeros(expected[0].len())?;
-    let mut wv: CudaSlice<u8> = stream.alloc_zeros(expected[1].len())?;
-    kernels.gather_work(
-        (&mut wk, &mut wv),
-        &dev_pages,
-        geom,
-        dtype,
-        &dtable,
-        prefix,
-        g,
-        (work_scale(KvPart::K), work_scale(KvPart::V)),
-    )?;
-    let (gk, gv) = (stream.clone_dtoh(&wk)?, stream.clone_dtoh(&wv)?);
-    let diff = (expected[0].iter().zip(&gk).filter(|(a, b)| a != b).count())
-        + (expected[1].iter().zip(&gv).filter(|(a, b)| a != b).count());
-    failures += report(
-        &format!("extend gather {name}"),
-        diff == 0,
-        &format!(
-            "{prefix} tokens, {diff} of {} workspace bytes differ",
-            2 * expected[0].len()
-        ),
-    );
+    for &factor in factors {
+        let work_scale = |part| scales.get(LAYER, part) * factor;
+        let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+        let mut expected = [Vec::new(), Vec::new()];
+        let mut head = vec![0.0f32; geo.head_dim];
+        let mut enc = vec![0u8; geo.head_dim * width];
+        for t in 0..prefix {
+            let slot = SlotId::new(seq_pages[long][t / PAGE], t % PAGE, PAGE);
+            for (i, part) in [KvPart::K, KvPart::V].into_iter().enumerate() {
+                for h in 0..geo.kv_heads {
+                    store.read_head(LAYER, part, slot, h, &mut head)?;
+                    match dtype {
+                        KvDtype::Bf16 => bf16::encode_le(&head, &mut enc),
+                        _ => fp8::quantize_unchecked(&head, work_scale(part), &mut enc),
+                    }
+                    expected[i].extend_from_slice(&enc);
+                }
+            }
+        }
+        let mut wk: CudaSlice<u8> = stream.alloc_zeros(expected[0].len())?;
+        let mut wv: CudaSlice<u8> = stream.alloc_zeros(expected[1].len())?;
+        kernels.gather_work(
+            (&mut wk, &mut wv),
+            &dev_pages,
+            geom,
+            dtype,
+            &dtable,
+            prefix,
+            g,
+            (work_scale(KvPart::K), work_scale(KvPart::V)),
+        )?;
+        let (gk, gv) = (stream.clone_dtoh(&wk)?, stream.clone_dtoh(&wv)?);
+        let diff = (expected[0].iter().zip(&gk).filter(|(a, b)| a != b).count())
+            + (expected[1].iter().zip(&gv).filter(|(a, b)| a != b).count());
+        failures += report(
+            &format!("extend gather {name}, work scale x{factor}"),
+            diff == 0,
+            &format!(
+                "{prefix} tokens, {diff} of {} workspace bytes differ",
+                2 * expected[0].len()
+            ),
+        );
+    }
 
     // Decode attention of every sequence, one launch, against the CPU on the same pages.
     let max_pages = seq_pages.iter().map(Vec::len).max().unwrap_or(1) + 1;
