@@ -242,10 +242,16 @@ impl<B: Backend> Model<B> {
 
         be.resize(&mut ws.x, rows, c.hidden_size);
         be.embed(&self.weights.embed, &ws.tokens, &mut ws.x);
-        for (layer, w) in self.weights.layers.iter().enumerate() {
-            // Attention block.
-            be.resize(&mut ws.normed, rows, c.hidden_size);
-            be.rms_norm(&ws.x, &w.attn_norm, c.rms_norm_eps, &mut ws.normed);
+        // Each residual add is fused with the RMSNorm that reads its result (add_rms_norm):
+        // the first attention norm stands alone, the last add (the final norm reads only the
+        // selected rows, in `logits`) too.
+        let layers = &self.weights.layers;
+        be.resize(&mut ws.normed, rows, c.hidden_size);
+        if let Some(first) = layers.first() {
+            be.rms_norm(&ws.x, &first.attn_norm, c.rms_norm_eps, &mut ws.normed);
+        }
+        for (layer, w) in layers.iter().enumerate() {
+            // Attention block (`normed` holds this layer's attention norm of x).
             be.resize(&mut ws.q, rows, c.q_dim());
             be.resize(&mut ws.k, rows, c.kv_dim());
             be.resize(&mut ws.v, rows, c.kv_dim());
@@ -279,17 +285,28 @@ impl<B: Backend> Model<B> {
             kv.attend(be, layer, &step, &mut ws.attn)?;
             be.resize(&mut ws.proj, rows, c.hidden_size);
             be.matmul_t(&ws.attn, &w.wo, &mut ws.proj);
-            be.add(&mut ws.x, &ws.proj);
 
             // SwiGLU FFN block.
-            be.rms_norm(&ws.x, &w.ffn_norm, c.rms_norm_eps, &mut ws.normed);
+            be.add_rms_norm(
+                &mut ws.x,
+                &ws.proj,
+                &w.ffn_norm,
+                c.rms_norm_eps,
+                &mut ws.normed,
+            );
             be.resize(&mut ws.gate, rows, c.intermediate_size);
             be.resize(&mut ws.up, rows, c.intermediate_size);
             be.matmul_t(&ws.normed, &w.w_gate, &mut ws.gate);
             be.matmul_t(&ws.normed, &w.w_up, &mut ws.up);
             be.silu_mul(&mut ws.gate, &ws.up);
             be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj);
-            be.add(&mut ws.x, &ws.proj);
+            match layers.get(layer + 1) {
+                Some(next) => {
+                    let eps = c.rms_norm_eps;
+                    be.add_rms_norm(&mut ws.x, &ws.proj, &next.attn_norm, eps, &mut ws.normed);
+                }
+                None => be.add(&mut ws.x, &ws.proj),
+            }
         }
         ws.counts.clear();
         ws.counts.extend(ws.spans.iter().map(|s| s.len()));

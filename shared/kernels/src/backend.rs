@@ -26,6 +26,7 @@
 use std::fmt::Display;
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
@@ -50,7 +51,7 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 11] = [
+pub const OPS_ENTRY_POINTS: [&str; 12] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
@@ -58,6 +59,7 @@ pub const OPS_ENTRY_POINTS: [&str; 11] = [
     "add_bias_f32",
     "silu_mul_f32",
     "rms_norm_f32",
+    "add_rms_norm_f32",
     "rope_f32",
     "attention_f32",
     "encode_work",
@@ -78,6 +80,11 @@ pub struct CudaTensor {
     data: Data,
     rows: usize,
     cols: usize,
+    /// Which tensor this is (unique in the process) and how many times its values may have
+    /// changed (every mutable access counts): together they say whether a copy made from it
+    /// (the BF16 cast of `matmul_t`) is still current.
+    id: u64,
+    version: u64,
 }
 
 /// The values of a [`CudaTensor`].
@@ -90,6 +97,22 @@ enum Data {
 }
 
 impl CudaTensor {
+    fn new(data: Data, rows: usize, cols: usize) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        Self {
+            data,
+            rows,
+            cols,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            version: 0,
+        }
+    }
+
+    /// The state of the values a copy is made from: (tensor, version, values).
+    fn stamp(&self) -> (u64, u64, usize) {
+        (self.id, self.version, self.len())
+    }
+
     fn len(&self) -> usize {
         self.rows * self.cols
     }
@@ -102,6 +125,7 @@ impl CudaTensor {
     }
 
     fn f32_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.version += 1;
         match &mut self.data {
             Data::F32(b) => b,
             Data::Bf16(_) => panic!("{BF16_MISUSE}"),
@@ -134,6 +158,7 @@ struct Ops {
     add_bias: CudaFunction,
     silu_mul: CudaFunction,
     rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
     encode_work: CudaFunction,
@@ -150,9 +175,16 @@ pub struct CudaBackend {
     weights: WeightPrecision,
     /// The BF16 cast of `matmul_t`'s activations (BF16 weights), grown on demand; used in stream
     /// order, so one buffer serves every GEMM.
-    x_bf16: Mutex<CudaSlice<u16>>,
+    x_bf16: Mutex<Bf16Cast>,
     /// RoPE's positions: every layer rotates Q and K at the same ones.
     positions: Mutex<Uploaded>,
+}
+
+/// The BF16 cast of an activation tensor and the tensor state it was made from: GEMMs that read
+/// the same input (Q, K and V; gate and up) cast it once.
+struct Bf16Cast {
+    buf: CudaSlice<u16>,
+    of: Option<(u64, u64, usize)>,
 }
 
 /// Whether a CUDA driver with at least one device is present (for `--device auto`).
@@ -188,6 +220,7 @@ impl CudaBackend {
             add_bias: f("add_bias_f32")?,
             silu_mul: f("silu_mul_f32")?,
             rms_norm: f("rms_norm_f32")?,
+            add_rms_norm: f("add_rms_norm_f32")?,
             rope: f("rope_f32")?,
             attention: f("attention_f32")?,
             encode_work: f("encode_work")?,
@@ -213,7 +246,10 @@ impl CudaBackend {
             GemmImpl::Cublas(_) => weights,
             GemmImpl::Tiled => WeightPrecision::F32,
         };
-        let x_bf16 = Mutex::new(kernels.stream().alloc_zeros(1)?);
+        let x_bf16 = Mutex::new(Bf16Cast {
+            buf: kernels.stream().alloc_zeros(1)?,
+            of: None,
+        });
         Ok(Self {
             ordinal,
             kernels,
@@ -365,11 +401,7 @@ impl Backend for CudaBackend {
         } else {
             self.stream().clone_htod(data).map_err(engine_err)?
         };
-        Ok(CudaTensor {
-            data: Data::F32(buf),
-            rows,
-            cols,
-        })
+        Ok(CudaTensor::new(Data::F32(buf), rows, cols))
     }
 
     // `upload_weight` is the trait's: GGML blocks dequantized on the host, then `upload_matrix`.
@@ -387,20 +419,12 @@ impl Backend for CudaBackend {
         } else {
             self.stream().clone_htod(&codes).map_err(engine_err)?
         };
-        Ok(CudaTensor {
-            data: Data::Bf16(buf),
-            rows,
-            cols,
-        })
+        Ok(CudaTensor::new(Data::Bf16(buf), rows, cols))
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> CudaTensor {
         self.bind();
-        CudaTensor {
-            data: Data::F32(self.alloc(rows * cols)),
-            rows,
-            cols,
-        }
+        CudaTensor::new(Data::F32(self.alloc(rows * cols)), rows, cols)
     }
 
     fn resize(&self, t: &mut CudaTensor, rows: usize, cols: usize) {
@@ -408,6 +432,7 @@ impl Backend for CudaBackend {
             self.bind();
             t.data = Data::F32(self.alloc(rows * cols));
         }
+        t.version += 1;
         t.rows = rows;
         t.cols = cols;
     }
@@ -552,18 +577,23 @@ impl Backend for CudaBackend {
             }
             (GemmImpl::Cublas(blas), Data::Bf16(wb)) => {
                 let values = n * k;
-                let mut xs = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
-                if xs.len() < values {
-                    *xs = self
-                        .stream()
-                        .alloc_zeros(values)
-                        .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
+                let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
+                if cast.of != Some(x.stamp()) {
+                    if cast.buf.len() < values {
+                        cast.of = None;
+                        cast.buf = self
+                            .stream()
+                            .alloc_zeros(values)
+                            .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
+                    }
+                    let count = values as u64;
+                    let mut b = self.stream().launch_builder(&self.ops.to_bf16);
+                    b.arg(&mut cast.buf).arg(x.f32()).arg(&count);
+                    // SAFETY: matches f32_to_bf16; both hold at least n*k values.
+                    launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
+                    cast.of = Some(x.stamp());
                 }
-                let count = values as u64;
-                let mut b = self.stream().launch_builder(&self.ops.to_bf16);
-                b.arg(&mut *xs).arg(x.f32()).arg(&count);
-                // SAFETY: matches f32_to_bf16; both hold at least n*k values.
-                launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
+                let xs = &cast.buf;
                 let gemm = Bf16Gemm { n, m, k };
                 let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).
@@ -660,6 +690,48 @@ impl Backend for CudaBackend {
             .arg(&eps);
         // SAFETY: matches rms_norm_f32; x and out hold groups*width values.
         launched(unsafe { b.launch(cfg) }.map(|_| ()), "rms_norm");
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) {
+        assert_eq!(
+            (x.rows, x.cols),
+            (y.rows, y.cols),
+            "add_rms_norm: shapes differ"
+        );
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, x.cols),
+            "add_rms_norm: output shape"
+        );
+        if weight.len() != x.cols || x.len() == 0 {
+            // Per-head norms (or nothing to do): the two kernels.
+            self.add(x, y);
+            self.rms_norm(x, weight, eps, out);
+            return;
+        }
+        self.bind();
+        let width = x.cols as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream().launch_builder(&self.ops.add_rms_norm);
+        b.arg(x.f32_mut())
+            .arg(y.f32())
+            .arg(weight.f32())
+            .arg(out.f32_mut())
+            .arg(&width)
+            .arg(&eps);
+        // SAFETY: matches add_rms_norm_f32; x, y and out hold rows*width values, weight width.
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "add_rms_norm");
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], rope: &RopeArgs<'_, CudaTensor>) {

@@ -170,6 +170,21 @@ pub trait Backend: Send + Sync + 'static {
     /// `out = x / sqrt(mean(x²) + eps) * weight`. `out` has `x`'s shape.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, out: &mut Self::Tensor);
 
+    /// The residual add and the next RMSNorm in one: `x += y`, then `out = rms_norm(x)` over
+    /// whole rows (`weight` is `[1, x.cols]`). A backend may fuse them (one kernel instead of
+    /// two on a GPU); the results must equal `add` then `rms_norm`.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) {
+        self.add(x, y);
+        self.rms_norm(x, weight, eps, out);
+    }
+
     /// Rotates every head of row `i` of `x` in place by position `positions[i]`.
     fn rope(&self, x: &mut Self::Tensor, positions: &[u32], rope: &RopeArgs<'_, Self::Tensor>);
 

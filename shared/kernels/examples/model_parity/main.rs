@@ -313,6 +313,7 @@ fn check_bf16_weights(file: &GgufFile, prompt: &[u32], cpu_run: &Run, args: &Arg
         );
         return Ok(false);
     }
+    let cast_ok = ops::check_bf16_cast(&CpuBackend::new(1)?, &gpu)?;
     let model = Model::from_gguf(gpu.clone(), file)?;
     let g = generate(
         &model,
@@ -344,7 +345,7 @@ fn check_bf16_weights(file: &GgufFile, prompt: &[u32], cpu_run: &Run, args: &Arg
     }
     let steps = g.logits.len().max(1);
     let rel_ok = max_rel <= args.bf16_rel_tol;
-    let ok = rel_ok && unexplained == 0 && g.logits.len() == cpu_run.logits.len();
+    let ok = cast_ok && rel_ok && unexplained == 0 && g.logits.len() == cpu_run.logits.len();
     println!(
         "{{\"weights\":\"bf16\",\"kv\":\"bf16\",\"gpu\":\"{}\",\"teacher_forced_steps\":{},\"first_step_rel_l2\":{first_rel:.6},\"max_rel_l2\":{max_rel:.6},\"rel_l2_tol\":{},\"rel_ok\":{rel_ok},\"top1_agreement\":{:.4},\"top1_flips_beyond_error\":{unexplained},\"ok\":{ok},\"cuda_s\":{:.3}}}",
         gpu.name(),

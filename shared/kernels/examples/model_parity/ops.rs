@@ -117,6 +117,26 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         ok &= report("silu_mul", &down(cpu, &a), &down(gpu, &b), 1e-6);
     }
     {
+        // add_rms_norm: the CPU's add then rms_norm (the trait's default), and the GPU's fused
+        // kernel, which must give the bits of the GPU's own two kernels.
+        let (mut a, mut b) = (p.up(rows, cols, &x)?.0, p.up(rows, cols, &x)?.1);
+        let (mut na, mut nb) = (cpu.zeros(rows, cols), gpu.zeros(rows, cols));
+        cpu.add_rms_norm(&mut a, &yc, &wc, 1e-5, &mut na);
+        gpu.add_rms_norm(&mut b, &yg, &wg, 1e-5, &mut nb);
+        ok &= report("add_rms_norm: sum", &down(cpu, &a), &down(gpu, &b), 0.0);
+        ok &= report("add_rms_norm: norm", &down(cpu, &na), &down(gpu, &nb), 1e-6);
+        let mut two = p.up(rows, cols, &x)?.1;
+        let mut n2 = gpu.zeros(rows, cols);
+        gpu.add(&mut two, &yg);
+        gpu.rms_norm(&two, &wg, 1e-5, &mut n2);
+        ok &= report(
+            "add_rms_norm = add, rms_norm (cuda)",
+            &down(gpu, &nb),
+            &down(gpu, &n2),
+            0.0,
+        );
+    }
+    {
         let table = values(&mut rng, 50 * cols);
         let (tc, tg) = p.up(50, cols, &table)?;
         let tokens = [3u32, 49, 0, 7];
@@ -342,4 +362,51 @@ fn check_paged(
     same &= bc == bg;
     println!("{{\"op\":\"paged {dtype:?} page bytes\",\"identical\":{same}}}");
     Ok(ok && same)
+}
+
+/// BF16 weights: a GEMM input is cast to BF16 once for the GEMMs that read it in turn (Q, K and
+/// V; gate and up), and cast again once it changes. Against the CPU (f32 weights rounded to BF16
+/// on upload by the GPU only, so within BF16's error): a GEMM, a second GEMM of the same input
+/// (the cast reused), the input changed in place, then the first GEMM again (a stale cast would
+/// be off by the whole change).
+pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let (n, k, m) = (3, 576, 192);
+    let x = values(&mut rng, n * k);
+    let y = values(&mut rng, n * k);
+    let (w1, w2) = (values(&mut rng, m * k), values(&mut rng, m * k));
+    let (mut xc, mut xg) = (cpu.upload(n, k, &x)?, gpu.upload(n, k, &x)?);
+    let (yc, yg) = (cpu.upload(n, k, &y)?, gpu.upload(n, k, &y)?);
+    let (w1c, w1g) = (
+        cpu.upload_matrix(m, k, w1.clone())?,
+        gpu.upload_matrix(m, k, w1)?,
+    );
+    let (w2c, w2g) = (
+        cpu.upload_matrix(m, k, w2.clone())?,
+        gpu.upload_matrix(m, k, w2)?,
+    );
+    let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
+    let mut ok = true;
+    for (name, first) in [("first", true), ("same input", false)] {
+        let (wc, wg) = if first { (&w1c, &w1g) } else { (&w2c, &w2g) };
+        cpu.matmul_t(&xc, wc, &mut oc);
+        gpu.matmul_t(&xg, wg, &mut og);
+        ok &= report(
+            &format!("matmul_t bf16 weights, {name}"),
+            &down(cpu, &oc),
+            &down(gpu, &og),
+            1e-2,
+        );
+    }
+    cpu.add(&mut xc, &yc);
+    gpu.add(&mut xg, &yg);
+    cpu.matmul_t(&xc, &w1c, &mut oc);
+    gpu.matmul_t(&xg, &w1g, &mut og);
+    ok &= report(
+        "matmul_t bf16 weights, input changed",
+        &down(cpu, &oc),
+        &down(gpu, &og),
+        1e-2,
+    );
+    Ok(ok)
 }

@@ -69,6 +69,30 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
 }
 
+// x += y, then out = rms_norm(x) * w over each row of `width` values (w is [width]): the
+// residual add and the next norm in one launch, with the arithmetic of add_f32 followed by
+// rms_norm_f32 (the same sums in the same order), so the results are the same bits.
+extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* __restrict__ y,
+                                            const float* __restrict__ w,
+                                            float* __restrict__ out, u32 width, float eps) {
+    __shared__ float partial[256];
+    const u64 base = (u64)blockIdx.x * width;
+    float acc = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = x[base + i] + y[base + i];
+        x[base + i] = v;
+        acc += v * v;
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float inv = 1.0f / sqrtf(partial[0] / (float)width + eps);
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
+}
+
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
 // (x_i, x_{i + d/2}) of each head; otherwise (x_{2i}, x_{2i+1}).
 extern "C" __global__ void rope_f32(float* __restrict__ x, const u32* __restrict__ pos,
