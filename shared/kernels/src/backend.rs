@@ -51,10 +51,12 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 12] = [
+pub const OPS_ENTRY_POINTS: [&str; 14] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
+    "gemv_bf16_n1",
+    "gemv_bf16_n2",
     "add_f32",
     "add_bias_f32",
     "silu_mul_f32",
@@ -154,6 +156,8 @@ struct Ops {
     embed: CudaFunction,
     embed_bf16: CudaFunction,
     to_bf16: CudaFunction,
+    /// BF16-weight GEMMs of 1 and 2 rows.
+    gemv: [CudaFunction; 2],
     add: CudaFunction,
     add_bias: CudaFunction,
     silu_mul: CudaFunction,
@@ -179,6 +183,12 @@ pub struct CudaBackend {
     /// RoPE's positions: every layer rotates Q and K at the same ones.
     positions: Mutex<Uploaded>,
 }
+
+/// The most rows a BF16-weight GEMM takes the weight-streaming kernel for (`gemv_bf16_n*`, decode
+/// steps of one or two sequences); more go to cuBLAS, which is faster from 8 rows on (run 60).
+const GEMV_MAX_ROWS: usize = 2;
+/// Weight rows per block of `gemv_bf16_n*` (`GEMV_ROWS` in `cu/ops.cu`).
+const GEMV_BLOCK_ROWS: u32 = 4;
 
 /// The BF16 cast of an activation tensor and the tensor state it was made from: GEMMs that read
 /// the same input (Q, K and V; gate and up) cast it once.
@@ -216,6 +226,7 @@ impl CudaBackend {
             embed: f("embed_rows")?,
             embed_bf16: f("embed_rows_bf16")?,
             to_bf16: f("f32_to_bf16")?,
+            gemv: [f("gemv_bf16_n1")?, f("gemv_bf16_n2")?],
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
             silu_mul: f("silu_mul_f32")?,
@@ -594,6 +605,27 @@ impl Backend for CudaBackend {
                     cast.of = Some(x.stamp());
                 }
                 let xs = &cast.buf;
+                if n <= GEMV_MAX_ROWS && k.is_multiple_of(32) {
+                    let kernel = &self.ops.gemv[n - 1];
+                    let (n32, m32, k32) = (n as u32, m as u32, k as u32);
+                    let cfg = LaunchConfig {
+                        grid_dim: (m32.div_ceil(GEMV_BLOCK_ROWS), 1, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut b = self.stream().launch_builder(kernel);
+                    b.arg(wb)
+                        .arg(xs)
+                        .arg(out.f32_mut())
+                        .arg(&n32)
+                        .arg(&m32)
+                        .arg(&k32);
+                    // SAFETY: matches gemv_bf16_n*; w holds m*k codes, the cast n*k, out n*m
+                    // values; rows of k codes (a multiple of 32) keep every warp's quarter of a
+                    // row in whole, aligned 16-byte words.
+                    launched(unsafe { b.launch(cfg) }.map(|_| ()), "gemv_bf16");
+                    return;
+                }
                 let gemm = Bf16Gemm { n, m, k };
                 let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).

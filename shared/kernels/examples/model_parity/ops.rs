@@ -364,13 +364,35 @@ fn check_paged(
     Ok(ok && same)
 }
 
-/// BF16 weights: a GEMM input is cast to BF16 once for the GEMMs that read it in turn (Q, K and
-/// V; gate and up), and cast again once it changes. Against the CPU (f32 weights rounded to BF16
+/// BF16 weights: GEMMs of 1 to 16 rows against the CPU; and a GEMM input is cast to BF16 once
+/// for the GEMMs that read it in turn (Q, K and V; gate and up), and cast again once it changes. Against the CPU (f32 weights rounded to BF16
 /// on upload by the GPU only, so within BF16's error): a GEMM, a second GEMM of the same input
 /// (the cast reused), the input changed in place, then the first GEMM again (a stale cast would
 /// be off by the whole change).
 pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
     let mut rng = StdRng::seed_from_u64(11);
+    let mut ok = true;
+    // The weight-streaming kernel (1 and 2 rows) and cuBLAS (more), with a number of outputs
+    // that leaves the last block one row of its four.
+    for n in [1, 2, 5, 8, 16] {
+        let (k, m) = (1536, 577);
+        let x = values(&mut rng, n * k);
+        let w = values(&mut rng, m * k);
+        let (xc, xg) = (cpu.upload(n, k, &x)?, gpu.upload(n, k, &x)?);
+        let (wc, wg) = (
+            cpu.upload_matrix(m, k, w.clone())?,
+            gpu.upload_matrix(m, k, w)?,
+        );
+        let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
+        cpu.matmul_t(&xc, &wc, &mut oc);
+        gpu.matmul_t(&xg, &wg, &mut og);
+        ok &= report(
+            &format!("matmul_t bf16 weights {n}x{k}x{m}"),
+            &down(cpu, &oc),
+            &down(gpu, &og),
+            1e-2,
+        );
+    }
     let (n, k, m) = (3, 576, 192);
     let x = values(&mut rng, n * k);
     let y = values(&mut rng, n * k);
@@ -386,7 +408,6 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         gpu.upload_matrix(m, k, w2)?,
     );
     let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
-    let mut ok = true;
     for (name, first) in [("first", true), ("same input", false)] {
         let (wc, wg) = if first { (&w1c, &w1g) } else { (&w2c, &w2g) };
         cpu.matmul_t(&xc, wc, &mut oc);
