@@ -143,16 +143,12 @@ extern "C" __global__ void silu_mul_f32(float* __restrict__ g, const float* __re
     g[i] = x / (1.0f + expf(-x)) * u[i];
 }
 
-// One block (256 threads) per group of `width` values: out = x / sqrt(mean(x^2) + eps) * w.
-extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ out, u32 width, float eps) {
+// The end of an RMSNorm over one row of `width` values, x, once each of the block's 256 threads
+// holds its share of the sum of squares: the block's sum, then out = x / sqrt(mean + eps) * w.
+__device__ __forceinline__ void rms_norm_finish(float acc, const float* __restrict__ x,
+                                                const float* __restrict__ w,
+                                                float* __restrict__ out, u32 width, float eps) {
     __shared__ float partial[256];
-    const u64 base = (u64)blockIdx.x * width;
-    float acc = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = x[base + i];
-        acc += v * v;
-    }
     partial[threadIdx.x] = acc;
     __syncthreads();
     for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
@@ -160,7 +156,19 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
         __syncthreads();
     }
     const float inv = 1.0f / sqrtf(partial[0] / (float)width + eps);
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[i] = x[i] * inv * w[i];
+}
+
+// One block (256 threads) per group of `width` values: out = x / sqrt(mean(x^2) + eps) * w.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ out, u32 width, float eps) {
+    const u64 base = (u64)blockIdx.x * width;
+    float acc = 0.0f;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = x[base + i];
+        acc += v * v;
+    }
+    rms_norm_finish(acc, x + base, w, out + base, width, eps);
 }
 
 // x += y, then out = rms_norm(x) * w over each row of `width` values (w is [width]): the
@@ -169,7 +177,6 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w,
                                             float* __restrict__ out, u32 width, float eps) {
-    __shared__ float partial[256];
     const u64 base = (u64)blockIdx.x * width;
     float acc = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
@@ -177,14 +184,7 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
         x[base + i] = v;
         acc += v * v;
     }
-    partial[threadIdx.x] = acc;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
-        __syncthreads();
-    }
-    const float inv = 1.0f / sqrtf(partial[0] / (float)width + eps);
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[base + i] = x[base + i] * inv * w[i];
+    rms_norm_finish(acc, x + base, w, out + base, width, eps);
 }
 
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
