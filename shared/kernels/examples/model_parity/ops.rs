@@ -44,6 +44,34 @@ fn report(name: &str, a: &[f32], b: &[f32], tol: f32) -> bool {
     ok
 }
 
+/// `matmul_t` of random `[n, k]` inputs and `[m, k]` weights (uploaded as a model's weights are:
+/// BF16 on a BF16-weight backend) on both backends, within `tol` of the largest output.
+fn check_matmul(
+    cpu: &CpuBackend,
+    gpu: &CudaBackend,
+    rng: &mut StdRng,
+    (n, k, m): (usize, usize, usize),
+    name: &str,
+    tol: f32,
+) -> Result<bool> {
+    let x = values(rng, n * k);
+    let w = values(rng, m * k);
+    let (xc, xg) = (cpu.upload(n, k, &x)?, gpu.upload(n, k, &x)?);
+    let (wc, wg) = (
+        cpu.upload_matrix(m, k, w.clone())?,
+        gpu.upload_matrix(m, k, w)?,
+    );
+    let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
+    cpu.matmul_t(&xc, &wc, &mut oc);
+    gpu.matmul_t(&xg, &wg, &mut og);
+    Ok(report(
+        &format!("{name} {n}x{k}x{m}"),
+        &down(cpu, &oc),
+        &down(gpu, &og),
+        tol,
+    ))
+}
+
 /// Both backends' tensors for the same host data.
 struct Pair<'a> {
     cpu: &'a CpuBackend,
@@ -73,19 +101,7 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
     let mut ok = true;
     // matmul_t: decode-like (n = 1), prefill-like and odd shapes.
     for (n, k, m) in [(1, 576, 1536), (37, 576, 192), (5, 1536, 576), (3, 17, 33)] {
-        let x = values(&mut rng, n * k);
-        let w = values(&mut rng, m * k);
-        let (xc, xg) = p.up(n, k, &x)?;
-        let (wc, wg) = p.up(m, k, &w)?;
-        let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
-        cpu.matmul_t(&xc, &wc, &mut oc);
-        gpu.matmul_t(&xg, &wg, &mut og);
-        ok &= report(
-            &format!("matmul_t {n}x{k}x{m}"),
-            &down(cpu, &oc),
-            &down(gpu, &og),
-            1e-5,
-        );
+        ok &= check_matmul(cpu, gpu, &mut rng, (n, k, m), "matmul_t", 1e-5)?;
     }
     let (rows, cols) = (7, 576);
     let x = values(&mut rng, rows * cols);
@@ -375,23 +391,14 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
     // The weight-streaming kernel (1 and 2 rows) and cuBLAS (more), with a number of outputs
     // that leaves the last block one row of its four.
     for n in [1, 2, 5, 8, 16] {
-        let (k, m) = (1536, 577);
-        let x = values(&mut rng, n * k);
-        let w = values(&mut rng, m * k);
-        let (xc, xg) = (cpu.upload(n, k, &x)?, gpu.upload(n, k, &x)?);
-        let (wc, wg) = (
-            cpu.upload_matrix(m, k, w.clone())?,
-            gpu.upload_matrix(m, k, w)?,
-        );
-        let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
-        cpu.matmul_t(&xc, &wc, &mut oc);
-        gpu.matmul_t(&xg, &wg, &mut og);
-        ok &= report(
-            &format!("matmul_t bf16 weights {n}x{k}x{m}"),
-            &down(cpu, &oc),
-            &down(gpu, &og),
+        ok &= check_matmul(
+            cpu,
+            gpu,
+            &mut rng,
+            (n, 1536, 577),
+            "matmul_t bf16 weights",
             1e-2,
-        );
+        )?;
     }
     let (n, k, m) = (3, 576, 192);
     let x = values(&mut rng, n * k);
