@@ -255,9 +255,11 @@ impl<B: Backend> Model<B> {
             be.resize(&mut ws.q, rows, c.q_dim());
             be.resize(&mut ws.k, rows, c.kv_dim());
             be.resize(&mut ws.v, rows, c.kv_dim());
-            be.matmul_t(&ws.normed, &w.wq, &mut ws.q);
-            be.matmul_t(&ws.normed, &w.wk, &mut ws.k);
-            be.matmul_t(&ws.normed, &w.wv, &mut ws.v);
+            be.matmul_t_many(
+                &ws.normed,
+                &[&w.wq, &w.wk, &w.wv],
+                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+            );
             if let Some([bq, bk, bv]) = &w.qkv_bias {
                 be.add_bias(&mut ws.q, bq);
                 be.add_bias(&mut ws.k, bk);
@@ -296,8 +298,11 @@ impl<B: Backend> Model<B> {
             );
             be.resize(&mut ws.gate, rows, c.intermediate_size);
             be.resize(&mut ws.up, rows, c.intermediate_size);
-            be.matmul_t(&ws.normed, &w.w_gate, &mut ws.gate);
-            be.matmul_t(&ws.normed, &w.w_up, &mut ws.up);
+            be.matmul_t_many(
+                &ws.normed,
+                &[&w.w_gate, &w.w_up],
+                &mut [&mut ws.gate, &mut ws.up],
+            );
             be.silu_mul(&mut ws.gate, &ws.up);
             be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj);
             match layers.get(layer + 1) {

@@ -27,7 +27,7 @@ use std::fmt::Display;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
@@ -51,12 +51,16 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 14] = [
+pub const OPS_ENTRY_POINTS: [&str; 18] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
     "gemv_bf16_n1",
     "gemv_bf16_n2",
+    "gemv_bf16_n1_x2",
+    "gemv_bf16_n2_x2",
+    "gemv_bf16_n1_x3",
+    "gemv_bf16_n2_x3",
     "add_f32",
     "add_bias_f32",
     "silu_mul_f32",
@@ -158,6 +162,9 @@ struct Ops {
     to_bf16: CudaFunction,
     /// BF16-weight GEMMs of 1 and 2 rows.
     gemv: [CudaFunction; 2],
+    /// The same over two and three matrices of one input (`matmul_t_many`), by rows.
+    gemv_x2: [CudaFunction; 2],
+    gemv_x3: [CudaFunction; 2],
     add: CudaFunction,
     add_bias: CudaFunction,
     silu_mul: CudaFunction,
@@ -227,6 +234,8 @@ impl CudaBackend {
             embed_bf16: f("embed_rows_bf16")?,
             to_bf16: f("f32_to_bf16")?,
             gemv: [f("gemv_bf16_n1")?, f("gemv_bf16_n2")?],
+            gemv_x2: [f("gemv_bf16_n1_x2")?, f("gemv_bf16_n2_x2")?],
+            gemv_x3: [f("gemv_bf16_n1_x3")?, f("gemv_bf16_n2_x3")?],
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
             silu_mul: f("silu_mul_f32")?,
@@ -553,6 +562,74 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn matmul_t_many(&self, x: &CudaTensor, ws: &[&CudaTensor], outs: &mut [&mut CudaTensor]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_t_many: one output per weight");
+        let (n, k) = (x.rows, x.cols);
+        let streamed = matches!(self.gemm, GemmImpl::Cublas(_))
+            && (1..=GEMV_MAX_ROWS).contains(&n)
+            && k.is_multiple_of(32)
+            && ws
+                .iter()
+                .all(|w| w.cols == k && w.rows > 0 && matches!(w.data, Data::Bf16(_)));
+        let kernels = match ws.len() {
+            2 => &self.ops.gemv_x2,
+            3 => &self.ops.gemv_x3,
+            _ => &self.ops.gemv, // never launched: one matrix or more than three go one by one
+        };
+        if !streamed || !(2..=3).contains(&ws.len()) {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_t(x, w, out);
+            }
+            return;
+        }
+        for (w, out) in ws.iter().zip(outs.iter()) {
+            assert_eq!(
+                (out.rows, out.cols),
+                (n, w.rows),
+                "matmul_t_many: output shape"
+            );
+        }
+        self.bind();
+        let cast = self.cast_bf16(x);
+        let blocks: u32 = ws
+            .iter()
+            .map(|w| (w.rows as u32).div_ceil(GEMV_BLOCK_ROWS))
+            .sum();
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n32, k32) = (n as u32, k as u32);
+        let m: Vec<u32> = ws.iter().map(|w| w.rows as u32).collect();
+        let mut b = self.stream().launch_builder(&kernels[n - 1]);
+        for w in ws {
+            match &w.data {
+                Data::Bf16(codes) => b.arg(codes),
+                Data::F32(_) => unreachable!("BF16 weights, checked above"),
+            };
+        }
+        match outs {
+            [o0, o1] => {
+                b.arg(o0.f32_mut()).arg(o1.f32_mut());
+            }
+            [o0, o1, o2] => {
+                b.arg(o0.f32_mut()).arg(o1.f32_mut()).arg(o2.f32_mut());
+            }
+            _ => unreachable!("two or three, checked above"),
+        }
+        for rows in &m {
+            b.arg(rows);
+        }
+        b.arg(&cast.buf).arg(&n32).arg(&k32);
+        // SAFETY: matches gemv_bf16_n*_x2/x3 (weights, outputs, row counts, input, n, k); each
+        // w holds m_i*k codes, the cast n*k, each output n*m_i values; k is a multiple of 32.
+        launched(
+            unsafe { b.launch(cfg) }.map(|_| ()),
+            "gemv_bf16 (several matrices)",
+        );
+    }
+
     fn matmul_t(&self, x: &CudaTensor, w: &CudaTensor, out: &mut CudaTensor) {
         let (n, k, m) = (x.rows, x.cols, w.rows);
         assert_eq!(w.cols, k, "matmul_t: inner dims differ");
@@ -588,22 +665,7 @@ impl Backend for CudaBackend {
             }
             (GemmImpl::Cublas(blas), Data::Bf16(wb)) => {
                 let values = n * k;
-                let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
-                if cast.of != Some(x.stamp()) {
-                    if cast.buf.len() < values {
-                        cast.of = None;
-                        cast.buf = self
-                            .stream()
-                            .alloc_zeros(values)
-                            .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
-                    }
-                    let count = values as u64;
-                    let mut b = self.stream().launch_builder(&self.ops.to_bf16);
-                    b.arg(&mut cast.buf).arg(x.f32()).arg(&count);
-                    // SAFETY: matches f32_to_bf16; both hold at least n*k values.
-                    launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
-                    cast.of = Some(x.stamp());
-                }
+                let cast = self.cast_bf16(x);
                 let xs = &cast.buf;
                 if n <= GEMV_MAX_ROWS && k.is_multiple_of(32) {
                     let kernel = &self.ops.gemv[n - 1];
@@ -1078,6 +1140,29 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// The BF16 cast of `x` for the BF16-weight GEMMs, made unless the buffer already holds this
+    /// state of `x` (GEMMs of one input cast it once). Held until the GEMM is queued.
+    fn cast_bf16(&self, x: &CudaTensor) -> MutexGuard<'_, Bf16Cast> {
+        let values = x.len();
+        let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
+        if cast.of != Some(x.stamp()) {
+            if cast.buf.len() < values {
+                cast.of = None;
+                cast.buf = self
+                    .stream()
+                    .alloc_zeros(values)
+                    .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
+            }
+            let count = values as u64;
+            let mut b = self.stream().launch_builder(&self.ops.to_bf16);
+            b.arg(&mut cast.buf).arg(x.f32()).arg(&count);
+            // SAFETY: matches f32_to_bf16; both hold at least `values` values.
+            launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
+            cast.of = Some(x.stamp());
+        }
+        cast
+    }
+
     fn attend(
         &self,
         pages: &mut CudaPages,

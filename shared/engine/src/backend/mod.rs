@@ -160,6 +160,21 @@ pub trait Backend: Send + Sync + 'static {
     /// feature), `out` is `[n, m]`.
     fn matmul_t(&self, x: &Self::Tensor, w: &Self::Tensor, out: &mut Self::Tensor);
 
+    /// `outs[i] = x · ws[i]ᵀ` for several weight matrices of one input (Q, K and V; gate and
+    /// up). A backend may serve them in one pass (one launch over all the matrices on a GPU);
+    /// each result must equal `matmul_t(x, ws[i], outs[i])`.
+    fn matmul_t_many(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::Tensor],
+        outs: &mut [&mut Self::Tensor],
+    ) {
+        assert_eq!(ws.len(), outs.len(), "matmul_t_many: one output per weight");
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul_t(x, w, out);
+        }
+    }
+
     /// `x[r] += bias` for every row; `bias` is `[1, x.cols]`.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor);
 

@@ -436,5 +436,40 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         &down(gpu, &og),
         1e-2,
     );
+    for n in [1, 2, 5] {
+        for parts in [2, 3] {
+            ok &= check_matmul_many(gpu, &mut rng, n, parts)?;
+        }
+    }
     Ok(ok)
+}
+
+/// `matmul_t_many` on the GPU (one launch over 2 or 3 BF16 matrices at 1-2 rows, one GEMM each
+/// past that) against `matmul_t` per matrix: the same values, bit for bit. Row counts that are
+/// not multiples of the kernel's 4 rows per block put block boundaries inside the matrices.
+fn check_matmul_many(gpu: &CudaBackend, rng: &mut StdRng, n: usize, parts: usize) -> Result<bool> {
+    let k = 576;
+    let rows = [192usize, 1538, 63];
+    let x = gpu.upload(n, k, &values(rng, n * k))?;
+    let mut ws = Vec::new();
+    for &m in &rows[..parts] {
+        ws.push(gpu.upload_matrix(m, k, values(rng, m * k))?);
+    }
+    let mut fused: Vec<_> = rows[..parts].iter().map(|&m| gpu.zeros(n, m)).collect();
+    let weights: Vec<_> = ws.iter().collect();
+    let mut outs: Vec<_> = fused.iter_mut().collect();
+    gpu.matmul_t_many(&x, &weights, &mut outs);
+    let mut same = true;
+    for (w, got) in ws.iter().zip(&fused) {
+        let mut one = gpu.zeros(n, gpu.shape(w).0);
+        gpu.matmul_t(&x, w, &mut one);
+        same &= down(gpu, &one)
+            .iter()
+            .zip(down(gpu, got))
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    println!(
+        "{{\"op\":\"matmul_t_many bf16 weights\",\"rows\":{n},\"matrices\":{parts},\"identical_to_matmul_t\":{same}}}"
+    );
+    Ok(same)
 }

@@ -62,10 +62,11 @@ __device__ __forceinline__ void bf16x8(uint4 v, float* f) {
 template <int N>
 __device__ __forceinline__ void gemv_bf16_body(const u16* __restrict__ w,
                                                const u16* __restrict__ x,
-                                               float* __restrict__ out, u32 n, u32 m, u32 k) {
+                                               float* __restrict__ out, u32 n, u32 m, u32 k,
+                                               u32 block) {
     __shared__ float partial[4][GEMV_ROWS][N];
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const u32 row0 = blockIdx.x * GEMV_ROWS;
+    const u32 row0 = block * GEMV_ROWS;
     const u32 quarter = k / 32;  // 16-byte words of a row per warp
     const u32 first = warp * quarter;
     const uint4* wr[GEMV_ROWS];
@@ -119,10 +120,37 @@ __device__ __forceinline__ void gemv_bf16_body(const u16* __restrict__ w,
                                                           const u16* __restrict__ x,            \
                                                           float* __restrict__ out, u32 n, u32 m, \
                                                           u32 k) {                               \
-        gemv_bf16_body<N>(w, x, out, n, m, k);                                                  \
+        gemv_bf16_body<N>(w, x, out, n, m, k, blockIdx.x);                                      \
     }
 GEMV_BF16(gemv_bf16_n1, 1)
 GEMV_BF16(gemv_bf16_n2, 2)
+
+// Two or three matrices of one input in one launch (Q, K and V; gate and up): matrix p takes the
+// next ceil(m_p / GEMV_ROWS) blocks. Each output is computed exactly as gemv_bf16_n* computes it
+// alone, one launch instead of two or three and no tail wave per matrix.
+#define GEMV_BLOCKS(M) (((M) + GEMV_ROWS - 1) / GEMV_ROWS)
+#define GEMV_BF16_X2(NAME, N)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128)                                            \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,     \
+             float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {  \
+        const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0);                                          \
+        if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                   \
+        else gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                                     \
+    }
+#define GEMV_BF16_X3(NAME, N)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128)                                            \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2, \
+             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,     \
+             u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                          \
+        const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0), b1 = b0 + GEMV_BLOCKS(m1);               \
+        if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                   \
+        else if (b < b1) gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                        \
+        else gemv_bf16_body<N>(w2, x, o2, n, m2, k, b - b1);                                     \
+    }
+GEMV_BF16_X2(gemv_bf16_n1_x2, 1)
+GEMV_BF16_X2(gemv_bf16_n2_x2, 2)
+GEMV_BF16_X3(gemv_bf16_n1_x3, 1)
+GEMV_BF16_X3(gemv_bf16_n2_x3, 2)
 
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
