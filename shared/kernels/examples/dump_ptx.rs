@@ -1,4 +1,4 @@
-//! Writes the PTX of every kernel source for one target, for reading or for `ptxas -v`:
+//! Writes the PTX of every kernel source (the backend's dense ops included) for one target, for reading or for `ptxas -v`:
 //! `cargo run -p nibble-kernels --example dump_ptx -- sm_90 DIR`.
 
 fn main() -> anyhow::Result<()> {
@@ -11,7 +11,11 @@ fn main() -> anyhow::Result<()> {
     };
     let dir = std::path::PathBuf::from(args.next().unwrap_or_else(|| ".".into()));
     std::fs::create_dir_all(&dir)?;
-    for compiled in nibble_kernels::nvrtc::compile_all(arch)? {
+    let ops = nibble_kernels::backend::compile_ops(arch)?;
+    for compiled in nibble_kernels::nvrtc::compile_all(arch)?
+        .into_iter()
+        .chain([ops])
+    {
         let path = dir.join(format!("{}.{arch}.ptx", compiled.name));
         std::fs::write(&path, compiled.ptx.to_src())?;
         println!("{}", path.display());

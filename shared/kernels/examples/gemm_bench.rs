@@ -10,6 +10,8 @@
 //! tensor for every call, so its BF16 cast is made once, as for the Q, K and V projections of a
 //! layer.
 //!
+//! A single matrix goes through `matmul_t_many` too (which runs it as `matmul_t`).
+//!
 //! Run: `gemm_bench [--rows 1,8,32]`; exits 1, saying why, when the GPU cannot be used.
 
 use std::time::Instant;
@@ -19,13 +21,17 @@ use nibble_engine::Backend;
 use nibble_kernels::CudaBackend;
 use serde_json::json;
 
-/// Llama-3-8B's decode GEMMs: (name, output features m, input features k).
-const SHAPES: [(&str, usize, usize); 5] = [
-    ("q_proj/o_proj", 4096, 4096),
-    ("k_proj/v_proj", 1024, 4096),
-    ("gate/up", 14336, 4096),
-    ("down", 4096, 14336),
-    ("lm_head", 128256, 4096),
+/// Llama-3-8B's decode GEMMs: (name, output features m of each matrix, input features k). A
+/// group of several matrices reads one input and runs as one `matmul_t_many`, as the model
+/// runs Q, K and V, and gate and up.
+const SHAPES: [(&str, &[usize], usize); 7] = [
+    ("q_proj/o_proj", &[4096], 4096),
+    ("k_proj/v_proj", &[1024], 4096),
+    ("q+k+v", &[4096, 1024, 1024], 4096),
+    ("gate/up", &[14336], 4096),
+    ("gate+up", &[14336, 14336], 4096),
+    ("down", &[4096], 14336),
+    ("lm_head", &[128256], 4096),
 ];
 
 fn main() -> Result<()> {
@@ -42,7 +48,8 @@ fn main() -> Result<()> {
         json!({"bench": "gemm_device", "backend": gpu.name(), "gemm": gpu.gemm_name()})
     );
     let stream = gpu.kernels().stream().clone();
-    for (name, m, k) in SHAPES {
+    for (name, ms, k) in SHAPES {
+        let m: usize = ms.iter().sum();
         let bytes = m * k * 2;
         let copies = (512usize << 20).div_ceil(bytes).clamp(1, 8);
         let mut state = 0x9e37_79b9u32;
@@ -52,17 +59,24 @@ fn main() -> Result<()> {
             state ^= state << 5;
             (state as f32 / u32::MAX as f32 - 0.5) * 0.05
         };
-        let weights: Vec<_> = (0..copies)
-            .map(|_| gpu.upload_matrix(m, k, (0..m * k).map(|_| next()).collect()))
-            .collect::<std::result::Result<_, _>>()?;
+        let mut weights = Vec::new();
+        for _ in 0..copies {
+            let group = ms
+                .iter()
+                .map(|&mi| gpu.upload_matrix(mi, k, (0..mi * k).map(|_| next()).collect()))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            weights.push(group);
+        }
         for &n in &rows {
             let x = gpu.upload(n, k, &(0..n * k).map(|_| next()).collect::<Vec<_>>())?;
-            let mut out = gpu.zeros(n, m);
+            let mut outs: Vec<_> = ms.iter().map(|&mi| gpu.zeros(n, mi)).collect();
             let mut round = || -> Result<f64> {
                 stream.synchronize()?;
                 let t = Instant::now();
-                for w in &weights {
-                    gpu.matmul_t(&x, w, &mut out);
+                for group in &weights {
+                    let ws: Vec<_> = group.iter().collect();
+                    let mut os: Vec<_> = outs.iter_mut().collect();
+                    gpu.matmul_t_many(&x, &ws, &mut os);
                 }
                 stream.synchronize()?;
                 Ok(t.elapsed().as_secs_f64() / copies as f64)
@@ -75,7 +89,7 @@ fn main() -> Result<()> {
             let s = times[times.len() / 2];
             println!(
                 "{}",
-                json!({"bench": "gemm", "shape": name, "n": n, "m": m, "k": k, "copies": copies,
+                json!({"bench": "gemm", "shape": name, "n": n, "m": ms, "k": k, "copies": copies,
                        "us": s * 1e6, "weight_gbps": bytes as f64 / s / 1e9})
             );
         }

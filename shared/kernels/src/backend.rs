@@ -51,7 +51,7 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 18] = [
+pub const OPS_ENTRY_POINTS: [&str; 21] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
@@ -61,6 +61,9 @@ pub const OPS_ENTRY_POINTS: [&str; 18] = [
     "gemv_bf16_n2_x2",
     "gemv_bf16_n1_x3",
     "gemv_bf16_n2_x3",
+    "gemm_bf16_skinny8",
+    "gemm_bf16_skinny8_x2",
+    "gemm_bf16_skinny8_x3",
     "add_f32",
     "add_bias_f32",
     "silu_mul_f32",
@@ -160,11 +163,10 @@ struct Ops {
     embed: CudaFunction,
     embed_bf16: CudaFunction,
     to_bf16: CudaFunction,
-    /// BF16-weight GEMMs of 1 and 2 rows.
-    gemv: [CudaFunction; 2],
-    /// The same over two and three matrices of one input (`matmul_t_many`), by rows.
-    gemv_x2: [CudaFunction; 2],
-    gemv_x3: [CudaFunction; 2],
+    /// nibble's BF16-weight GEMMs by [`RowsKernel::index`] (the weight-streaming kernel for 1
+    /// and 2 rows, the skinny tensor-core one for 3 to 8), each over 1, 2 and 3 matrices of one
+    /// input.
+    rows: [[CudaFunction; 3]; 3],
     add: CudaFunction,
     add_bias: CudaFunction,
     silu_mul: CudaFunction,
@@ -191,11 +193,52 @@ pub struct CudaBackend {
     positions: Mutex<Uploaded>,
 }
 
-/// The most rows a BF16-weight GEMM takes the weight-streaming kernel for (`gemv_bf16_n*`, decode
-/// steps of one or two sequences); more go to cuBLAS, which is faster from 8 rows on (run 60).
-const GEMV_MAX_ROWS: usize = 2;
-/// Weight rows per block of `gemv_bf16_n*` (`GEMV_ROWS` in `cu/ops.cu`).
-const GEMV_BLOCK_ROWS: u32 = 4;
+/// Which of nibble's BF16-weight GEMM kernels serves `n` rows of `x` (decode steps): the
+/// weight-streaming kernel (`gemv_bf16_n*`) for 1 and 2 rows, where it beats cuBLAS (run 60),
+/// the skinny tensor-core GEMM (`gemm_bf16_skinny8*`) for 3 to 8 (run 66: at 8 rows a layer's
+/// GEMMs take 131 us against cuBLAS's 166). More rows, or rows whose length is not a multiple
+/// of 32, go to cuBLAS.
+/// The most output features (of all matrices of one call) the skinny GEMM takes.
+const SKINNY_MAX_FEATURES: usize = 65_536;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RowsKernel {
+    Gemv { rows: usize },
+    Skinny,
+}
+
+impl RowsKernel {
+    /// The kernel for `n` rows of `k` values times weight matrices of `m` output features in
+    /// all, if one of ours serves it.
+    fn pick(n: usize, k: usize, m: usize) -> Option<Self> {
+        if !k.is_multiple_of(32) {
+            return None;
+        }
+        match n {
+            1 | 2 => Some(Self::Gemv { rows: n }),
+            // The vocabulary projection stays on cuBLAS: 8,016 short-lived blocks of 16 warps
+            // took 279 us against its 262 at 8 rows (run 67).
+            3..=8 if m <= SKINNY_MAX_FEATURES => Some(Self::Skinny),
+            _ => None,
+        }
+    }
+
+    /// Row of `Ops::rows`.
+    fn index(self) -> usize {
+        match self {
+            Self::Gemv { rows } => rows - 1,
+            Self::Skinny => 2,
+        }
+    }
+
+    /// Weight rows per block and threads per block (`GEMV_ROWS`, `SKINNY_WARPS` in `cu/ops.cu`).
+    fn block(self) -> (u32, u32) {
+        match self {
+            Self::Gemv { .. } => (4, 128),
+            Self::Skinny => (16, 16 * 32),
+        }
+    }
+}
 
 /// The BF16 cast of an activation tensor and the tensor state it was made from: GEMMs that read
 /// the same input (Q, K and V; gate and up) cast it once.
@@ -229,13 +272,23 @@ impl CudaBackend {
         let ctx = kernels.context().clone();
         let module = ctx.load_module(compile_ops(kernels.arch())?.ptx)?;
         let f = |name: &str| module.load_function(name);
+        // One kernel over 1, 2 and 3 matrices: NAME, NAME_x2, NAME_x3.
+        let by_parts = |name: &str| -> std::result::Result<[CudaFunction; 3], _> {
+            Ok::<_, cudarc::driver::DriverError>([
+                f(name)?,
+                f(&format!("{name}_x2"))?,
+                f(&format!("{name}_x3"))?,
+            ])
+        };
         let ops = Ops {
             embed: f("embed_rows")?,
             embed_bf16: f("embed_rows_bf16")?,
             to_bf16: f("f32_to_bf16")?,
-            gemv: [f("gemv_bf16_n1")?, f("gemv_bf16_n2")?],
-            gemv_x2: [f("gemv_bf16_n1_x2")?, f("gemv_bf16_n2_x2")?],
-            gemv_x3: [f("gemv_bf16_n1_x3")?, f("gemv_bf16_n2_x3")?],
+            rows: [
+                by_parts("gemv_bf16_n1")?,
+                by_parts("gemv_bf16_n2")?,
+                by_parts("gemm_bf16_skinny8")?,
+            ],
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
             silu_mul: f("silu_mul_f32")?,
@@ -565,23 +618,20 @@ impl Backend for CudaBackend {
     fn matmul_t_many(&self, x: &CudaTensor, ws: &[&CudaTensor], outs: &mut [&mut CudaTensor]) {
         assert_eq!(ws.len(), outs.len(), "matmul_t_many: one output per weight");
         let (n, k) = (x.rows, x.cols);
-        let streamed = matches!(self.gemm, GemmImpl::Cublas(_))
-            && (1..=GEMV_MAX_ROWS).contains(&n)
-            && k.is_multiple_of(32)
-            && ws
-                .iter()
-                .all(|w| w.cols == k && w.rows > 0 && matches!(w.data, Data::Bf16(_)));
-        let kernels = match ws.len() {
-            2 => &self.ops.gemv_x2,
-            3 => &self.ops.gemv_x3,
-            _ => &self.ops.gemv, // never launched: one matrix or more than three go one by one
-        };
-        if !streamed || !(2..=3).contains(&ws.len()) {
+        let features = ws.iter().map(|w| w.rows).sum();
+        let ours = RowsKernel::pick(n, k, features).filter(|_| {
+            matches!(self.gemm, GemmImpl::Cublas(_))
+                && (2..=3).contains(&ws.len())
+                && ws
+                    .iter()
+                    .all(|w| w.cols == k && w.rows > 0 && matches!(w.data, Data::Bf16(_)))
+        });
+        let Some(kernel) = ours else {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul_t(x, w, out);
             }
             return;
-        }
+        };
         for (w, out) in ws.iter().zip(outs.iter()) {
             assert_eq!(
                 (out.rows, out.cols),
@@ -591,43 +641,7 @@ impl Backend for CudaBackend {
         }
         self.bind();
         let cast = self.cast_bf16(x);
-        let blocks: u32 = ws
-            .iter()
-            .map(|w| (w.rows as u32).div_ceil(GEMV_BLOCK_ROWS))
-            .sum();
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (n32, k32) = (n as u32, k as u32);
-        let m: Vec<u32> = ws.iter().map(|w| w.rows as u32).collect();
-        let mut b = self.stream().launch_builder(&kernels[n - 1]);
-        for w in ws {
-            match &w.data {
-                Data::Bf16(codes) => b.arg(codes),
-                Data::F32(_) => unreachable!("BF16 weights, checked above"),
-            };
-        }
-        match outs {
-            [o0, o1] => {
-                b.arg(o0.f32_mut()).arg(o1.f32_mut());
-            }
-            [o0, o1, o2] => {
-                b.arg(o0.f32_mut()).arg(o1.f32_mut()).arg(o2.f32_mut());
-            }
-            _ => unreachable!("two or three, checked above"),
-        }
-        for rows in &m {
-            b.arg(rows);
-        }
-        b.arg(&cast.buf).arg(&n32).arg(&k32);
-        // SAFETY: matches gemv_bf16_n*_x2/x3 (weights, outputs, row counts, input, n, k); each
-        // w holds m_i*k codes, the cast n*k, each output n*m_i values; k is a multiple of 32.
-        launched(
-            unsafe { b.launch(cfg) }.map(|_| ()),
-            "gemv_bf16 (several matrices)",
-        );
+        self.launch_rows(kernel, &cast.buf, ws, outs, n, k);
     }
 
     fn matmul_t(&self, x: &CudaTensor, w: &CudaTensor, out: &mut CudaTensor) {
@@ -667,25 +681,8 @@ impl Backend for CudaBackend {
                 let values = n * k;
                 let cast = self.cast_bf16(x);
                 let xs = &cast.buf;
-                if n <= GEMV_MAX_ROWS && k.is_multiple_of(32) {
-                    let kernel = &self.ops.gemv[n - 1];
-                    let (n32, m32, k32) = (n as u32, m as u32, k as u32);
-                    let cfg = LaunchConfig {
-                        grid_dim: (m32.div_ceil(GEMV_BLOCK_ROWS), 1, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    let mut b = self.stream().launch_builder(kernel);
-                    b.arg(wb)
-                        .arg(xs)
-                        .arg(out.f32_mut())
-                        .arg(&n32)
-                        .arg(&m32)
-                        .arg(&k32);
-                    // SAFETY: matches gemv_bf16_n*; w holds m*k codes, the cast n*k, out n*m
-                    // values; rows of k codes (a multiple of 32) keep every warp's quarter of a
-                    // row in whole, aligned 16-byte words.
-                    launched(unsafe { b.launch(cfg) }.map(|_| ()), "gemv_bf16");
+                if let Some(kernel) = RowsKernel::pick(n, k, m) {
+                    self.launch_rows(kernel, xs, &[w], &mut [out], n, k);
                     return;
                 }
                 let gemm = Bf16Gemm { n, m, k };
@@ -1140,6 +1137,64 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// `outs[i] = x · ws[i]ᵀ` for 1 to 3 BF16 weight matrices on one of nibble's kernels, one
+    /// launch: matrix i takes the next ceil(m_i / rows per block) blocks. `xs` is the BF16 cast
+    /// of `n` rows of `k` values; shapes were checked by the caller.
+    fn launch_rows(
+        &self,
+        kernel: RowsKernel,
+        xs: &CudaSlice<u16>,
+        ws: &[&CudaTensor],
+        outs: &mut [&mut CudaTensor],
+        n: usize,
+        k: usize,
+    ) {
+        let (rows_per_block, threads) = kernel.block();
+        let blocks: u32 = ws
+            .iter()
+            .map(|w| (w.rows as u32).div_ceil(rows_per_block))
+            .sum();
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n32, k32) = (n as u32, k as u32);
+        let m: Vec<u32> = ws.iter().map(|w| w.rows as u32).collect();
+        let mut b = self
+            .stream()
+            .launch_builder(&self.ops.rows[kernel.index()][ws.len() - 1]);
+        for w in ws {
+            match &w.data {
+                Data::Bf16(codes) => b.arg(codes),
+                Data::F32(_) => panic!("launch_rows: f32 weights"),
+            };
+        }
+        match outs {
+            [o0] => {
+                b.arg(o0.f32_mut());
+            }
+            [o0, o1] => {
+                b.arg(o0.f32_mut()).arg(o1.f32_mut());
+            }
+            [o0, o1, o2] => {
+                b.arg(o0.f32_mut()).arg(o1.f32_mut()).arg(o2.f32_mut());
+            }
+            _ => panic!("launch_rows: 1 to 3 matrices, not {}", outs.len()),
+        }
+        for rows in &m {
+            b.arg(rows);
+        }
+        b.arg(xs).arg(&n32).arg(&k32);
+        // SAFETY: matches gemv_bf16_n* / gemm_bf16_skinny* (weights, outputs, row counts, input,
+        // n, k) for ws.len() matrices; each w holds m_i*k codes, xs n*k, each output n*m_i
+        // values; k is a multiple of 32, so every lane's 16-byte loads are whole and aligned.
+        launched(
+            unsafe { b.launch(cfg) }.map(|_| ()),
+            "BF16 GEMM (rows kernel)",
+        );
+    }
+
     /// The BF16 cast of `x` for the BF16-weight GEMMs, made unless the buffer already holds this
     /// state of `x` (GEMMs of one input cast it once). Held until the GEMM is queued.
     fn cast_bf16(&self, x: &CudaTensor) -> MutexGuard<'_, Bf16Cast> {
@@ -1433,5 +1488,36 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_row_counts_pick_their_gemm_kernel() {
+        // Llama-3-8B's Q, K and V together: 6,144 features of 4,096.
+        let pick = |n| RowsKernel::pick(n, 4096, 6144);
+        assert_eq!(pick(1), Some(RowsKernel::Gemv { rows: 1 }));
+        assert_eq!(pick(2), Some(RowsKernel::Gemv { rows: 2 }));
+        for n in 3..=8 {
+            assert_eq!(pick(n), Some(RowsKernel::Skinny), "{n} rows");
+        }
+        assert_eq!(pick(9), None, "9 rows and more go to cuBLAS");
+        assert_eq!(pick(64), None);
+        // Rows whose length the 16-byte loads cannot cover whole.
+        assert_eq!(RowsKernel::pick(1, 4100, 6144), None);
+        assert_eq!(RowsKernel::pick(8, 4100, 6144), None);
+        // The vocabulary projection at 3-8 rows stays on cuBLAS; at 1-2 the GEMV is faster.
+        assert_eq!(RowsKernel::pick(8, 4096, 128_256), None);
+        assert_eq!(
+            RowsKernel::pick(1, 4096, 128_256),
+            Some(RowsKernel::Gemv { rows: 1 })
+        );
+        // The rows of Ops::rows, in the order they are loaded.
+        assert_eq!(RowsKernel::Gemv { rows: 1 }.index(), 0);
+        assert_eq!(RowsKernel::Gemv { rows: 2 }.index(), 1);
+        assert_eq!(RowsKernel::Skinny.index(), 2);
     }
 }

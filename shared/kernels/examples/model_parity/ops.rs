@@ -436,7 +436,7 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         &down(gpu, &og),
         1e-2,
     );
-    for n in [1, 2, 5] {
+    for n in [1, 2, 5, 12] {
         for parts in [2, 3] {
             ok &= check_matmul_many(gpu, &mut rng, n, parts)?;
         }
@@ -444,8 +444,9 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
     Ok(ok)
 }
 
-/// `matmul_t_many` on the GPU (one launch over 2 or 3 BF16 matrices at 1-2 rows, one GEMM each
-/// past that) against `matmul_t` per matrix: the same values, bit for bit. Row counts that are
+/// `matmul_t_many` on the GPU (one launch over 2 or 3 BF16 matrices: the weight-streaming kernel
+/// at 1-2 rows, the skinny tensor-core GEMM at 5 and 12) against `matmul_t` per matrix: the same
+/// values, bit for bit. Row counts that are
 /// not multiples of the kernel's 4 rows per block put block boundaries inside the matrices.
 fn check_matmul_many(gpu: &CudaBackend, rng: &mut StdRng, n: usize, parts: usize) -> Result<bool> {
     let k = 576;
