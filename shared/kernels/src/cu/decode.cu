@@ -533,15 +533,20 @@ extern "C" __global__ void decode_combine(const float* __restrict__ part_o,
                                           u32 head_dim, float v_scale) {
     const u32 h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
     const u64 row0 = ((u64)seq * q_heads + h) * splits;
-    float mx = __int_as_float(0xff800000);
-    for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[2 * (row0 + s)]);
+    const float NEG_INF = __int_as_float(0xff800000);
+    float mx = NEG_INF;
+#pragma unroll 8
+    for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, __ldg(part_ml + 2 * (row0 + s)));
+    // Without a branch (a split with no tokens wrote m = -inf, a zero sum and zero outputs, and
+    // weighs 0), so the unrolled loads of 8 splits are in flight together: a batch of one
+    // sequence merges dozens of splits, and one load latency per split was most of its time.
     float acc = 0.f, sum = 0.f;
+#pragma unroll 8
     for (u32 s = 0; s < splits; ++s) {
-        const float ms = part_ml[2 * (row0 + s)];
-        if (ms == __int_as_float(0xff800000)) continue;
-        const float f = fast_exp2(ms - mx);
-        acc += part_o[(row0 + s) * head_dim + d] * f;
-        sum += part_ml[2 * (row0 + s) + 1] * f;
+        const float ms = __ldg(part_ml + 2 * (row0 + s));
+        const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+        acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
+        sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
     }
     out[((u64)seq * q_heads + h) * head_dim + d] = sum > 0.f ? acc / sum * v_scale : 0.f;
 }
