@@ -773,14 +773,24 @@ impl Backend for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        let mut cast = self.cast_target(out.len());
         let mut b = self.stream().launch_builder(&self.ops.rms_norm);
         b.arg(x.f32())
             .arg(weight.f32())
             .arg(out.f32_mut())
             .arg(&width)
             .arg(&eps);
-        // SAFETY: matches rms_norm_f32; x and out hold groups*width values.
+        let null = 0u64;
+        match &mut cast {
+            Some(c) => b.arg(&mut c.buf),
+            None => b.arg(&null),
+        };
+        // SAFETY: matches rms_norm_f32; x and out hold groups*width values, the cast buffer (or
+        // null) at least as many.
         launched(unsafe { b.launch(cfg) }.map(|_| ()), "rms_norm");
+        if let Some(c) = &mut cast {
+            c.of = Some(out.stamp());
+        }
     }
 
     fn add_rms_norm(
@@ -814,6 +824,7 @@ impl Backend for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        let mut cast = self.cast_target(out.len());
         let mut b = self.stream().launch_builder(&self.ops.add_rms_norm);
         b.arg(x.f32_mut())
             .arg(y.f32())
@@ -821,8 +832,17 @@ impl Backend for CudaBackend {
             .arg(out.f32_mut())
             .arg(&width)
             .arg(&eps);
-        // SAFETY: matches add_rms_norm_f32; x, y and out hold rows*width values, weight width.
+        let null = 0u64;
+        match &mut cast {
+            Some(c) => b.arg(&mut c.buf),
+            None => b.arg(&null),
+        };
+        // SAFETY: matches add_rms_norm_f32; x, y and out hold rows*width values, weight width,
+        // the cast buffer (or null) at least rows*width.
         launched(unsafe { b.launch(cfg) }.map(|_| ()), "add_rms_norm");
+        if let Some(c) = &mut cast {
+            c.of = Some(out.stamp());
+        }
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], rope: &RopeArgs<'_, CudaTensor>) {
@@ -875,10 +895,20 @@ impl Backend for CudaBackend {
             return;
         }
         self.bind();
+        let mut cast = self.cast_target(gate.len());
         let mut b = self.stream().launch_builder(&self.ops.silu_mul);
         b.arg(gate.f32_mut()).arg(up.f32()).arg(&n);
-        // SAFETY: matches silu_mul_f32; both hold n values.
+        let null = 0u64;
+        match &mut cast {
+            Some(c) => b.arg(&mut c.buf),
+            None => b.arg(&null),
+        };
+        // SAFETY: matches silu_mul_f32; both hold n values, the cast buffer (or null) at least
+        // n.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "silu_mul");
+        if let Some(c) = &mut cast {
+            c.of = Some(gate.stamp());
+        }
     }
 
     fn attention(&self, args: &AttentionArgs<'_, CudaTensor>, out: &mut CudaTensor) {
@@ -1195,19 +1225,38 @@ impl CudaBackend {
         );
     }
 
+    /// The cast buffer, at least `values` long, for a kernel whose output feeds BF16-weight
+    /// GEMMs (RMSNorm, SwiGLU) to write that output's BF16 cast as it goes, sparing the GEMM a
+    /// cast launch; `None` when the GEMMs take f32 weights. The caller records the output's
+    /// stamp in it after the launch. (BF16 weights imply cuBLAS: without it they are f32.)
+    fn cast_target(&self, values: usize) -> Option<MutexGuard<'_, Bf16Cast>> {
+        if self.weights != WeightPrecision::Bf16 {
+            return None;
+        }
+        let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
+        self.reserve_cast(&mut cast, values);
+        cast.of = None;
+        Some(cast)
+    }
+
+    fn reserve_cast(&self, cast: &mut Bf16Cast, values: usize) {
+        if cast.buf.len() < values {
+            cast.of = None;
+            cast.buf = self
+                .stream()
+                .alloc_zeros(values.max(1))
+                .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
+        }
+    }
+
     /// The BF16 cast of `x` for the BF16-weight GEMMs, made unless the buffer already holds this
-    /// state of `x` (GEMMs of one input cast it once). Held until the GEMM is queued.
+    /// state of `x` (GEMMs of one input cast it once, and RMSNorm and SwiGLU write it with their
+    /// output). Held until the GEMM is queued.
     fn cast_bf16(&self, x: &CudaTensor) -> MutexGuard<'_, Bf16Cast> {
         let values = x.len();
         let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
         if cast.of != Some(x.stamp()) {
-            if cast.buf.len() < values {
-                cast.of = None;
-                cast.buf = self
-                    .stream()
-                    .alloc_zeros(values)
-                    .unwrap_or_else(|e| panic!("CUDA: cannot allocate {values} bf16: {e}"));
-            }
+            self.reserve_cast(&mut cast, values);
             let count = values as u64;
             let mut b = self.stream().launch_builder(&self.ops.to_bf16);
             b.arg(&mut cast.buf).arg(x.f32()).arg(&count);

@@ -441,6 +441,43 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             ok &= check_matmul_many(gpu, &mut rng, n, parts)?;
         }
     }
+    ok &= check_fused_casts(gpu, &mut rng)?;
+    Ok(ok)
+}
+
+/// RMSNorm, the fused add + RMSNorm and SwiGLU write their output's BF16 cast as they go, and
+/// the GEMM that reads the output uses it without casting: the product must be the same bits
+/// as after a cast made from the output itself (an add of zeros makes the output a new state
+/// with the same values, so the GEMM casts it afresh).
+fn check_fused_casts(gpu: &CudaBackend, rng: &mut StdRng) -> Result<bool> {
+    let (n, k, m) = (3, 576, 64);
+    let w = gpu.upload_matrix(m, k, values(rng, m * k))?;
+    let norm_w = gpu.upload(1, k, &values(rng, k))?;
+    let zeros = gpu.zeros(n, k);
+    let mut x = gpu.upload(n, k, &values(rng, n * k))?;
+    let y = gpu.upload(n, k, &values(rng, n * k))?;
+    let up = gpu.upload(n, k, &values(rng, n * k))?;
+    let mut out = gpu.zeros(n, k);
+    let mut ok = true;
+    for op in ["rms_norm", "add_rms_norm", "silu_mul"] {
+        match op {
+            "rms_norm" => gpu.rms_norm(&x, &norm_w, 1e-5, &mut out),
+            "add_rms_norm" => gpu.add_rms_norm(&mut x, &y, &norm_w, 1e-5, &mut out),
+            _ => gpu.silu_mul(&mut out, &up),
+        }
+        let (mut fused, mut fresh) = (gpu.zeros(n, m), gpu.zeros(n, m));
+        gpu.matmul_t(&out, &w, &mut fused);
+        gpu.add(&mut out, &zeros);
+        gpu.matmul_t(&out, &w, &mut fresh);
+        let same = down(gpu, &fused)
+            .iter()
+            .zip(down(gpu, &fresh))
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        println!(
+            "{{\"op\":\"{op} then matmul_t bf16 weights\",\"fused_cast_identical_to_cast\":{same}}}"
+        );
+        ok &= same;
+    }
     Ok(ok)
 }
 

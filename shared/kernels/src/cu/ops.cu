@@ -273,18 +273,27 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const float* __re
 }
 
 // gate = silu(gate) * up
-extern "C" __global__ void silu_mul_f32(float* __restrict__ g, const float* __restrict__ u, u64 n) {
+// gate = silu(gate) * up; with g_bf16 (else null) also its BF16 cast, the input of the BF16
+// down projection (as f32_to_bf16 would make it, without the launch).
+extern "C" __global__ void silu_mul_f32(float* __restrict__ g, const float* __restrict__ u, u64 n,
+                                        u16* __restrict__ g_bf16) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float x = g[i];
-    g[i] = x / (1.0f + expf(-x)) * u[i];
+    const float v = x / (1.0f + expf(-x)) * u[i];
+    g[i] = v;
+    if (g_bf16) g_bf16[i] = (u16)bf16_encode(v);
 }
 
 // The end of an RMSNorm over one row of `width` values, x, once each of the block's 256 threads
-// holds its share of the sum of squares: the block's sum, then out = x / sqrt(mean + eps) * w.
+// holds its share of the sum of squares: the block's sum, then out = x / sqrt(mean + eps) * w,
+// and with out_bf16 (else null) its BF16 cast too, the input of the BF16 GEMMs that follow (as
+// f32_to_bf16 would make it, without the launch).
 __device__ __forceinline__ void rms_norm_finish(float acc, const float* __restrict__ x,
                                                 const float* __restrict__ w,
-                                                float* __restrict__ out, u32 width, float eps) {
+                                                float* __restrict__ out,
+                                                u16* __restrict__ out_bf16, u32 width,
+                                                float eps) {
     __shared__ float partial[256];
     partial[threadIdx.x] = acc;
     __syncthreads();
@@ -293,19 +302,25 @@ __device__ __forceinline__ void rms_norm_finish(float acc, const float* __restri
         __syncthreads();
     }
     const float inv = 1.0f / sqrtf(partial[0] / (float)width + eps);
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) out[i] = x[i] * inv * w[i];
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = x[i] * inv * w[i];
+        out[i] = v;
+        if (out_bf16) out_bf16[i] = (u16)bf16_encode(v);
+    }
 }
 
 // One block (256 threads) per group of `width` values: out = x / sqrt(mean(x^2) + eps) * w.
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ out, u32 width, float eps) {
+                                        float* __restrict__ out, u32 width, float eps,
+                                        u16* __restrict__ out_bf16) {
     const u64 base = (u64)blockIdx.x * width;
     float acc = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
         const float v = x[base + i];
         acc += v * v;
     }
-    rms_norm_finish(acc, x + base, w, out + base, width, eps);
+    rms_norm_finish(acc, x + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
+                    eps);
 }
 
 // x += y, then out = rms_norm(x) * w over each row of `width` values (w is [width]): the
@@ -313,7 +328,8 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 // rms_norm_f32 (the same sums in the same order), so the results are the same bits.
 extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w,
-                                            float* __restrict__ out, u32 width, float eps) {
+                                            float* __restrict__ out, u32 width, float eps,
+                                            u16* __restrict__ out_bf16) {
     const u64 base = (u64)blockIdx.x * width;
     float acc = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
@@ -321,7 +337,8 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
         x[base + i] = v;
         acc += v * v;
     }
-    rms_norm_finish(acc, x + base, w, out + base, width, eps);
+    rms_norm_finish(acc, x + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
+                    eps);
 }
 
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
