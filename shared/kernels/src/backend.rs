@@ -51,7 +51,7 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 21] = [
+pub const OPS_ENTRY_POINTS: [&str; 24] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
@@ -64,6 +64,9 @@ pub const OPS_ENTRY_POINTS: [&str; 21] = [
     "gemm_bf16_skinny8",
     "gemm_bf16_skinny8_x2",
     "gemm_bf16_skinny8_x3",
+    "gemm_bf16_skinny16",
+    "gemm_bf16_skinny16_x2",
+    "gemm_bf16_skinny16_x3",
     "add_f32",
     "add_bias_f32",
     "silu_mul_f32",
@@ -164,9 +167,9 @@ struct Ops {
     embed_bf16: CudaFunction,
     to_bf16: CudaFunction,
     /// nibble's BF16-weight GEMMs by [`RowsKernel::index`] (the weight-streaming kernel for 1
-    /// and 2 rows, the skinny tensor-core one for 3 to 8), each over 1, 2 and 3 matrices of one
-    /// input.
-    rows: [[CudaFunction; 3]; 3],
+    /// and 2 rows, the skinny tensor-core one for 3 to 8 and 9 to 16), each over 1, 2 and 3
+    /// matrices of one input.
+    rows: [[CudaFunction; 3]; 4],
     add: CudaFunction,
     add_bias: CudaFunction,
     silu_mul: CudaFunction,
@@ -195,9 +198,10 @@ pub struct CudaBackend {
 
 /// Which of nibble's BF16-weight GEMM kernels serves `n` rows of `x` (decode steps): the
 /// weight-streaming kernel (`gemv_bf16_n*`) for 1 and 2 rows, where it beats cuBLAS (run 60),
-/// the skinny tensor-core GEMM (`gemm_bf16_skinny8*`) for 3 to 8 (run 66: at 8 rows a layer's
-/// GEMMs take 131 us against cuBLAS's 166). More rows, or rows whose length is not a multiple
-/// of 32, go to cuBLAS.
+/// the skinny tensor-core GEMM for 3 to 8 (`gemm_bf16_skinny8*`, one tile of 8 rows) and 9 to
+/// 16 (`gemm_bf16_skinny16*`, two): a layer's GEMMs take 132 us against cuBLAS's 166 at 8 rows
+/// (run 67) and 144 against 174 at 16 (run 72). More rows, or rows whose length is not a
+/// multiple of 32, go to cuBLAS.
 /// The most output features (of all matrices of one call) the skinny GEMM takes.
 const SKINNY_MAX_FEATURES: usize = 65_536;
 
@@ -205,6 +209,7 @@ const SKINNY_MAX_FEATURES: usize = 65_536;
 enum RowsKernel {
     Gemv { rows: usize },
     Skinny,
+    Skinny16,
 }
 
 impl RowsKernel {
@@ -219,6 +224,7 @@ impl RowsKernel {
             // The vocabulary projection stays on cuBLAS: 8,016 short-lived blocks of 16 warps
             // took 279 us against its 262 at 8 rows (run 67).
             3..=8 if m <= SKINNY_MAX_FEATURES => Some(Self::Skinny),
+            9..=16 if m <= SKINNY_MAX_FEATURES => Some(Self::Skinny16),
             _ => None,
         }
     }
@@ -228,6 +234,7 @@ impl RowsKernel {
         match self {
             Self::Gemv { rows } => rows - 1,
             Self::Skinny => 2,
+            Self::Skinny16 => 3,
         }
     }
 
@@ -235,7 +242,7 @@ impl RowsKernel {
     fn block(self) -> (u32, u32) {
         match self {
             Self::Gemv { .. } => (4, 128),
-            Self::Skinny => (16, 16 * 32),
+            Self::Skinny | Self::Skinny16 => (16, 16 * 32),
         }
     }
 }
@@ -288,6 +295,7 @@ impl CudaBackend {
                 by_parts("gemv_bf16_n1")?,
                 by_parts("gemv_bf16_n2")?,
                 by_parts("gemm_bf16_skinny8")?,
+                by_parts("gemm_bf16_skinny16")?,
             ],
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
@@ -1553,13 +1561,17 @@ mod tests {
         for n in 3..=8 {
             assert_eq!(pick(n), Some(RowsKernel::Skinny), "{n} rows");
         }
-        assert_eq!(pick(9), None, "9 rows and more go to cuBLAS");
+        for n in 9..=16 {
+            assert_eq!(pick(n), Some(RowsKernel::Skinny16), "{n} rows");
+        }
+        assert_eq!(pick(17), None, "17 rows and more go to cuBLAS");
         assert_eq!(pick(64), None);
         // Rows whose length the 16-byte loads cannot cover whole.
         assert_eq!(RowsKernel::pick(1, 4100, 6144), None);
         assert_eq!(RowsKernel::pick(8, 4100, 6144), None);
         // The vocabulary projection at 3-8 rows stays on cuBLAS; at 1-2 the GEMV is faster.
         assert_eq!(RowsKernel::pick(8, 4096, 128_256), None);
+        assert_eq!(RowsKernel::pick(16, 4096, 128_256), None);
         assert_eq!(
             RowsKernel::pick(1, 4096, 128_256),
             Some(RowsKernel::Gemv { rows: 1 })
@@ -1568,5 +1580,6 @@ mod tests {
         assert_eq!(RowsKernel::Gemv { rows: 1 }.index(), 0);
         assert_eq!(RowsKernel::Gemv { rows: 2 }.index(), 1);
         assert_eq!(RowsKernel::Skinny.index(), 2);
+        assert_eq!(RowsKernel::Skinny16.index(), 3);
     }
 }

@@ -31,15 +31,15 @@ extern "C" __global__ void f32_to_bf16(u16* __restrict__ out, const float* __res
     if (i < n) out[i] = (u16)bf16_encode(x[i]);
 }
 
-// The BF16-weight GEMM of decode steps of one or two sequences (n <= 2 rows): out[r][o] = sum_k x[r][k] * w[o][k] with
-// w BF16 [m][k], x the BF16 cast [n][k], out f32 [n][m]. Weight-bandwidth bound, so built for
-// bytes in flight: a block of 4 warps takes 4 weight rows, each warp a quarter of k (k a multiple
-// of 32), each lane 8 values of each row per 16-byte load, streamed past L1 (which keeps x for
-// the other warps); products exact in f32, sums fused (fmaf: explicit under --fmad=false) per
-// lane, then across the warp, then across the 4 warps in shared memory. At one row it beats
-// cuBLAS on Llama-3-8B's shapes (a 1024 x 4096 matrix in 6.6 us against 13.2, the 128256-row
-// head in 240 against 266; run 60); at 8 rows the loads of x make it slower, so 3 to 8 rows go
-// to the tensor-core kernel below (gemm_bf16_skinny8) and more to cuBLAS.
+// The BF16-weight GEMM of decode steps of one or two sequences (n <= 2 rows): out[r][o] = sum_k
+// x[r][k] * w[o][k] with w BF16 [m][k], x the BF16 cast [n][k], out f32 [n][m]. Weight-bandwidth
+// bound, so built for bytes in flight: a block of 4 warps takes 4 weight rows, each warp a quarter
+// of k (k a multiple of 32), each lane 8 values of each row per 16-byte load, streamed past L1
+// (which keeps x for the other warps); products exact in f32, sums fused (fmaf: explicit under
+// --fmad=false) per lane, then across the warp, then across the 4 warps in shared memory. At one
+// row it beats cuBLAS on Llama-3-8B's shapes (a 1024 x 4096 matrix in 6.6 us against 13.2, the
+// 128256-row head in 240 against 266; run 60); at 8 rows the loads of x make it slower, so 3 to 16
+// rows go to the tensor-core kernel below (gemm_bf16_skinny*) and more to cuBLAS.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -115,11 +115,11 @@ __device__ __forceinline__ void gemv_bf16_body(const u16* __restrict__ w,
     }
 }
 
-#define GEMV_BF16(NAME, N)                                                                      \
-    extern "C" __global__ void __launch_bounds__(128)                                            \
-        NAME(const u16* __restrict__ w0, float* __restrict__ o0, u32 m0,                         \
-             const u16* __restrict__ x, u32 n, u32 k) {                                          \
-        gemv_bf16_body<N>(w0, x, o0, n, m0, k, blockIdx.x);                                      \
+#define GEMV_BF16(NAME, N)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128)                                              \
+        NAME(const u16* __restrict__ w0, float* __restrict__ o0, u32 m0,                           \
+             const u16* __restrict__ x, u32 n, u32 k) {                                            \
+        gemv_bf16_body<N>(w0, x, o0, n, m0, k, blockIdx.x);                                        \
     }
 GEMV_BF16(gemv_bf16_n1, 1)
 GEMV_BF16(gemv_bf16_n2, 2)
@@ -128,46 +128,46 @@ GEMV_BF16(gemv_bf16_n2, 2)
 // next ceil(m_p / GEMV_ROWS) blocks. Each output is computed exactly as gemv_bf16_n* computes it
 // alone, one launch instead of two or three and no tail wave per matrix.
 #define GEMV_BLOCKS(M) (((M) + GEMV_ROWS - 1) / GEMV_ROWS)
-#define GEMV_BF16_X2(NAME, N)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128)                                            \
-        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,     \
-             float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {  \
-        const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0);                                          \
-        if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                   \
-        else gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                                     \
+#define GEMV_BF16_X2(NAME, N)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128)                                              \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,       \
+             float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {    \
+        const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0);                                            \
+        if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                     \
+        else gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                                       \
     }
-#define GEMV_BF16_X3(NAME, N)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128)                                            \
-        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2, \
-             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,     \
-             u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                          \
-        const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0), b1 = b0 + GEMV_BLOCKS(m1);               \
-        if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                   \
-        else if (b < b1) gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                        \
-        else gemv_bf16_body<N>(w2, x, o2, n, m2, k, b - b1);                                     \
+#define GEMV_BF16_X3(NAME, N)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128)                                              \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2,   \
+             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,       \
+             u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                            \
+        const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0), b1 = b0 + GEMV_BLOCKS(m1);                 \
+        if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                     \
+        else if (b < b1) gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                           \
+        else gemv_bf16_body<N>(w2, x, o2, n, m2, k, b - b1);                                       \
     }
 GEMV_BF16_X2(gemv_bf16_n1_x2, 1)
 GEMV_BF16_X2(gemv_bf16_n2_x2, 2)
 GEMV_BF16_X3(gemv_bf16_n1_x3, 1)
 GEMV_BF16_X3(gemv_bf16_n2_x3, 2)
 
-// ---- BF16-weight GEMMs of 3 to 8 rows on the tensor cores (decode batches) ----
+// ---- BF16-weight GEMMs of 3 to 16 rows on the tensor cores (decode batches) ----
 // out[r][f] = sum_k x[r][k] * w[f][k] (x the BF16 cast of the activations). A block of
-// SKINNY_WARPS warps takes 16 output features (the M of m16n8k16) and the 8 rows of x (N; rows
-// past n read row n - 1 into columns never written); warp j takes the 32-wide k chunks j,
-// j + SKINNY_WARPS, ... Per chunk a lane loads 16 bytes of weight rows g and g + 8 (k = 8c ..
-// 8c + 7 of the chunk, past L1) and 16 bytes of x row g: two mmas, whose k order is permuted
-// the same way in A and B (mma k 2c, 2c + 1 and 2c + 8, 2c + 9 are the chunk's 8c + 4s .. 8c +
-// 4s + 3 in step s). The warps' sums meet in shared memory and are added in warp order. Weight
-// rows past m read row m - 1 likewise. 16 warps per 16 features keep enough loads in flight for
-// q/o and down's 256 blocks (8 warps: down 45 us against cuBLAS's 34; 16: 34); a second tile of
-// 8 rows (9-16 rows) was slower than cuBLAS (run 66), so those go to cuBLAS.
+// SKINNY_WARPS warps takes 16 output features (the M of m16n8k16) and NT tiles of 8 rows of x
+// (N; rows past n read row n - 1 into columns never written); warp j takes the 32-wide k
+// chunks j, j + SKINNY_WARPS, ... Per chunk a lane loads 16 bytes of weight rows g and g + 8
+// (k = 8c .. 8c + 7 of the chunk, past L1) and 16 bytes of x row g of each tile: two mmas per
+// tile, whose k order is permuted the same way in A and B (mma k 2c, 2c + 1 and 2c + 8, 2c + 9
+// are the chunk's 8c + 4s .. 8c + 4s + 3 in step s). The warps' sums meet in shared memory and
+// are added in warp order. Weight rows past m read row m - 1 likewise. 16 warps per 16 features
+// keep enough loads in flight for q/o and down's 256 blocks (8 warps: down 45 us against
+// cuBLAS's 34; 16: 34; run 66). Two tiles (9-16 rows) take 2 chunks per round, not 4, which
+// keeps them at 60 registers and two blocks per SM (with 4, one block: slower than cuBLAS).
 #define SKINNY_WARPS 16
-#define SKINNY_DEPTH 4  // chunks per round of a warp: loaded together, multiplied into their own sums
 
 // x's loads (cached in L1: every block reads all of x). Volatile, as load_stream and
-// mma16816 are: the compiler keeps them in the order written, so the loads of SKINNY_DEPTH
-// chunks issue before the first mma (left free, it sinks each load next to its mma, and a warp
+// mma16816 are: the compiler keeps them in the order written, so the loads of a round's chunks
+// issue before its first mma (left free, it sinks each load next to its mma, and a warp
 // then waits out one load latency per chunk).
 __device__ __forceinline__ uint4 load_cached(const uint4* p) {
     uint4 v;
@@ -177,89 +177,114 @@ __device__ __forceinline__ uint4 load_cached(const uint4* p) {
     return v;
 }
 
+// NT tiles of 8 rows of x (8 rows: 1; 16: 2), DEPTH chunks per round of a warp.
+template <int NT, int DEPTH>
 __device__ __forceinline__ void skinny_body(const u16* __restrict__ w, const u16* __restrict__ x,
                                             float* __restrict__ out, u32 n, u32 m, u32 k,
                                             u32 tile) {
-    __shared__ float part[SKINNY_WARPS][16][8];
+    __shared__ float part[SKINNY_WARPS][NT][16][8];
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const u32 f0 = tile * 16;
     const uint4* wa = reinterpret_cast<const uint4*>(w + (u64)min(f0 + g, m - 1) * k) + c;
     const uint4* wb = reinterpret_cast<const uint4*>(w + (u64)min(f0 + g + 8, m - 1) * k) + c;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, n - 1) * k) + c;
-    // One accumulator per chunk of a round: four independent mma chains, so no mma waits for
-    // the one before it (and the loads behind it in issue order do not wait either).
-    float acc[SKINNY_DEPTH][4];
+    const uint4* xr[NT];
 #pragma unroll
-    for (int u = 0; u < SKINNY_DEPTH; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+    for (int t = 0; t < NT; ++t)
+        xr[t] = reinterpret_cast<const uint4*>(x + (u64)min(8u * t + g, n - 1) * k) + c;
+    // One accumulator per chunk of a round: independent mma chains, so no mma waits for the
+    // one before it (and the loads behind it in issue order do not wait either).
+    float acc[DEPTH][NT][4];
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[u][t][i] = 0.f;
     const u32 chunks = k / 32;
-    for (u32 ch0 = warp; ch0 < chunks; ch0 += SKINNY_DEPTH * SKINNY_WARPS) {
-        uint4 a[SKINNY_DEPTH], b[SKINNY_DEPTH], xv[SKINNY_DEPTH];
+    for (u32 ch0 = warp; ch0 < chunks; ch0 += DEPTH * SKINNY_WARPS) {
+        uint4 a[DEPTH], b[DEPTH], xv[DEPTH][NT];
 #pragma unroll
-        for (int u = 0; u < SKINNY_DEPTH; ++u) {
+        for (int u = 0; u < DEPTH; ++u) {
             const u32 ch = min(ch0 + u * SKINNY_WARPS, chunks - 1);
             a[u] = load_stream(wa + 4 * ch);
             b[u] = load_stream(wb + 4 * ch);
-            xv[u] = load_cached(xr + 4 * ch);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) xv[u][t] = load_cached(xr[t] + 4 * ch);
         }
         // Past the end (a warp's last round when the chunks do not divide evenly) the last
         // chunk is loaded again and multiplied by zeros. Branching instead would let the
         // compiler sink the loads into the branches, one load latency per chunk again.
 #pragma unroll
-        for (int u = 0; u < SKINNY_DEPTH; ++u)
-            if (ch0 + u * SKINNY_WARPS >= chunks) xv[u] = make_uint4(0u, 0u, 0u, 0u);
+        for (int u = 0; u < DEPTH; ++u)
+            if (ch0 + u * SKINNY_WARPS >= chunks)
 #pragma unroll
-        for (int u = 0; u < SKINNY_DEPTH; ++u) {
+                for (int t = 0; t < NT; ++t) xv[u][t] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int u = 0; u < DEPTH; ++u) {
             const u32 s0[4] = {a[u].x, b[u].x, a[u].y, b[u].y};
             const u32 s1[4] = {a[u].z, b[u].z, a[u].w, b[u].w};
-            mma16816<NIBBLE_BF16>(acc[u], s0, xv[u].x, xv[u].y);
-            mma16816<NIBBLE_BF16>(acc[u], s1, xv[u].z, xv[u].w);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                mma16816<NIBBLE_BF16>(acc[u][t], s0, xv[u][t].x, xv[u][t].y);
+                mma16816<NIBBLE_BF16>(acc[u][t], s1, xv[u][t].z, xv[u][t].w);
+            }
         }
     }
-    float v[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = ((acc[0][i] + acc[1][i]) + acc[2][i]) + acc[3][i];
-    part[warp][g][2 * c] = v[0];
-    part[warp][g][2 * c + 1] = v[1];
-    part[warp][g + 8][2 * c] = v[2];
-    part[warp][g + 8][2 * c + 1] = v[3];
+    for (int t = 0; t < NT; ++t) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = acc[0][t][i];
+#pragma unroll
+            for (int u = 1; u < DEPTH; ++u) v[i] += acc[u][t][i];
+        }
+        part[warp][t][g][2 * c] = v[0];
+        part[warp][t][g][2 * c + 1] = v[1];
+        part[warp][t][g + 8][2 * c] = v[2];
+        part[warp][t][g + 8][2 * c + 1] = v[3];
+    }
     __syncthreads();
-    if (threadIdx.x < 128u) {
-        const u32 f = threadIdx.x / 8u, r = threadIdx.x % 8u;
+    for (u32 i = threadIdx.x; i < NT * 128u; i += blockDim.x) {
+        const u32 t = i / 128u, f = (i / 8u) % 16u, r = 8u * t + i % 8u;
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < SKINNY_WARPS; ++j) sum += part[j][f][r];
+        for (int j = 0; j < SKINNY_WARPS; ++j) sum += part[j][t][f][i % 8u];
         if (r < n && f0 + f < m) out[(u64)r * m + f0 + f] = sum;
     }
 }
 
 #define SKINNY_TILES(M) (((M) + 15u) / 16u)
-#define SKINNY_X1(NAME)                                                                      \
-    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                              \
-        NAME(const u16* __restrict__ w0, float* __restrict__ o0, u32 m0,                         \
-             const u16* __restrict__ x, u32 n, u32 k) {                                          \
-        skinny_body(w0, x, o0, n, m0, k, blockIdx.x);                                        \
+#define SKINNY_X1(NAME, NT, DEPTH)                                                                 \
+    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                                \
+        NAME(const u16* __restrict__ w0, float* __restrict__ o0, u32 m0,                           \
+             const u16* __restrict__ x, u32 n, u32 k) {                                            \
+        skinny_body<NT, DEPTH>(w0, x, o0, n, m0, k, blockIdx.x);                                   \
     }
-#define SKINNY_X2(NAME)                                                                      \
-    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                              \
-        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,     \
-             float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {  \
-        const u32 b = blockIdx.x, b0 = SKINNY_TILES(m0);                                         \
-        if (b < b0) skinny_body(w0, x, o0, n, m0, k, b);                                     \
-        else skinny_body(w1, x, o1, n, m1, k, b - b0);                                       \
+#define SKINNY_X2(NAME, NT, DEPTH)                                                                 \
+    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                                \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,       \
+             float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {    \
+        const u32 b = blockIdx.x, b0 = SKINNY_TILES(m0);                                           \
+        if (b < b0) skinny_body<NT, DEPTH>(w0, x, o0, n, m0, k, b);                                \
+        else skinny_body<NT, DEPTH>(w1, x, o1, n, m1, k, b - b0);                                  \
     }
-#define SKINNY_X3(NAME)                                                                      \
-    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                              \
-        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2, \
-             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,     \
-             u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                          \
-        const u32 b = blockIdx.x, b0 = SKINNY_TILES(m0), b1 = b0 + SKINNY_TILES(m1);             \
-        if (b < b0) skinny_body(w0, x, o0, n, m0, k, b);                                     \
-        else if (b < b1) skinny_body(w1, x, o1, n, m1, k, b - b0);                           \
-        else skinny_body(w2, x, o2, n, m2, k, b - b1);                                       \
+#define SKINNY_X3(NAME, NT, DEPTH)                                                                 \
+    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                                \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2,   \
+             float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,       \
+             u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                            \
+        const u32 b = blockIdx.x, b0 = SKINNY_TILES(m0), b1 = b0 + SKINNY_TILES(m1);               \
+        if (b < b0) skinny_body<NT, DEPTH>(w0, x, o0, n, m0, k, b);                                \
+        else if (b < b1) skinny_body<NT, DEPTH>(w1, x, o1, n, m1, k, b - b0);                      \
+        else skinny_body<NT, DEPTH>(w2, x, o2, n, m2, k, b - b1);                                  \
     }
-SKINNY_X1(gemm_bf16_skinny8)
-SKINNY_X2(gemm_bf16_skinny8_x2)
-SKINNY_X3(gemm_bf16_skinny8_x3)
+SKINNY_X1(gemm_bf16_skinny8, 1, 4)
+SKINNY_X2(gemm_bf16_skinny8_x2, 1, 4)
+SKINNY_X3(gemm_bf16_skinny8_x3, 1, 4)
+SKINNY_X1(gemm_bf16_skinny16, 2, 2)
+SKINNY_X2(gemm_bf16_skinny16_x2, 2, 2)
+SKINNY_X3(gemm_bf16_skinny16_x3, 2, 2)
 
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
