@@ -40,13 +40,17 @@ extern "C" __global__ void f32_to_bf16(u16* __restrict__ out, const float* __res
 // row it beats cuBLAS on Llama-3-8B's shapes (a 1024 x 4096 matrix in 6.6 us against 13.2, the
 // 128256-row head in 240 against 266; run 60); at 8 rows the loads of x make it slower, so 3 to 16
 // rows go to the tensor-core kernel below (gemm_bf16_skinny*) and more to cuBLAS.
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
+// 16 bytes of read-only global memory, with the ld's cache qualifier QUAL (".L1::no_allocate":
+// streamed past L1).
+#define LOAD_V4(NAME, QUAL)                                                                        \
+    __device__ __forceinline__ uint4 NAME(const uint4* p) {                                        \
+        uint4 v;                                                                                   \
+        asm volatile("ld.global.nc" QUAL ".v4.u32 {%0, %1, %2, %3}, [%4];"                         \
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                                  \
+                     : "l"(p));                                                                    \
+        return v;                                                                                  \
+    }
+LOAD_V4(load_stream, ".L1::no_allocate")
 
 __device__ __forceinline__ void bf16x8(uint4 v, float* f) {
     const u32 w[4] = {v.x, v.y, v.z, v.w};
@@ -169,13 +173,7 @@ GEMV_BF16_X3(gemv_bf16_n2_x3, 2)
 // mma16816 are: the compiler keeps them in the order written, so the loads of a round's chunks
 // issue before its first mma (left free, it sinks each load next to its mma, and a warp
 // then waits out one load latency per chunk).
-__device__ __forceinline__ uint4 load_cached(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
+LOAD_V4(load_cached, "")
 
 // NT tiles of 8 rows of x (8 rows: 1; 16: 2), DEPTH chunks per round of a warp.
 template <int NT, int DEPTH>
