@@ -202,6 +202,14 @@ pub struct CudaBackend {
 /// 16 (`gemm_bf16_skinny16*`, two): a layer's GEMMs take 132 us against cuBLAS's 166 at 8 rows
 /// (run 67) and 144 against 174 at 16 (run 72). More rows, or rows whose length is not a
 /// multiple of 32, go to cuBLAS.
+/// The input of [`CudaBackend::launch_norm`].
+enum NormInput<'a> {
+    /// `rms_norm(x)`.
+    Plain(&'a CudaTensor),
+    /// `x += y`, then `rms_norm(x)` (whole rows).
+    Residual(&'a mut CudaTensor, &'a CudaTensor),
+}
+
 /// The most output features (of all matrices of one call) the skinny GEMM takes.
 const SKINNY_MAX_FEATURES: usize = 65_536;
 
@@ -770,35 +778,10 @@ impl Backend for CudaBackend {
             (x.rows, x.cols),
             "rms_norm: output shape"
         );
-        let groups = x.len() / w;
-        if groups == 0 {
+        if x.len() == 0 {
             return;
         }
-        self.bind();
-        let width = w as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (groups as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut cast = self.cast_target(out.len());
-        let mut b = self.stream().launch_builder(&self.ops.rms_norm);
-        b.arg(x.f32())
-            .arg(weight.f32())
-            .arg(out.f32_mut())
-            .arg(&width)
-            .arg(&eps);
-        let null = 0u64;
-        match &mut cast {
-            Some(c) => b.arg(&mut c.buf),
-            None => b.arg(&null),
-        };
-        // SAFETY: matches rms_norm_f32; x and out hold groups*width values, the cast buffer (or
-        // null) at least as many.
-        launched(unsafe { b.launch(cfg) }.map(|_| ()), "rms_norm");
-        if let Some(c) = &mut cast {
-            c.of = Some(out.stamp());
-        }
+        self.launch_norm(NormInput::Plain(x), weight, eps, out);
     }
 
     fn add_rms_norm(
@@ -825,32 +808,7 @@ impl Backend for CudaBackend {
             self.rms_norm(x, weight, eps, out);
             return;
         }
-        self.bind();
-        let width = x.cols as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut cast = self.cast_target(out.len());
-        let mut b = self.stream().launch_builder(&self.ops.add_rms_norm);
-        b.arg(x.f32_mut())
-            .arg(y.f32())
-            .arg(weight.f32())
-            .arg(out.f32_mut())
-            .arg(&width)
-            .arg(&eps);
-        let null = 0u64;
-        match &mut cast {
-            Some(c) => b.arg(&mut c.buf),
-            None => b.arg(&null),
-        };
-        // SAFETY: matches add_rms_norm_f32; x, y and out hold rows*width values, weight width,
-        // the cast buffer (or null) at least rows*width.
-        launched(unsafe { b.launch(cfg) }.map(|_| ()), "add_rms_norm");
-        if let Some(c) = &mut cast {
-            c.of = Some(out.stamp());
-        }
+        self.launch_norm(NormInput::Residual(x, y), weight, eps, out);
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], rope: &RopeArgs<'_, CudaTensor>) {
@@ -1231,6 +1189,55 @@ impl CudaBackend {
             unsafe { b.launch(cfg) }.map(|_| ()),
             "BF16 GEMM (rows kernel)",
         );
+    }
+
+    /// RMSNorm over groups of `weight.len()` values of the input into `out` (shapes checked by
+    /// the caller, at least one group), after `x += y` for [`NormInput::Residual`]; the kernel
+    /// also writes `out`'s BF16 cast when the GEMMs take BF16 weights.
+    fn launch_norm(
+        &self,
+        input: NormInput<'_>,
+        weight: &CudaTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) {
+        self.bind();
+        let width = weight.len() as u32;
+        let cfg = LaunchConfig {
+            grid_dim: ((out.len() / weight.len()) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut cast = self.cast_target(out.len());
+        let null = 0u64;
+        let what = match &input {
+            NormInput::Plain(_) => "rms_norm",
+            NormInput::Residual(..) => "add_rms_norm",
+        };
+        let mut b = match input {
+            NormInput::Plain(x) => {
+                let mut b = self.stream().launch_builder(&self.ops.rms_norm);
+                b.arg(x.f32());
+                b
+            }
+            NormInput::Residual(x, y) => {
+                let mut b = self.stream().launch_builder(&self.ops.add_rms_norm);
+                b.arg(x.f32_mut()).arg(y.f32());
+                b
+            }
+        };
+        b.arg(weight.f32()).arg(out.f32_mut()).arg(&width).arg(&eps);
+        match &mut cast {
+            Some(c) => b.arg(&mut c.buf),
+            None => b.arg(&null),
+        };
+        // SAFETY: matches rms_norm_f32 (x, w, out, width, eps, out_bf16) and add_rms_norm_f32
+        // (x, y, w, out, width, eps, out_bf16); x, y and out hold whole groups of width values,
+        // the cast buffer (or null) at least out's.
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), what);
+        if let Some(c) = &mut cast {
+            c.of = Some(out.stamp());
+        }
     }
 
     /// The cast buffer, at least `values` long, for a kernel whose output feeds BF16-weight
