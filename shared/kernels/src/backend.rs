@@ -1156,7 +1156,9 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (n32, k32) = (n as u32, k as u32);
-        let m: Vec<u32> = ws.iter().map(|w| w.rows as u32).collect();
+        // The row counts live until the launch (the builder keeps references), without a heap
+        // allocation per GEMM.
+        let m: [u32; 3] = std::array::from_fn(|i| ws.get(i).map_or(0, |w| w.rows as u32));
         let mut b = self
             .stream()
             .launch_builder(&self.ops.rows[kernel.index()][ws.len() - 1]);
@@ -1178,7 +1180,7 @@ impl CudaBackend {
             }
             _ => panic!("launch_rows: 1 to 3 matrices, not {}", outs.len()),
         }
-        for rows in &m {
+        for rows in &m[..ws.len()] {
             b.arg(rows);
         }
         b.arg(xs).arg(&n32).arg(&k32);
