@@ -274,8 +274,7 @@ impl<B: Backend> Model<B> {
                 be.rms_norm(&ws.k, kn, c.rms_norm_eps, &mut ws.proj);
                 std::mem::swap(&mut ws.k, &mut ws.proj);
             }
-            be.rope(&mut ws.q, &ws.positions, &rope);
-            be.rope(&mut ws.k, &ws.positions, &rope);
+            be.rope_qk(&mut ws.q, &mut ws.k, &ws.positions, &rope);
             be.resize(&mut ws.attn, rows, c.q_dim());
             let step = StepTokens {
                 q: &ws.q,

@@ -14,8 +14,10 @@
 //!
 //! Inputs are random, never zero; small shapes rotate over disjoint page sets so repeated runs do
 //! not read from L2; times are CUDA events around each call, after warm-up, median of many.
-//! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16]`
-//! (`--dtypes` runs only those decode sweeps, without prefill).
+//! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16] [--shapes 8x32768,1x4096]`
+//! (`--dtypes` runs only those decode sweeps, without prefill; `--shapes` only those batch x
+//! context shapes of them). `--profile` runs a few calls of batch 32 x 32K (or `--shapes`) per
+//! dtype (FP8 and NVFP4, or `--dtypes`) and nothing else, for `ncu`.
 
 use std::sync::Arc;
 
@@ -48,14 +50,41 @@ const DECODE_REPS: usize = 5;
 /// Device memory left free for the workspace, tables and the driver.
 const HEADROOM: usize = 6 << 30;
 
+/// `--shapes BxC,...`: the decode shapes (batch x context) to run, of those the sweep has.
+fn shapes() -> Result<Option<Vec<(usize, usize)>>> {
+    let Some(list) = std::env::args().skip_while(|a| a != "--shapes").nth(1) else {
+        return Ok(None);
+    };
+    let shape = |s: &str| -> Option<(usize, usize)> {
+        let (b, c) = s.split_once('x')?;
+        Some((b.parse().ok()?, c.parse().ok()?))
+    };
+    list.split(',')
+        .map(|s| shape(s).with_context(|| format!("--shapes: {s:?} is not BATCHxCONTEXT")))
+        .collect::<Result<_>>()
+        .map(Some)
+}
+
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let kernels = Kernels::new(0).context("opening the GPU")?;
+    let shapes = shapes()?;
+    // `--dtypes nvfp4,fp8` limits the decode sweep to those page formats.
+    let only = std::env::args().skip_while(|a| a != "--dtypes").nth(1);
+    let only_dtypes: Option<Vec<KvDtype>> = only
+        .as_ref()
+        .map(|list| {
+            list.split(',')
+                .map(|d| d.parse().map_err(|e| anyhow::anyhow!("--dtypes: {e}")))
+                .collect::<Result<_>>()
+        })
+        .transpose()?;
     if std::env::args().any(|a| a == "--profile") {
         // A few launches of one shape per dtype, for `ncu`.
         let mut rng = StdRng::seed_from_u64(7);
-        for dtype in [KvDtype::Fp8, KvDtype::Nvfp4] {
-            decode_sweep(&kernels, dtype, Sweep::Profile, &mut rng)?;
+        let shapes = shapes.unwrap_or_else(|| vec![(32, 32768)]);
+        for dtype in only_dtypes.unwrap_or_else(|| vec![KvDtype::Fp8, KvDtype::Nvfp4]) {
+            decode_sweep(&kernels, dtype, Sweep::Profile, Some(&shapes), &mut rng)?;
         }
         return Ok(());
     }
@@ -67,17 +96,11 @@ fn main() -> Result<()> {
     );
     copy_bandwidth(&kernels)?;
     let mut rng = StdRng::seed_from_u64(7);
-    // `--dtypes nvfp4,fp8` limits the decode sweep to those page formats.
-    let only = std::env::args().skip_while(|a| a != "--dtypes").nth(1);
-    let dtypes: Vec<KvDtype> = match &only {
-        Some(list) => list
-            .split(',')
-            .map(|d| d.parse().map_err(|e| anyhow::anyhow!("--dtypes: {e}")))
-            .collect::<Result<_>>()?,
-        None => vec![KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4],
-    };
+    let dtypes = only_dtypes
+        .clone()
+        .unwrap_or_else(|| vec![KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4]);
     for dtype in dtypes {
-        decode_sweep(&kernels, dtype, sweep, &mut rng)?;
+        decode_sweep(&kernels, dtype, sweep, shapes.as_deref(), &mut rng)?;
     }
     if sweep != Sweep::Quick && only.is_none() {
         prefill(&kernels, &mut rng)?;
@@ -216,7 +239,13 @@ enum Sweep {
     Profile,
 }
 
-fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRng) -> Result<()> {
+fn decode_sweep(
+    kernels: &Kernels,
+    dtype: KvDtype,
+    sweep: Sweep,
+    shapes: Option<&[(usize, usize)]>,
+    rng: &mut StdRng,
+) -> Result<()> {
     let stream = kernels.stream();
     let layout = PageLayout::new(1, KV_HEADS, DIM, page(), dtype)?;
     let geom = PageGeom::new(&layout, 0)?;
@@ -243,10 +272,10 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
     let per_token = kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
     for &ctx in &CONTEXTS {
         for &batch in &BATCHES {
-            let skip = match sweep {
-                Sweep::Full => false,
-                Sweep::Quick => batch > 8 || ctx > 32768,
-                Sweep::Profile => batch != 32 || ctx != 32768,
+            let skip = match (shapes, sweep) {
+                (Some(list), _) => !list.contains(&(batch, ctx)),
+                (None, Sweep::Full | Sweep::Profile) => false,
+                (None, Sweep::Quick) => batch > 8 || ctx > 32768,
             };
             if skip {
                 continue;
@@ -294,6 +323,7 @@ fn decode_sweep(kernels: &Kernels, dtype: KvDtype, sweep: Sweep, rng: &mut StdRn
                     &batch_args,
                     &mut ws,
                     &mut out.as_view_mut(),
+                    None,
                 )?;
                 Ok(())
             };

@@ -80,9 +80,14 @@ fn main() -> ExitCode {
 fn run() -> Result<usize> {
     let kernels = Kernels::new(0).context("opening the GPU")?;
     println!(
-        "device 0: {} multiprocessors, kernels compiled for {}",
+        "device 0: {} multiprocessors, kernels compiled for {}, launches {}",
         kernels.multiprocessors(),
-        kernels.arch()
+        kernels.arch(),
+        if kernels.programmatic_launch() {
+            "programmatic (PDL)"
+        } else {
+            "serialized"
+        }
     );
     let cpu = CpuBackend::new(2)?;
     let mut failures = 0;
@@ -419,8 +424,10 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             scales: g,
             softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
         };
+        // Launched twice, the second time also writing the output's BF16 cast.
         let mut outputs = Vec::new();
-        for _ in 0..2 {
+        let mut cast = stream.clone_htod(&vec![0xFFFFu16; seqs * qn])?;
+        for with_cast in [false, true] {
             let mut dout = stream.clone_htod(&vec![f32::NAN; seqs * qn])?;
             kernels.decode(
                 &dev_pages,
@@ -429,6 +436,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
                 &batch,
                 &mut ws,
                 &mut dout.as_view_mut(),
+                with_cast.then_some(&mut cast),
             )?;
             outputs.push(stream.clone_dtoh(&dout)?);
         }
@@ -444,6 +452,20 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
                 "the same output bits"
             } else {
                 "the second launch differs: state left in the workspace"
+            },
+        );
+        let cast = stream.clone_dtoh(&cast)?;
+        let cast_same = cast
+            .iter()
+            .zip(gpu_out)
+            .all(|(c, x)| *c == bf16::encode(*x));
+        failures += report(
+            &format!("decode {name} {seqs} sequences, BF16 cast of the output"),
+            cast_same,
+            if cast_same {
+                "bf16::encode of every output"
+            } else {
+                "differs from bf16::encode of the output"
             },
         );
         for (i, ctx) in contexts[..seqs].iter().enumerate() {

@@ -30,9 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig};
 use nibble_engine::backend::{AttentionArgs, Backend, PagedSeq, RopeArgs};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
@@ -552,7 +550,7 @@ impl Backend for CudaBackend {
             .alloc_zeros(t.rows)
             .unwrap_or_else(|e| panic!("CUDA: cannot allocate {} u32: {e}", t.rows));
         let cols = t.cols as u32;
-        let mut b = self.stream().launch_builder(&self.ops.argmax);
+        let mut b = self.kernels.builder(&self.ops.argmax);
         b.arg(t.f32()).arg(&mut dev).arg(&cols);
         let cfg = LaunchConfig {
             grid_dim: (t.rows as u32, 1, 1),
@@ -614,11 +612,11 @@ impl Backend for CudaBackend {
         let mut b;
         match &table.data {
             Data::F32(t) => {
-                b = self.stream().launch_builder(&self.ops.embed);
+                b = self.kernels.builder(&self.ops.embed);
                 b.arg(out.f32_mut()).arg(t);
             }
             Data::Bf16(t) => {
-                b = self.stream().launch_builder(&self.ops.embed_bf16);
+                b = self.kernels.builder(&self.ops.embed_bf16);
                 b.arg(out.f32_mut()).arg(t);
             }
         }
@@ -724,7 +722,7 @@ impl Backend for CudaBackend {
                     block_dim: (16, 16, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut b = self.stream().launch_builder(&self.ops.gemm);
+                let mut b = self.kernels.builder(&self.ops.gemm);
                 b.arg(x.f32())
                     .arg(wb)
                     .arg(out.f32_mut())
@@ -747,7 +745,7 @@ impl Backend for CudaBackend {
         }
         self.bind();
         let cols = x.cols as u32;
-        let mut b = self.stream().launch_builder(&self.ops.add_bias);
+        let mut b = self.kernels.builder(&self.ops.add_bias);
         b.arg(x.f32_mut()).arg(bias.f32()).arg(&n).arg(&cols);
         // SAFETY: matches add_bias_f32; x holds n values, bias cols.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add_bias");
@@ -760,7 +758,7 @@ impl Backend for CudaBackend {
             return;
         }
         self.bind();
-        let mut b = self.stream().launch_builder(&self.ops.add);
+        let mut b = self.kernels.builder(&self.ops.add);
         b.arg(x.f32_mut()).arg(y.f32()).arg(&n);
         // SAFETY: matches add_f32; both hold n values.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add");
@@ -812,42 +810,17 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut CudaTensor, positions: &[u32], rope: &RopeArgs<'_, CudaTensor>) {
-        let d = rope.head_dim;
-        assert_eq!(positions.len(), x.rows, "rope: one position per row");
-        assert!(
-            d.is_multiple_of(2) && x.cols.is_multiple_of(d),
-            "rope: row is not whole heads"
-        );
-        assert_eq!(rope.cos.cols, d / 2, "rope: table width");
-        assert!(
-            positions.iter().all(|&p| (p as usize) < rope.cos.rows),
-            "rope: position beyond the table"
-        );
-        let pairs = (x.rows * x.cols / 2) as u64;
-        if pairs == 0 {
-            return;
-        }
-        self.bind();
-        let mut uploaded = self
-            .positions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let pos = uploaded
-            .upload(self.stream(), positions.to_vec())
-            .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"));
-        let (rows, cols, hd) = (x.rows as u32, x.cols as u32, d as u32);
-        let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
-        let mut b = self.stream().launch_builder(&self.ops.rope);
-        b.arg(x.f32_mut())
-            .arg(&pos)
-            .arg(rope.cos.f32())
-            .arg(rope.sin.f32())
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&hd)
-            .arg(&half_split);
-        // SAFETY: matches rope_f32; positions index rows of the tables (checked above).
-        launched(unsafe { b.launch(grid(pairs)) }.map(|_| ()), "rope");
+        self.launch_rope(x, None, positions, rope);
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        positions: &[u32],
+        rope: &RopeArgs<'_, CudaTensor>,
+    ) {
+        self.launch_rope(q, Some(k), positions, rope);
     }
 
     fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) {
@@ -862,7 +835,7 @@ impl Backend for CudaBackend {
         }
         self.bind();
         let mut cast = self.cast_target(gate.len());
-        let mut b = self.stream().launch_builder(&self.ops.silu_mul);
+        let mut b = self.kernels.builder(&self.ops.silu_mul);
         b.arg(gate.f32_mut()).arg(up.f32()).arg(&n);
         let null = 0u64;
         match &mut cast {
@@ -901,7 +874,7 @@ impl Backend for CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: kv_len * 4,
         };
-        let mut b = self.stream().launch_builder(&self.ops.attention);
+        let mut b = self.kernels.builder(&self.ops.attention);
         b.arg(args.q.f32())
             .arg(args.k.f32())
             .arg(args.v.f32())
@@ -1160,8 +1133,8 @@ impl CudaBackend {
         // allocation per GEMM.
         let m: [u32; 3] = std::array::from_fn(|i| ws.get(i).map_or(0, |w| w.rows as u32));
         let mut b = self
-            .stream()
-            .launch_builder(&self.ops.rows[kernel.index()][ws.len() - 1]);
+            .kernels
+            .builder(&self.ops.rows[kernel.index()][ws.len() - 1]);
         for w in ws {
             match &w.data {
                 Data::Bf16(codes) => b.arg(codes),
@@ -1193,6 +1166,62 @@ impl CudaBackend {
         );
     }
 
+    /// RoPE of `x`, and of `y` (the keys of the same rows) in the same launch when given.
+    fn launch_rope(
+        &self,
+        x: &mut CudaTensor,
+        mut y: Option<&mut CudaTensor>,
+        positions: &[u32],
+        rope: &RopeArgs<'_, CudaTensor>,
+    ) {
+        let d = rope.head_dim;
+        for t in std::iter::once(&*x).chain(y.as_deref()) {
+            assert_eq!(positions.len(), t.rows, "rope: one position per row");
+            assert!(
+                d.is_multiple_of(2) && t.cols.is_multiple_of(d),
+                "rope: row is not whole heads"
+            );
+        }
+        assert_eq!(rope.cos.cols, d / 2, "rope: table width");
+        assert!(
+            positions.iter().all(|&p| (p as usize) < rope.cos.rows),
+            "rope: position beyond the table"
+        );
+        let y_cols = y.as_ref().map_or(0, |t| t.cols);
+        let pairs = (x.rows * (x.cols + y_cols) / 2) as u64;
+        if pairs == 0 {
+            return;
+        }
+        self.bind();
+        let mut uploaded = self
+            .positions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let pos = uploaded
+            .upload(self.stream(), positions.to_vec())
+            .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"));
+        let (rows, x_cols, y_cols, hd) = (x.rows as u32, x.cols as u32, y_cols as u32, d as u32);
+        let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
+        let null = 0u64;
+        let mut b = self.kernels.builder(&self.ops.rope);
+        b.arg(x.f32_mut());
+        match &mut y {
+            Some(t) => b.arg(t.f32_mut()),
+            None => b.arg(&null),
+        };
+        b.arg(&pos)
+            .arg(rope.cos.f32())
+            .arg(rope.sin.f32())
+            .arg(&rows)
+            .arg(&x_cols)
+            .arg(&y_cols)
+            .arg(&hd)
+            .arg(&half_split);
+        // SAFETY: matches rope_f32; x holds rows * x_cols values, y (or null, with y_cols 0)
+        // rows * y_cols; positions index rows of the tables (checked above).
+        launched(unsafe { b.launch(grid(pairs)) }.map(|_| ()), "rope");
+    }
+
     /// RMSNorm over groups of `weight.len()` values of the input into `out` (shapes checked by
     /// the caller, at least one group), after `x += y` for [`NormInput::Residual`]; the kernel
     /// also writes `out`'s BF16 cast when the GEMMs take BF16 weights.
@@ -1218,12 +1247,12 @@ impl CudaBackend {
         };
         let mut b = match input {
             NormInput::Plain(x) => {
-                let mut b = self.stream().launch_builder(&self.ops.rms_norm);
+                let mut b = self.kernels.builder(&self.ops.rms_norm);
                 b.arg(x.f32());
                 b
             }
             NormInput::Residual(x, y) => {
-                let mut b = self.stream().launch_builder(&self.ops.add_rms_norm);
+                let mut b = self.kernels.builder(&self.ops.add_rms_norm);
                 b.arg(x.f32_mut()).arg(y.f32());
                 b
             }
@@ -1275,7 +1304,7 @@ impl CudaBackend {
         if cast.of != Some(x.stamp()) {
             self.reserve_cast(&mut cast, values);
             let count = values as u64;
-            let mut b = self.stream().launch_builder(&self.ops.to_bf16);
+            let mut b = self.kernels.builder(&self.ops.to_bf16);
             b.arg(&mut cast.buf).arg(x.f32()).arg(&count);
             // SAFETY: matches f32_to_bf16; both hold at least `values` values.
             launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
@@ -1387,7 +1416,7 @@ impl CudaBackend {
             }
             let (values, at) = ((n * kv_row) as u64, (start * kv_row) as u64);
             let bf16 = u32::from(dtype == KvDtype::Bf16);
-            let mut b = stream.launch_builder(&self.ops.encode_work);
+            let mut b = self.kernels.builder(&self.ops.encode_work);
             b.arg(&mut pages.ws_k)
                 .arg(&mut pages.ws_v)
                 .arg(&k)
@@ -1525,17 +1554,30 @@ impl CudaBackend {
             softmax_scale,
         };
         if gathered.is_none() {
+            // When the decode rows are the whole output (a decode-only step), the decode also
+            // writes the output's BF16 cast, which the output projection then reads.
+            let whole = rows.start == 0 && out.len() == count * q_row;
+            let mut cast = if whole {
+                self.cast_target(out.len())
+            } else {
+                None
+            };
             let mut o = out
                 .f32_mut()
                 .slice_mut(rows.start * q_row..rows.end * q_row);
-            return self.kernels.decode(
+            self.kernels.decode(
                 &pages.bytes,
                 geom,
                 dtype,
                 &batch,
                 &mut pages.decode,
                 &mut o,
-            );
+                cast.as_mut().map(|c| &mut c.buf),
+            )?;
+            if let Some(c) = &mut cast {
+                c.of = Some(out.stamp());
+            }
+            return Ok(());
         }
         let mut o: CudaSlice<f32> = stream.alloc_zeros(count * q_row)?;
         self.kernels.decode(
@@ -1545,6 +1587,7 @@ impl CudaBackend {
             &batch,
             &mut pages.decode,
             &mut o.as_view_mut(),
+            None,
         )?;
         for (i, (_, span)) in decodes.iter().enumerate() {
             let r = span.start;

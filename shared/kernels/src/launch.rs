@@ -5,17 +5,18 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
-    CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaViewMut, DeviceRepr, LaunchConfig,
 };
 use nibble_kvfmt::KvDtype;
 
 use crate::geom::dtype_code;
+use crate::launcher::Launch;
 use crate::{nvrtc, Error, PageGeom, Result};
 
 /// `DecodeArgs` of `cu/decode.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct DecodeArgs {
+pub(crate) struct DecodeArgs {
     q_heads: u32,
     group: u32,
     max_pages: u32,
@@ -31,7 +32,7 @@ unsafe impl DeviceRepr for DecodeArgs {}
 /// `PrefillArgs` of `cu/prefill.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct PrefillArgs {
+pub(crate) struct PrefillArgs {
     n: u32,
     start: u32,
     q_heads: u32,
@@ -50,6 +51,17 @@ const PREFILL_ROWS: u32 = 64;
 const DECODE_THREADS: u32 = 128;
 const DECODE_WARPS: usize = DECODE_THREADS as usize / 32;
 pub(crate) const DECODE_TILE: usize = 16;
+/// Thread groups of a `decode_combine` block (`COMBINE_GROUPS` in `cu/decode.cu`) for a merge of
+/// `splits`: one group (each thread reads every split) up to 16 splits, where the block-wide
+/// reductions of four groups cost more than they save (run 79: batch 32 x 4K, 2 splits, +5%
+/// time); four above (batch 1: dozens of splits, -2% to -8% time, +6% decode tokens/s).
+fn combine_groups(splits: usize) -> u32 {
+    if splits <= 16 {
+        1
+    } else {
+        4
+    }
+}
 
 /// The compiled kernels on one device.
 pub struct Kernels {
@@ -57,6 +69,9 @@ pub struct Kernels {
     stream: Arc<CudaStream>,
     arch: &'static str,
     sms: u32,
+    /// Launches use programmatic dependent launch (`launcher`): sm_90 and newer, unless
+    /// `NIBBLE_CUDA_PDL=0`.
+    programmatic: bool,
     quantize: CudaFunction,
     gather: CudaFunction,
     fill: CudaFunction,
@@ -84,6 +99,21 @@ fn arch_for(major: i32, minor: i32) -> Result<&'static str> {
             )))
         }
     })
+}
+
+/// `NIBBLE_CUDA_PDL`: unset or `1` launches kernels programmatically where the device can
+/// (sm_90 and newer), `0` serializes them (for comparing the two); anything else is an error
+/// naming the variable.
+fn programmatic_launch_allowed() -> Result<bool> {
+    match std::env::var("NIBBLE_CUDA_PDL") {
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Ok(v) if v == "1" => Ok(true),
+        Ok(v) if v == "0" => Ok(false),
+        Ok(v) => Err(Error::Unsupported(format!(
+            "NIBBLE_CUDA_PDL={v:?} (expected 0 or 1)"
+        ))),
+        Err(e) => Err(Error::Unsupported(format!("NIBBLE_CUDA_PDL: {e}"))),
+    }
 }
 
 impl Kernels {
@@ -161,11 +191,22 @@ impl Kernels {
             stream,
             arch,
             sms,
+            programmatic: major >= 9 && programmatic_launch_allowed()?,
         })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// A launch of `func` on this device's stream, programmatic where the device has it.
+    pub(crate) fn builder<'a>(&'a self, func: &'a CudaFunction) -> Launch<'a> {
+        Launch::new(&self.stream, func, self.programmatic)
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch.
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -205,7 +246,7 @@ impl Kernels {
             return Ok(());
         }
         let (n32, code) = (n as u32, dtype_code(dtype));
-        let mut b = self.stream.launch_builder(&self.quantize);
+        let mut b = self.builder(&self.quantize);
         b.arg(pages)
             .arg(k)
             .arg(v)
@@ -257,7 +298,7 @@ impl Kernels {
             return Ok(());
         }
         let (n32, code) = (tokens as u32, dtype_code(dtype));
-        let mut b = self.stream.launch_builder(&self.gather);
+        let mut b = self.builder(&self.gather);
         b.arg(ws.0)
             .arg(ws.1)
             .arg(pages)
@@ -284,7 +325,7 @@ impl Kernels {
     ) -> Result<()> {
         let n = pages.len() as u64;
         let code = dtype_code(dtype);
-        let mut b = self.stream.launch_builder(&self.fill);
+        let mut b = self.builder(&self.fill);
         b.arg(pages).arg(&n).arg(&code).arg(&seed).arg(&geom);
         // SAFETY: matches fill_random_pages's signature; n is the slice's length.
         unsafe { b.launch(grid_1d(n)) }?;
@@ -332,7 +373,7 @@ impl Kernels {
         }
         let ids = self.stream.clone_htod(page_ids)?;
         let (n32, pb) = (page_ids.len() as u32, page_bytes as u64);
-        let mut b = self.stream.launch_builder(kernel);
+        let mut b = self.builder(kernel);
         b.arg(dst).arg(src).arg(&ids).arg(&n32).arg(&pb);
         // SAFETY: matches pages_gather's and pages_scatter's signature (dst, src, ids, n,
         // page_bytes); the callers checked the sizes and ids.
@@ -401,9 +442,7 @@ impl Kernels {
             block_dim: (PREFILL_ROWS * 2, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self
-            .stream
-            .launch_builder(&self.prefill[work_index][dim_index]);
+        let mut b = self.builder(&self.prefill[work_index][dim_index]);
         b.arg(batch.q).arg(batch.k).arg(batch.v).arg(out).arg(&args);
         // SAFETY: matches prefill_*'s signature; q, out and the workspace were checked.
         unsafe { b.launch(cfg) }?;
@@ -411,7 +450,9 @@ impl Kernels {
     }
 
     /// Paged decode attention for one layer: one query token per sequence over its whole
-    /// context, read straight from the pages. Writes `out` (`[seq][q_head][head_dim]` f32).
+    /// context, read straight from the pages. Writes `out` (`[seq][q_head][head_dim]` f32) and,
+    /// when given `out_bf16` (at least as long), its BF16 cast (`nibble_kvfmt::bf16::encode`).
+    #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
         pages: &CudaSlice<u8>,
@@ -420,6 +461,7 @@ impl Kernels {
         batch: &DecodeBatch<'_>,
         ws: &mut DecodeWorkspace,
         out: &mut CudaViewMut<f32>,
+        mut out_bf16: Option<&mut CudaSlice<u16>>,
     ) -> Result<()> {
         let d = geom.head_dim as usize;
         let dim_index = match d {
@@ -441,6 +483,15 @@ impl Kernels {
         let seqs = batch.context.len();
         check("queries", seqs * q_heads * d, batch.q.len())?;
         check("outputs", seqs * q_heads * d, out.len())?;
+        if let Some(cast) = &out_bf16 {
+            if cast.len() < out.len() {
+                return Err(Error::Shape {
+                    what: "BF16 cast of the outputs",
+                    expected: out.len(),
+                    actual: cast.len(),
+                });
+            }
+        }
         check("page table", seqs * batch.max_pages, batch.page_table.len())?;
         if batch.max_context > batch.max_pages * geom.page_size as usize {
             return Err(Error::Shape {
@@ -481,37 +532,40 @@ impl Kernels {
             shared_mem_bytes: 0,
         };
         let f = &self.decode[dtype_code(dtype) as usize][dim_index];
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.builder(f);
         b.arg(pages)
             .arg(&batch.q)
             .arg(&batch.page_table)
             .arg(&batch.context);
-        b.arg(&mut ws.part_o)
-            .arg(&mut ws.part_ml)
-            .arg(&mut *out)
-            .arg(&geom)
-            .arg(&args);
-        // SAFETY: matches decode_*'s signature; q, out and the page table were checked against
-        // the batch, the workspace was sized for the plan, and page ids come from the pool.
+        let null = 0u64;
+        b.arg(&mut ws.part_o).arg(&mut ws.part_ml).arg(&mut *out);
+        match &mut out_bf16 {
+            Some(cast) => b.arg(&mut **cast),
+            None => b.arg(&null),
+        };
+        b.arg(&geom).arg(&args);
+        // SAFETY: matches decode_*'s signature; q, out (and the cast, or null) and the page table
+        // were checked against the batch, the workspace was sized for the plan, and page ids
+        // come from the pool.
         unsafe { b.launch(cfg) }?;
         if plan.splits == 1 {
             return Ok(()); // the blocks wrote the output themselves
         }
         let (qh, splits, dim) = (q_heads as u32, plan.splits as u32, d as u32);
-        let mut c = self.stream.launch_builder(&self.combine);
-        c.arg(&ws.part_o)
-            .arg(&ws.part_ml)
-            .arg(out)
-            .arg(&qh)
-            .arg(&splits)
-            .arg(&dim)
-            .arg(&args.v_scale);
+        let mut c = self.builder(&self.combine);
+        c.arg(&ws.part_o).arg(&ws.part_ml).arg(out);
+        match out_bf16 {
+            Some(cast) => c.arg(cast),
+            None => c.arg(&null),
+        };
+        c.arg(&qh).arg(&splits).arg(&dim).arg(&args.v_scale);
         let cfg = LaunchConfig {
             grid_dim: (qh, seqs as u32, 1),
-            block_dim: (dim, 1, 1),
+            block_dim: (dim, combine_groups(plan.splits), 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches decode_combine; the workspace holds seqs * q_heads * splits rows.
+        // SAFETY: matches decode_combine; the workspace holds seqs * q_heads * splits rows, out
+        // (and the cast, or null) seqs * q_heads.
         unsafe { c.launch(cfg) }?;
         Ok(())
     }

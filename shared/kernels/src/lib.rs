@@ -21,6 +21,7 @@ mod device;
 mod error;
 mod geom;
 mod launch;
+mod launcher;
 mod libs;
 pub mod nccl;
 pub mod nvrtc;

@@ -27,6 +27,37 @@ fn every_kernel_compiles_for_sm_90_and_sm_80() {
                     "{source}.cu for {arch} lacks kernel {entry}"
                 );
             }
+            every_entry_syncs_with_the_grid_before_it(&ptx, arch, source);
+        }
+    }
+}
+
+/// Kernels are launched programmatically on sm_90 (`launcher.rs`): one that does not wait for
+/// the kernel before it could read its inputs before they are written. Every entry point of the
+/// sm_90 PTX must wait (`grid_dependency_sync`); sm_80 has no such instruction.
+fn every_entry_syncs_with_the_grid_before_it(ptx: &str, arch: &str, source: &str) {
+    let entries: Vec<&str> = ptx.split(".entry ").skip(1).collect();
+    assert!(
+        !entries.is_empty(),
+        "{source}.cu for {arch}: no entry points"
+    );
+    for body in entries {
+        let name = body.split('(').next().unwrap_or(body);
+        let waits = body.contains("griddepcontrol.wait;");
+        if arch == "sm_90" {
+            assert!(
+                waits,
+                "{source}.cu kernel {name} for sm_90 does not call grid_dependency_sync()"
+            );
+            assert!(
+                body.contains("griddepcontrol.launch_dependents;"),
+                "{source}.cu kernel {name} for sm_90 never lets the next kernel launch"
+            );
+        } else {
+            assert!(
+                !waits,
+                "{source}.cu kernel {name} for {arch} uses griddepcontrol"
+            );
         }
     }
 }
@@ -44,5 +75,6 @@ fn the_backend_ops_compile_for_sm_90_and_sm_80() {
                 "ops.cu for {arch} lacks kernel {entry}"
             );
         }
+        every_entry_syncs_with_the_grid_before_it(&ptx, arch, "ops");
     }
 }

@@ -203,6 +203,19 @@ pub trait Backend: Send + Sync + 'static {
     /// Rotates every head of row `i` of `x` in place by position `positions[i]`.
     fn rope(&self, x: &mut Self::Tensor, positions: &[u32], rope: &RopeArgs<'_, Self::Tensor>);
 
+    /// [`Backend::rope`] of the queries and of the keys of the same rows. A backend may rotate
+    /// both in one pass (one launch on a GPU); the results must equal two `rope` calls.
+    fn rope_qk(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        positions: &[u32],
+        rope: &RopeArgs<'_, Self::Tensor>,
+    ) {
+        self.rope(q, positions, rope);
+        self.rope(k, positions, rope);
+    }
+
     /// `gate = silu(gate) * up`, elementwise, same shapes.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor);
 

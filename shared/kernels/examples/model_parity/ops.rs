@@ -220,6 +220,21 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             &down(gpu, &b),
             1e-6,
         );
+        // Queries and keys in one launch: the bits of the two single launches.
+        let keys = values(&mut rng, rows * 3 * hd);
+        let args = RopeArgs {
+            cos: &cg,
+            sin: &sg,
+            style,
+            head_dim: hd,
+        };
+        let (mut q1, mut k1) = (p.up(rows, cols, &x)?.1, p.up(rows, 3 * hd, &keys)?.1);
+        gpu.rope_qk(&mut q1, &mut k1, &positions, &args);
+        let mut k2 = p.up(rows, 3 * hd, &keys)?.1;
+        gpu.rope(&mut k2, &positions, &args);
+        let same = down(gpu, &q1) == down(gpu, &b) && down(gpu, &k1) == down(gpu, &k2);
+        println!("{{\"op\":\"rope_qk {style:?}\",\"bits_equal_rope\":{same},\"ok\":{same}}}");
+        ok &= same;
     }
     // Contiguous-cache attention: 9 query heads over 3 KV heads, 6 new rows of a 40-token context.
     let geometry = AttnGeometry {

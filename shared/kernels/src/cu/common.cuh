@@ -25,6 +25,20 @@ struct PageGeom {
     u32 layer;
 };
 
+// Programmatic dependent launch (src/launcher.rs; docs/ARCHITECTURE.md). On sm_90 and newer every
+// kernel is launched allowed to start while the kernel before it in the stream is finishing, so
+// its launch and block scheduling overlap that kernel's tail. Every kernel calls this first,
+// before it touches global memory: it waits until the kernel before it has completed and its
+// writes are visible, then lets the kernel after it launch (which in turn waits for this one).
+// Memory that no kernel writes (weights) may be read before it.
+// Before sm_90 launches are serialized and both are nothing.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Offset of (layer, part) within a page.
 __device__ __forceinline__ u64 part_offset(const PageGeom& g, u32 part) {
     return (u64)(2u * g.layer + part) * g.part_bytes;

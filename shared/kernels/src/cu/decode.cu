@@ -23,7 +23,9 @@
 // attention output itself; with several, unnormalized partial results per split (max, sum in
 // log2 units, and sum p*V), merged by decode_combine. (Merging in the last block of each
 // sequence and KV head to finish, counted on an atomic, was measured and lost: one block's
-// serial merge of dozens of splits costs more than a second launch, run 54.)
+// serial merge of dozens of splits costs more than a second launch, run 54.) Whichever writes
+// the output also writes its BF16 cast when given a buffer for it (out_bf16 not null): the input
+// of the output projection's BF16-weight GEMM, which then needs no cast launch of its own.
 
 #define WARPS 4
 #define TILE 16
@@ -373,7 +375,8 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             const u32* __restrict__ context,
                                             float* __restrict__ part_o,
                                             float* __restrict__ part_ml,
-                                            float* __restrict__ out, PageGeom geom,
+                                            float* __restrict__ out,
+                                            u16* __restrict__ out_bf16, PageGeom geom,
                                             DecodeArgs args) {
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_o[WARPS][8][D];
@@ -495,7 +498,9 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
         }
         const u64 head_row = (u64)seq * args.q_heads + kv_head * args.group + h;
         if (args.splits == 1) {  // the whole context in this block: the output itself
-            out[head_row * D + d] = sum > 0.f ? acc / sum * args.v_scale : 0.f;
+            const float y = sum > 0.f ? acc / sum * args.v_scale : 0.f;
+            out[head_row * D + d] = y;
+            if (out_bf16) out_bf16[head_row * D + d] = (u16)bf16_encode(y);
             continue;
         }
         const u64 row = head_row * args.splits + split;
@@ -507,13 +512,15 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     }
 }
 
-#define DECODE_KERNEL(NAME, FMT, D, MIN_BLOCKS)                                                           \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                              \
+#define DECODE_KERNEL(NAME, FMT, D, MIN_BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)                           \
         NAME(const u8* __restrict__ pages, const float* __restrict__ q,                          \
              const u32* __restrict__ page_table, const u32* __restrict__ context,                \
              float* __restrict__ part_o, float* __restrict__ part_ml, float* __restrict__ out,  \
-             PageGeom geom, DecodeArgs args) {                                                   \
-        decode_body<FMT, D>(pages, q, page_table, context, part_o, part_ml, out, geom, args);   \
+             u16* __restrict__ out_bf16, PageGeom geom, DecodeArgs args) {                       \
+        grid_dependency_sync();                                                                  \
+        decode_body<FMT, D>(pages, q, page_table, context, part_o, part_ml, out, out_bf16, geom, \
+                            args);                                                               \
     }
 
 // Blocks per SM the register allocation must allow: 4 (16 warps) where it fits without
@@ -525,28 +532,82 @@ DECODE_KERNEL(decode_fp8_d128, NIBBLE_FP8, 128, 3)
 DECODE_KERNEL(decode_bf16_d64, NIBBLE_BF16, 64, 4)
 DECODE_KERNEL(decode_bf16_d128, NIBBLE_BF16, 128, 3)
 
-// Merges the splits of every (sequence, query head): out = sum_s o_s 2^(m_s - M) / L * v_scale.
-// Grid (q_heads, sequences), head_dim threads.
-extern "C" __global__ void decode_combine(const float* __restrict__ part_o,
-                                          const float* __restrict__ part_ml,
-                                          float* __restrict__ out, u32 q_heads, u32 splits,
-                                          u32 head_dim, float v_scale) {
-    const u32 h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+// Merges the splits of every (sequence, query head): out = sum_s o_s 2^(m_s - M) / L * v_scale,
+// and its BF16 cast into out_bf16 unless null (as the decode kernel writes both with one split).
+// Grid (q_heads, sequences); block (head_dim, groups), groups 1 or COMBINE_GROUPS. Empty splits
+// (m = -inf, l = 0, o = 0) weigh 0, without a branch, so unrolled loads stay in flight together.
+// * One group (a few splits, batches that fill the device): every thread reads all the splits'
+//   (m, l) and its o_s[d], 8 splits' loads at once.
+// * COMBINE_GROUPS groups (dozens of splits: a batch of one sequence, where the merge, a chain
+//   of loads from L2, was most of the call): the block reads every split's (m, l) at once, one
+//   load per thread, and reduces M and L across the block; thread (d, g) sums o_s[d] over splits
+//   g, g + COMBINE_GROUPS, ..., and the groups are added in order in shared memory.
+#define COMBINE_GROUPS 4
+
+// The block-wide reduction of v (max or sum), every thread getting the result; `red` holds one
+// value per warp.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    const u32 tid = threadIdx.y * blockDim.x + threadIdx.x, warps = blockDim.x * blockDim.y / 32;
+    __syncthreads();  // red is free (a previous reduction has been read)
+    if (tid % 32 == 0) red[tid / 32] = v;
+    __syncthreads();
+    v = red[0];
+    for (u32 w = 1; w < warps; ++w) v = MAX ? fmaxf(v, red[w]) : v + red[w];
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(128 * COMBINE_GROUPS)
+    decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                   float* __restrict__ out, u16* __restrict__ out_bf16, u32 q_heads, u32 splits,
+                   u32 head_dim, float v_scale) {
+    grid_dependency_sync();
+    __shared__ float red[128 * COMBINE_GROUPS / 32];
+    __shared__ float acc_g[COMBINE_GROUPS][128];
+    const u32 h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, g = threadIdx.y;
+    const u32 groups = blockDim.y;
     const u64 row0 = ((u64)seq * q_heads + h) * splits;
     const float NEG_INF = __int_as_float(0xff800000);
-    float mx = NEG_INF;
+    float mx = NEG_INF, sum = 0.f, acc = 0.f;
+    if (groups == 1) {
 #pragma unroll 8
-    for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, __ldg(part_ml + 2 * (row0 + s)));
-    // Without a branch (a split with no tokens wrote m = -inf, a zero sum and zero outputs, and
-    // weighs 0), so the unrolled loads of 8 splits are in flight together: a batch of one
-    // sequence merges dozens of splits, and one load latency per split was most of its time.
-    float acc = 0.f, sum = 0.f;
+        for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, __ldg(part_ml + 2 * (row0 + s)));
 #pragma unroll 8
-    for (u32 s = 0; s < splits; ++s) {
-        const float ms = __ldg(part_ml + 2 * (row0 + s));
-        const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
-        acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
-        sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
+        for (u32 s = 0; s < splits; ++s) {
+            const float ms = __ldg(part_ml + 2 * (row0 + s));
+            const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+            acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
+            sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
+        }
+    } else {
+        const u32 tid = g * head_dim + d, threads = head_dim * groups;
+        for (u32 s = tid; s < splits; s += threads)
+            mx = fmaxf(mx, __ldg(part_ml + 2 * (row0 + s)));
+        mx = block_reduce<true>(mx, red);
+        for (u32 s = tid; s < splits; s += threads) {
+            const float ms = __ldg(part_ml + 2 * (row0 + s));
+            const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+            sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
+        }
+        sum = block_reduce<false>(sum, red);
+#pragma unroll 8
+        for (u32 s = g; s < splits; s += groups) {
+            const float ms = __ldg(part_ml + 2 * (row0 + s));
+            const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+            acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
+        }
+        acc_g[g][d] = acc;
+        __syncthreads();
+        if (g != 0) return;
+        for (u32 j = 1; j < groups; ++j) acc += acc_g[j][d];
     }
-    out[((u64)seq * q_heads + h) * head_dim + d] = sum > 0.f ? acc / sum * v_scale : 0.f;
+    const float y = sum > 0.f ? acc / sum * v_scale : 0.f;
+    const u64 at = ((u64)seq * q_heads + h) * head_dim + d;
+    out[at] = y;
+    if (out_bf16) out_bf16[at] = (u16)bf16_encode(y);
 }

@@ -9,6 +9,7 @@
 // out[r][c] = table[tokens[r]][c]
 extern "C" __global__ void embed_rows(float* __restrict__ out, const float* __restrict__ table,
                                       const u32* __restrict__ tokens, u32 n, u32 cols) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)n * cols) return;
     const u32 r = (u32)(i / cols), c = (u32)(i % cols);
@@ -18,6 +19,7 @@ extern "C" __global__ void embed_rows(float* __restrict__ out, const float* __re
 // embed_rows over a BF16 table (BF16 weights): the widening to f32 is exact.
 extern "C" __global__ void embed_rows_bf16(float* __restrict__ out, const u16* __restrict__ table,
                                            const u32* __restrict__ tokens, u32 n, u32 cols) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)n * cols) return;
     const u32 r = (u32)(i / cols), c = (u32)(i % cols);
@@ -27,6 +29,7 @@ extern "C" __global__ void embed_rows_bf16(float* __restrict__ out, const u16* _
 // out[i] = BF16(x[i]), round to nearest even (kvfmt::bf16::encode): the activation operand of the
 // BF16-weight cuBLAS GEMM.
 extern "C" __global__ void f32_to_bf16(u16* __restrict__ out, const float* __restrict__ x, u64 n) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = (u16)bf16_encode(x[i]);
 }
@@ -123,6 +126,7 @@ __device__ __forceinline__ void gemv_bf16_body(const u16* __restrict__ w,
     extern "C" __global__ void __launch_bounds__(128)                                              \
         NAME(const u16* __restrict__ w0, float* __restrict__ o0, u32 m0,                           \
              const u16* __restrict__ x, u32 n, u32 k) {                                            \
+        grid_dependency_sync();                                                                    \
         gemv_bf16_body<N>(w0, x, o0, n, m0, k, blockIdx.x);                                        \
     }
 GEMV_BF16(gemv_bf16_n1, 1)
@@ -136,6 +140,7 @@ GEMV_BF16(gemv_bf16_n2, 2)
     extern "C" __global__ void __launch_bounds__(128)                                              \
         NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,       \
              float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {    \
+        grid_dependency_sync();                                                                    \
         const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0);                                            \
         if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                     \
         else gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                                       \
@@ -145,6 +150,7 @@ GEMV_BF16(gemv_bf16_n2, 2)
         NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2,   \
              float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,       \
              u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                            \
+        grid_dependency_sync();                                                                    \
         const u32 b = blockIdx.x, b0 = GEMV_BLOCKS(m0), b1 = b0 + GEMV_BLOCKS(m1);                 \
         if (b < b0) gemv_bf16_body<N>(w0, x, o0, n, m0, k, b);                                     \
         else if (b < b1) gemv_bf16_body<N>(w1, x, o1, n, m1, k, b - b0);                           \
@@ -258,12 +264,14 @@ __device__ __forceinline__ void skinny_body(const u16* __restrict__ w, const u16
     extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                                \
         NAME(const u16* __restrict__ w0, float* __restrict__ o0, u32 m0,                           \
              const u16* __restrict__ x, u32 n, u32 k) {                                            \
+        grid_dependency_sync();                                                                    \
         skinny_body<NT, DEPTH>(w0, x, o0, n, m0, k, blockIdx.x);                                   \
     }
 #define SKINNY_X2(NAME, NT, DEPTH)                                                                 \
     extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)                                \
         NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,       \
              float* __restrict__ o1, u32 m0, u32 m1, const u16* __restrict__ x, u32 n, u32 k) {    \
+        grid_dependency_sync();                                                                    \
         const u32 b = blockIdx.x, b0 = SKINNY_TILES(m0);                                           \
         if (b < b0) skinny_body<NT, DEPTH>(w0, x, o0, n, m0, k, b);                                \
         else skinny_body<NT, DEPTH>(w1, x, o1, n, m1, k, b - b0);                                  \
@@ -273,6 +281,7 @@ __device__ __forceinline__ void skinny_body(const u16* __restrict__ w, const u16
         NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2,   \
              float* __restrict__ o0, float* __restrict__ o1, float* __restrict__ o2, u32 m0,       \
              u32 m1, u32 m2, const u16* __restrict__ x, u32 n, u32 k) {                            \
+        grid_dependency_sync();                                                                    \
         const u32 b = blockIdx.x, b0 = SKINNY_TILES(m0), b1 = b0 + SKINNY_TILES(m1);               \
         if (b < b0) skinny_body<NT, DEPTH>(w0, x, o0, n, m0, k, b);                                \
         else if (b < b1) skinny_body<NT, DEPTH>(w1, x, o1, n, m1, k, b - b0);                      \
@@ -286,12 +295,14 @@ SKINNY_X2(gemm_bf16_skinny16_x2, 2, 2)
 SKINNY_X3(gemm_bf16_skinny16_x3, 2, 2)
 
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, u64 n) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] + y[i];
 }
 
 extern "C" __global__ void add_bias_f32(float* __restrict__ x, const float* __restrict__ b, u64 n,
                                         u32 cols) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] + b[i % cols];
 }
@@ -301,6 +312,7 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const float* __re
 // down projection (as f32_to_bf16 would make it, without the launch).
 extern "C" __global__ void silu_mul_f32(float* __restrict__ g, const float* __restrict__ u, u64 n,
                                         u16* __restrict__ g_bf16) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float x = g[i];
@@ -337,6 +349,7 @@ __device__ __forceinline__ void rms_norm_finish(float acc, const float* __restri
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, u32 width, float eps,
                                         u16* __restrict__ out_bf16) {
+    grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
     float acc = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
@@ -354,6 +367,7 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
                                             const float* __restrict__ w,
                                             float* __restrict__ out, u32 width, float eps,
                                             u16* __restrict__ out_bf16) {
+    grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
     float acc = 0.0f;
     for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
@@ -366,17 +380,28 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
 }
 
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
-// (x_i, x_{i + d/2}) of each head; otherwise (x_{2i}, x_{2i+1}).
-extern "C" __global__ void rope_f32(float* __restrict__ x, const u32* __restrict__ pos,
-                                    const float* __restrict__ cos_t,
-                                    const float* __restrict__ sin_t, u32 rows, u32 cols,
-                                    u32 head_dim, u32 half_split) {
+// (x_i, x_{i + d/2}) of each head; otherwise (x_{2i}, x_{2i+1}). The pairs of x's rows come
+// first, then those of y's (the keys of the same rows: queries and keys in one launch), if
+// y_cols > 0.
+extern "C" __global__ void rope_f32(float* __restrict__ x, float* __restrict__ y,
+                                    const u32* __restrict__ pos, const float* __restrict__ cos_t,
+                                    const float* __restrict__ sin_t, u32 rows, u32 x_cols,
+                                    u32 y_cols, u32 head_dim, u32 half_split) {
+    grid_dependency_sync();
     const u32 half = head_dim / 2u;
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)rows * (cols / 2u)) return;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 x_pairs = (u64)rows * (x_cols / 2u);
+    u32 cols = x_cols;
+    float* t = x;
+    if (i >= x_pairs) {
+        i -= x_pairs;
+        cols = y_cols;
+        t = y;
+        if (i >= (u64)rows * (y_cols / 2u)) return;
+    }
     const u32 r = (u32)(i / (cols / 2u)), p = (u32)(i % (cols / 2u));
     const u32 head = p / half, j = p % half;
-    float* h = x + (u64)r * cols + (u64)head * head_dim;
+    float* h = t + (u64)r * cols + (u64)head * head_dim;
     const u32 ia = half_split ? j : 2u * j, ib = half_split ? j + half : 2u * j + 1u;
     const float c = cos_t[(u64)pos[r] * half + j], s = sin_t[(u64)pos[r] * half + j];
     const float a = h[ia], b = h[ib];
@@ -391,6 +416,7 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
                                          const float* __restrict__ v, float* __restrict__ out,
                                          u32 q_row0, u32 n, u32 kv_len, u32 q_heads,
                                          u32 kv_heads, u32 head_dim, float scale) {
+    grid_dependency_sync();
     extern __shared__ float scores[];
     __shared__ float red[256];
     const u32 i = blockIdx.x, h = blockIdx.y;
@@ -441,6 +467,7 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
 extern "C" __global__ void encode_work(u8* __restrict__ ws_k, u8* __restrict__ ws_v,
                                        const float* __restrict__ k, const float* __restrict__ v,
                                        u64 n, u64 at, u32 bf16, float gk, float gv) {
+    grid_dependency_sync();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= 2u * n) return;
     const bool is_v = i >= n;
@@ -459,6 +486,7 @@ extern "C" __global__ void encode_work(u8* __restrict__ ws_k, u8* __restrict__ w
 // out[n][m] = x[n][k] . w[m][k]^T, 16x16 tiles (fallback when cuBLAS is absent).
 extern "C" __global__ void gemm_nt_f32(const float* __restrict__ x, const float* __restrict__ w,
                                        float* __restrict__ out, u32 n, u32 m, u32 k) {
+    grid_dependency_sync();
     __shared__ float xs[16][17];
     __shared__ float ws[16][17];
     const u32 tx = threadIdx.x, ty = threadIdx.y;
@@ -481,6 +509,7 @@ extern "C" __global__ void gemm_nt_f32(const float* __restrict__ x, const float*
 // that only a strictly larger value replaces, starting from column 0). One block per row.
 extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, u32* __restrict__ out,
                                            u32 cols) {
+    grid_dependency_sync();
     const float* row = x + (u64)blockIdx.x * cols;
     float best = __int_as_float(0xff800000);
     u32 at = 0xFFFFFFFFu;

@@ -9,6 +9,7 @@
 // staging[i] = pool[page_ids[i]], for i < n.
 extern "C" __global__ void pages_gather(u8* __restrict__ staging, const u8* __restrict__ pool,
                                         const u32* __restrict__ page_ids, u32 n, u64 page_bytes) {
+    grid_dependency_sync();
     u64 words = page_bytes / 16;
     for (u32 i = blockIdx.y; i < n; i += gridDim.y) {
         const uint4* src = (const uint4*)(pool + (u64)page_ids[i] * page_bytes);
@@ -23,6 +24,7 @@ extern "C" __global__ void pages_gather(u8* __restrict__ staging, const u8* __re
 // pool[page_ids[i]] = staging[i], for i < n.
 extern "C" __global__ void pages_scatter(u8* __restrict__ pool, const u8* __restrict__ staging,
                                          const u32* __restrict__ page_ids, u32 n, u64 page_bytes) {
+    grid_dependency_sync();
     u64 words = page_bytes / 16;
     for (u32 i = blockIdx.y; i < n; i += gridDim.y) {
         const uint4* src = (const uint4*)(staging + (u64)i * page_bytes);

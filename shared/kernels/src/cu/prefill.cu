@@ -241,6 +241,7 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
     extern "C" __global__ void __launch_bounds__(PF_WARPS * 32)                             \
         NAME(const float* __restrict__ q, const u8* __restrict__ wk,                         \
              const u8* __restrict__ wv, float* __restrict__ out, PrefillArgs a) {            \
+        grid_dependency_sync();                                                              \
         prefill_body<FMT, D>(q, wk, wv, out, a);                                            \
     }
 

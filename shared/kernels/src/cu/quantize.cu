@@ -8,6 +8,7 @@ extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __re
                                        const float* __restrict__ v,
                                        const u32* __restrict__ slots, u32 n_tokens,
                                        PageGeom g, u32 dtype, float gk, float gv) {
+    grid_dependency_sync();
     const u32 chunks = g.head_dim / 16u;
     const u32 per_part = g.kv_heads * chunks;
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -62,6 +63,7 @@ extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict_
                                           const u32* __restrict__ page_table, u32 n_tokens,
                                           PageGeom g, u32 dtype, float gk, float gv, float wk,
                                           float wv) {
+    grid_dependency_sync();
     const u32 chunks = g.head_dim / 16u;
     const u32 per_part = g.kv_heads * chunks;
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -148,6 +150,7 @@ extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict_
 // never NaN); fp8 bytes with the NaN codes mapped away; bf16 values of magnitude in [2^-5, 2^5).
 extern "C" __global__ void fill_random_pages(u8* __restrict__ pages, u64 n, u32 dtype, u32 seed,
                                              PageGeom g) {
+    grid_dependency_sync();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     u32 h = (u32)i * 0x9E3779B1u ^ (u32)(i >> 32) * 0x85EBCA77u ^ seed;
