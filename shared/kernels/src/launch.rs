@@ -168,7 +168,7 @@ impl Kernels {
                 *slot = sms as usize * per_sm.max(1) as usize;
             }
         }
-        Ok(Self {
+        let kernels = Self {
             quantize: function("quantize", "kv_quantize")?,
             gather: function("quantize", "kv_gather_work")?,
             fill: function("quantize", "fill_random_pages")?,
@@ -192,7 +192,40 @@ impl Kernels {
             arch,
             sms,
             programmatic: major >= 9 && programmatic_launch_allowed()?,
-        })
+        };
+        Ok(kernels.with_working_launches())
+    }
+
+    /// Keeps programmatic launch only if the driver takes it: one launch of `pages_gather` over no
+    /// pages (a block that waits and returns) with the attribute. A driver that refuses the
+    /// attribute refuses the launch itself, without a sticky error, and kernels are then
+    /// launched serialized, with a notice.
+    fn with_working_launches(mut self) -> Self {
+        if !self.programmatic {
+            return self;
+        }
+        let (null, none, page_bytes) = (0u64, 0u32, 16u64);
+        let mut b = self.builder(&self.pages_gather);
+        b.arg(&null)
+            .arg(&null)
+            .arg(&null)
+            .arg(&none)
+            .arg(&page_bytes);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: pages_gather's signature (staging, pool, page_ids, n, page_bytes); with n = 0
+        // it reads and writes nothing, so the null pointers are never dereferenced.
+        let probe = unsafe { b.launch(cfg) }.and_then(|()| self.stream.synchronize());
+        if let Err(e) = probe {
+            eprintln!(
+                "nibble: programmatic dependent launch refused ({e}); kernels run serialized"
+            );
+            self.programmatic = false;
+        }
+        self
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
