@@ -402,16 +402,22 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         };
         scratch.decode(&store, args, &mut cpu_out[i * qn..(i + 1) * qn])?;
     }
-    // Two batches: every sequence (contexts up to 2,100 tokens: several splits, merged by
-    // decode_combine), and the first three alone (at most 16 tokens: one split, whose blocks
-    // write the output themselves). Each runs twice on the same workspace, and the second
-    // output must equal the first bit for bit: nothing left in the workspace changes a launch.
+    // Three batches: every sequence (contexts up to 2,100 tokens: several splits, merged by
+    // decode_combine in one thread group), the first three alone (at most 16 tokens: one split,
+    // whose blocks write the output themselves), and the longest alone (17 splits: merged in
+    // four thread groups). Each runs twice on the same workspace, and the second output must
+    // equal the first bit for bit: nothing left in the workspace changes a launch.
     let mut ws = DecodeWorkspace::new(kernels)?;
-    for seqs in [contexts.len(), 3] {
-        let ctx32: Vec<u32> = contexts[..seqs].iter().map(|c| *c as u32).collect();
+    for batch_seqs in [0..contexts.len(), 0..3, contexts.len() - 1..contexts.len()] {
+        let seqs = batch_seqs.len();
+        let first = batch_seqs.start;
+        let ctx32: Vec<u32> = contexts[batch_seqs.clone()]
+            .iter()
+            .map(|c| *c as u32)
+            .collect();
         let (dq, dtable, dctx) = (
-            stream.clone_htod(&q[..seqs * qn])?,
-            stream.clone_htod(&table[..seqs * max_pages])?,
+            stream.clone_htod(&q[first * qn..batch_seqs.end * qn])?,
+            stream.clone_htod(&table[first * max_pages..batch_seqs.end * max_pages])?,
             stream.clone_htod(&ctx32)?,
         );
         let batch = DecodeBatch {
@@ -420,7 +426,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             page_table: dtable.as_view(),
             max_pages,
             context: dctx.as_view(),
-            max_context: *contexts[..seqs].iter().max().unwrap_or(&1),
+            max_context: *contexts[batch_seqs.clone()].iter().max().unwrap_or(&1),
             scales: g,
             softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
         };
@@ -468,9 +474,9 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
                 "differs from bf16::encode of the output"
             },
         );
-        for (i, ctx) in contexts[..seqs].iter().enumerate() {
+        for (i, ctx) in contexts[batch_seqs.clone()].iter().enumerate() {
             let (c, gpu) = (
-                &cpu_out[i * qn..(i + 1) * qn],
+                &cpu_out[(first + i) * qn..(first + i + 1) * qn],
                 &gpu_out[i * qn..(i + 1) * qn],
             );
             let (mut err, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);

@@ -855,4 +855,22 @@ mod tests {
         // Enough sequences to fill the device alone: no split.
         assert_eq!(split_plan(528, 1024, 32768).splits, 1);
     }
+
+    #[test]
+    fn many_splits_merge_in_four_groups() {
+        assert_eq!(combine_groups(2), 1);
+        assert_eq!(combine_groups(16), 1);
+        assert_eq!(combine_groups(17), 4);
+        assert_eq!(combine_groups(64), 4);
+        // gpu_check's batch of its longest sequence alone (2,100 tokens, 8 or 3 KV heads) must
+        // take the four-group merge on any device of at least 136 slots, or that path goes
+        // unchecked against the CPU.
+        for (slots, kv_heads) in [(528, 8), (396, 8), (528, 3), (136, 8)] {
+            let splits = split_plan(slots, kv_heads, 2100).splits;
+            assert!(
+                combine_groups(splits) == 4,
+                "{splits} splits on {slots} slots"
+            );
+        }
+    }
 }
