@@ -40,6 +40,9 @@ pub enum Error {
     /// Page and hash lists of different lengths given to the prefix cache.
     #[error("{hashes} block hashes but {pages} pages")]
     HashPageMismatch { hashes: usize, pages: usize },
+    /// Extending a chain from a block that is not cached.
+    #[error("block {0} is not cached: no chain to extend")]
+    NotCached(crate::BlockHash),
     /// Unlocking a prefix that is not locked.
     #[error("block {0} is not locked")]
     NotLocked(crate::BlockHash),

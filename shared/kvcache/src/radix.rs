@@ -108,6 +108,17 @@ impl RadixCache {
         pages
     }
 
+    /// Marks the cached blocks among `hashes` as just used (eviction takes the least recently
+    /// used first); blocks not cached are skipped.
+    pub fn touch(&mut self, hashes: &[BlockHash]) {
+        let now = self.tick();
+        for hash in hashes {
+            if let Some(node) = self.nodes.get_mut(hash) {
+                node.last_access = now;
+            }
+        }
+    }
+
     /// Locks cached blocks against eviction (one lock per call; nest freely).
     pub fn lock(&mut self, hashes: &[BlockHash]) -> Result<()> {
         if let Some(missing) = hashes.iter().find(|h| !self.nodes.contains_key(h)) {
@@ -137,11 +148,40 @@ impl RadixCache {
     }
 
     /// Caches the chain `hashes[i] → pages[i]` (full pages of one sequence, from its first). Blocks
-    /// already cached keep their page; new ones take a reference on the given page. Returns how
-    /// many blocks were new.
+    /// already cached keep their page and count as just used; new ones take a reference on the
+    /// given page. Returns how many blocks were new.
     pub fn insert(
         &mut self,
         pool: &mut PagePool,
+        hashes: &[BlockHash],
+        pages: &[PageId],
+    ) -> Result<usize> {
+        self.insert_after(pool, None, hashes, pages)
+    }
+
+    /// [`insert`](Self::insert) of the blocks that continue a chain after `parent`, a cached
+    /// block (or `None` for a chain's first block): a growing sequence offers each newly filled
+    /// page without walking, or touching, the blocks before it. The result and the events are
+    /// those of inserting the whole chain, apart from the earlier blocks' last use.
+    pub fn extend(
+        &mut self,
+        pool: &mut PagePool,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        pages: &[PageId],
+    ) -> Result<usize> {
+        if let Some(p) = parent {
+            if !self.nodes.contains_key(&p) {
+                return Err(Error::NotCached(p));
+            }
+        }
+        self.insert_after(pool, parent, hashes, pages)
+    }
+
+    fn insert_after(
+        &mut self,
+        pool: &mut PagePool,
+        mut parent: Option<BlockHash>,
         hashes: &[BlockHash],
         pages: &[PageId],
     ) -> Result<usize> {
@@ -152,7 +192,6 @@ impl RadixCache {
             });
         }
         let now = self.tick();
-        let mut parent = None;
         let mut stored: Vec<BlockHash> = Vec::new();
         let mut stored_parent = None;
         for (hash, page) in hashes.iter().zip(pages) {

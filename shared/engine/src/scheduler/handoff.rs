@@ -69,6 +69,7 @@ impl State {
                 table,
                 locked: hit,
                 cached_pages: cached.len(),
+                hashes,
                 prefix_hit: cached.len() * page_size,
                 prefill_only: false,
             },

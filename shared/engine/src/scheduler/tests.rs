@@ -168,6 +168,40 @@ fn a_cached_prefix_is_reused() {
 }
 
 #[test]
+fn pages_filled_while_decoding_are_cached_as_one_chain() {
+    // A 6-token prompt decodes 15 tokens across several page boundaries; each filled page is
+    // offered on its own. The cache then holds the whole chain of the computed tokens, in order
+    // (each block's parent the one before), and a second request with the same text reuses it.
+    let mut s = state(32, SchedulerConfig::default());
+    let prompt: Vec<u32> = (0..6).collect();
+    s.submit(request(1, prompt.clone(), 15)).unwrap();
+    let out = drain(&mut s);
+    let mut text = prompt.clone();
+    text.extend(&out[&SeqId(1)]);
+    let computed = text.len() - 1; // the last token was sampled, never computed
+    let chain = hash_blocks(&text[..computed], PAGE);
+    assert_eq!(chain.len(), 5);
+    let blocks = s.cache.snapshot().blocks;
+    assert_eq!(blocks.len(), chain.len());
+    for (i, hash) in chain.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| chain[p]);
+        assert!(
+            blocks.contains(&(*hash, parent)),
+            "block {i} and its parent"
+        );
+    }
+    s.submit(request(2, text.clone(), 1)).unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(
+        batch.items[0].positions.start,
+        5 * PAGE,
+        "five cached pages reused"
+    );
+    drain(&mut s);
+    assert_no_leak(&mut s);
+}
+
+#[test]
 fn admission_waits_for_free_pages() {
     let mut s = state(4, SchedulerConfig::default());
     s.submit(request(1, (0..12).collect(), 2)).unwrap();

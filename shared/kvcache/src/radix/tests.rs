@@ -210,3 +210,94 @@ fn clear_refuses_while_locked_then_releases_everything() {
     cache.clear(&mut pool).unwrap();
     assert_eq!(pool.free_pages(), 8);
 }
+
+#[test]
+fn extending_a_chain_page_by_page_equals_inserting_it_whole() {
+    // A sequence growing to 5 full pages offers each page as it fills (extend), against the
+    // whole chain inserted at once: the same blocks, pages and parents, and the same snapshot.
+    let tokens: Vec<u32> = (0..5 * PAGE as u32).collect();
+    let hashes = hash_blocks(&tokens, PAGE);
+    let (mut pool_a, mut pool_b) = (pool(8), pool(8));
+    let mut table_a = PageTable::new();
+    table_a.append(&mut pool_a, tokens.len()).unwrap();
+    let mut table_b = PageTable::new();
+    table_b.append(&mut pool_b, tokens.len()).unwrap();
+    let (mut whole, mut grown) = (RadixCache::new(16), RadixCache::new(16));
+    assert_eq!(
+        whole.insert(&mut pool_a, &hashes, table_a.pages()).unwrap(),
+        5
+    );
+    let mut new = 0;
+    for i in 0..hashes.len() {
+        let parent = i.checked_sub(1).map(|p| hashes[p]);
+        new += grown
+            .extend(&mut pool_b, parent, &hashes[i..=i], &table_b.pages()[i..=i])
+            .unwrap();
+    }
+    assert_eq!(new, 5);
+    assert_eq!(whole.snapshot().blocks, grown.snapshot().blocks);
+    for (a, b) in table_a.pages().iter().zip(table_b.pages()) {
+        assert_eq!(pool_a.refcount(*a).unwrap(), pool_b.refcount(*b).unwrap());
+    }
+    // Each page's event names its parent, as the whole insert names the chain's.
+    let events = grown.drain_events();
+    assert_eq!(events.len(), 5);
+    assert_eq!(
+        events[3].data,
+        KvEventData::Stored {
+            parent: Some(hashes[2]),
+            blocks: vec![hashes[3]]
+        }
+    );
+    // Offering a page already cached adds nothing.
+    assert_eq!(
+        grown
+            .extend(
+                &mut pool_b,
+                Some(hashes[3]),
+                &hashes[4..],
+                &table_b.pages()[4..]
+            )
+            .unwrap(),
+        0
+    );
+}
+
+#[test]
+fn extending_from_an_uncached_block_is_refused() {
+    let mut pool = pool(4);
+    let mut cache = RadixCache::default();
+    let tokens: Vec<u32> = (0..2 * PAGE as u32).collect();
+    let hashes = hash_blocks(&tokens, PAGE);
+    let mut table = PageTable::new();
+    table.append(&mut pool, tokens.len()).unwrap();
+    let free = pool.free_pages();
+    assert_eq!(
+        cache.extend(
+            &mut pool,
+            Some(hashes[0]),
+            &hashes[1..],
+            &table.pages()[1..]
+        ),
+        Err(Error::NotCached(hashes[0]))
+    );
+    assert!(cache.is_empty());
+    assert_eq!(pool.free_pages(), free, "no reference taken");
+    assert_eq!(pool.refcount(table.pages()[1]).unwrap(), 1);
+}
+
+#[test]
+fn touched_blocks_are_evicted_last() {
+    let mut pool = pool(8);
+    let mut cache = RadixCache::default();
+    let a: Vec<u32> = (0..PAGE as u32).collect();
+    let b: Vec<u32> = (100..100 + PAGE as u32).collect();
+    serve(&mut cache, &mut pool, &a);
+    serve(&mut cache, &mut pool, &b);
+    // a is older; touching it makes b the least recently used.
+    cache.touch(&hash_blocks(&a, PAGE));
+    cache.touch(&hash_blocks(&[7u32; PAGE], PAGE)); // not cached: skipped
+    assert_eq!(cache.evict(&mut pool, 1).unwrap(), 1);
+    assert!(cache.contains(hash_blocks(&a, PAGE)[0]));
+    assert!(!cache.contains(hash_blocks(&b, PAGE)[0]));
+}
