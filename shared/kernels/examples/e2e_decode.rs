@@ -167,9 +167,15 @@ fn measure<B: Backend>(
             None => CPU_BUDGET,
         };
         eprintln!("e2e_decode: {dtype}, KV budget {:.1} GiB", gib(budget));
-        bench.run(&model, &tokenizer, dtype, budget, sync, &mut |o| {
+        let ran = bench.run(&model, &tokenizer, dtype, budget, sync, &mut |o| {
             emit(row(o))
-        })?;
+        });
+        if let Err(e) = ran {
+            // On stdout too, beside the rows that ran: the device tool keeps stdout files.
+            emit(json!({"bench": "e2e_decode", "dtype": dtype.to_string(),
+                        "error": format!("{e:#}")}));
+            return Err(e.into());
+        }
     }
     Ok(())
 }
