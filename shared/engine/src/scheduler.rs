@@ -20,7 +20,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
-use nibble_kvcache::{hash_block, hash_blocks, BlockHash, PagePool, PageTable, RadixCache, SlotId};
+use nibble_kvcache::{
+    extend_hashes, hash_blocks, BlockHash, PagePool, PageTable, RadixCache, SlotId,
+};
 
 /// Limits of the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,16 +167,6 @@ impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
-
-    /// Extends `hashes` to cover the first `blocks` full blocks, hashing only the new ones.
-    fn hash_blocks_to(&mut self, blocks: usize, page_size: usize) {
-        while self.hashes.len() < blocks {
-            let i = self.hashes.len();
-            let block = &self.tokens[i * page_size..(i + 1) * page_size];
-            self.hashes
-                .push(hash_block(self.hashes.last().copied(), block));
-        }
-    }
 }
 
 /// A request to start.
@@ -314,7 +306,7 @@ impl State {
         if full <= seq.cached_pages {
             return;
         }
-        seq.hash_blocks_to(full, page_size);
+        extend_hashes(&mut seq.hashes, &seq.tokens[..full * page_size], page_size);
         let from = seq.cached_pages;
         let pages = &seq.table.pages()[..full];
         let parent = from.checked_sub(1).map(|i| seq.hashes[i]);

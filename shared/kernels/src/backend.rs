@@ -836,12 +836,10 @@ impl Backend for CudaBackend {
         self.bind();
         let mut cast = self.cast_target(gate.len());
         let mut b = self.kernels.builder(&self.ops.silu_mul);
-        b.arg(gate.f32_mut()).arg(up.f32()).arg(&n);
-        let null = 0u64;
-        match &mut cast {
-            Some(c) => b.arg(&mut c.buf),
-            None => b.arg(&null),
-        };
+        b.arg(gate.f32_mut())
+            .arg(up.f32())
+            .arg(&n)
+            .arg(cast.as_mut().map(|c| &mut c.buf));
         // SAFETY: matches silu_mul_f32; both hold n values, the cast buffer (or null) at least
         // n.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "silu_mul");
@@ -1202,14 +1200,10 @@ impl CudaBackend {
             .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"));
         let (rows, x_cols, y_cols, hd) = (x.rows as u32, x.cols as u32, y_cols as u32, d as u32);
         let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
-        let null = 0u64;
         let mut b = self.kernels.builder(&self.ops.rope);
-        b.arg(x.f32_mut());
-        match &mut y {
-            Some(t) => b.arg(t.f32_mut()),
-            None => b.arg(&null),
-        };
-        b.arg(&pos)
+        b.arg(x.f32_mut())
+            .arg(y.as_mut().map(|t| t.f32_mut()))
+            .arg(&pos)
             .arg(rope.cos.f32())
             .arg(rope.sin.f32())
             .arg(&rows)
@@ -1240,7 +1234,6 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let mut cast = self.cast_target(out.len());
-        let null = 0u64;
         let what = match &input {
             NormInput::Plain(_) => "rms_norm",
             NormInput::Residual(..) => "add_rms_norm",
@@ -1257,11 +1250,11 @@ impl CudaBackend {
                 b
             }
         };
-        b.arg(weight.f32()).arg(out.f32_mut()).arg(&width).arg(&eps);
-        match &mut cast {
-            Some(c) => b.arg(&mut c.buf),
-            None => b.arg(&null),
-        };
+        b.arg(weight.f32())
+            .arg(out.f32_mut())
+            .arg(&width)
+            .arg(&eps)
+            .arg(cast.as_mut().map(|c| &mut c.buf));
         // SAFETY: matches rms_norm_f32 (x, w, out, width, eps, out_bf16) and add_rms_norm_f32
         // (x, y, w, out, width, eps, out_bf16); x, y and out hold whole groups of width values,
         // the cast buffer (or null) at least out's.

@@ -570,13 +570,12 @@ impl Kernels {
             .arg(&batch.q)
             .arg(&batch.page_table)
             .arg(&batch.context);
-        let null = 0u64;
-        b.arg(&mut ws.part_o).arg(&mut ws.part_ml).arg(&mut *out);
-        match &mut out_bf16 {
-            Some(cast) => b.arg(&mut **cast),
-            None => b.arg(&null),
-        };
-        b.arg(&geom).arg(&args);
+        b.arg(&mut ws.part_o)
+            .arg(&mut ws.part_ml)
+            .arg(&mut *out)
+            .arg(out_bf16.as_deref_mut())
+            .arg(&geom)
+            .arg(&args);
         // SAFETY: matches decode_*'s signature; q, out (and the cast, or null) and the page table
         // were checked against the batch, the workspace was sized for the plan, and page ids
         // come from the pool.
@@ -586,12 +585,14 @@ impl Kernels {
         }
         let (qh, splits, dim) = (q_heads as u32, plan.splits as u32, d as u32);
         let mut c = self.builder(&self.combine);
-        c.arg(&ws.part_o).arg(&ws.part_ml).arg(out);
-        match out_bf16 {
-            Some(cast) => c.arg(cast),
-            None => c.arg(&null),
-        };
-        c.arg(&qh).arg(&splits).arg(&dim).arg(&args.v_scale);
+        c.arg(&ws.part_o)
+            .arg(&ws.part_ml)
+            .arg(out)
+            .arg(out_bf16)
+            .arg(&qh)
+            .arg(&splits)
+            .arg(&dim)
+            .arg(&args.v_scale);
         let cfg = LaunchConfig {
             grid_dim: (qh, seqs as u32, 1),
             block_dim: (dim, combine_groups(plan.splits), 1),

@@ -125,7 +125,8 @@ impl<'a> Launch<'a> {
 }
 
 /// A kernel parameter [`Launch::arg`] takes: a device buffer (by `&` for reading, `&mut` for
-/// writing) or a plain value (`u32`, `u64`, `f32` and the `#[repr(C)]` argument structs).
+/// writing; `Option<&mut CudaSlice>` for an output the kernel skips when given null) or a plain
+/// value (`u32`, `u64`, `f32` and the `#[repr(C)]` argument structs).
 pub(crate) trait KernelParam<'a> {
     fn push_to(self, launch: &mut Launch<'a>);
 }
@@ -167,6 +168,18 @@ impl<'a, T> KernelParam<'a> for &'a mut CudaSlice<T> {
     fn push_to(self, launch: &mut Launch<'a>) {
         let (ptr, guard) = self.device_ptr_mut(launch.stream);
         launch.device(ptr, guard);
+    }
+}
+
+/// An optional output buffer: `None` passes a null pointer.
+impl<'a, T> KernelParam<'a> for Option<&'a mut CudaSlice<T>> {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        match self {
+            Some(buf) => buf.push_to(launch),
+            None => {
+                launch.push(Param::Device(0));
+            }
+        }
     }
 }
 

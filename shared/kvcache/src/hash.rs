@@ -37,16 +37,24 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
 /// # Panics
 /// If `page_size` is 0.
 pub fn hash_blocks(tokens: &[u32], page_size: usize) -> Vec<BlockHash> {
+    let mut hashes = Vec::with_capacity(tokens.len() / page_size.max(1));
+    extend_hashes(&mut hashes, tokens, page_size);
+    hashes
+}
+
+/// Extends `hashes`, the chain of the first `hashes.len()` full pages of a sequence, to every
+/// full page of `tokens` (that sequence's first tokens), hashing only the pages after the chain:
+/// a growing sequence keeps its chain. A chain already as long is left as it is.
+///
+/// # Panics
+/// If `page_size` is 0.
+pub fn extend_hashes(hashes: &mut Vec<BlockHash>, tokens: &[u32], page_size: usize) {
     assert!(page_size > 0, "page size must be positive");
-    let mut parent = None;
-    tokens
-        .chunks_exact(page_size)
-        .map(|block| {
-            let h = hash_block(parent, block);
-            parent = Some(h);
-            h
-        })
-        .collect()
+    let done = (hashes.len() * page_size).min(tokens.len());
+    for block in tokens[done..].chunks_exact(page_size) {
+        let h = hash_block(hashes.last().copied(), block);
+        hashes.push(h);
+    }
 }
 
 #[cfg(test)]
@@ -60,6 +68,9 @@ mod tests {
         assert_eq!(hashes.len(), 2);
         assert_eq!(hashes, hash_blocks(&tokens[..32], 16));
         assert_eq!(hashes[1], hash_block(Some(hashes[0]), &tokens[16..32]));
+        let mut grown = hash_blocks(&tokens[..20], 16);
+        extend_hashes(&mut grown, &tokens, 16);
+        assert_eq!(grown, hashes, "extending a chain equals hashing it whole");
     }
 
     #[test]

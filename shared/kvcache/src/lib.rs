@@ -23,7 +23,7 @@ pub mod store;
 
 pub use error::{Error, Result};
 pub use events::{KvEvent, KvEventData, KvSnapshot};
-pub use hash::{hash_block, hash_blocks, BlockHash};
+pub use hash::{extend_hashes, hash_block, hash_blocks, BlockHash};
 pub use page_table::PageTable;
 pub use pool::{PageId, PagePool, PoolPlan, SlotId};
 pub use radix::{CacheStats, RadixCache};

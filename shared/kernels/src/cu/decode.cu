@@ -544,6 +544,11 @@ DECODE_KERNEL(decode_bf16_d128, NIBBLE_BF16, 128, 3)
 //   g, g + COMBINE_GROUPS, ..., and the groups are added in order in shared memory.
 #define COMBINE_GROUPS 4
 
+// The weight 2^(m_s - M) of a split whose max is m_s; 0 for an empty split (m_s = -inf).
+__device__ __forceinline__ float split_weight(float ms, float mx) {
+    return ms == __int_as_float(0xff800000) ? 0.f : fast_exp2(ms - mx);
+}
+
 // The block-wide reduction of v (max or sum), every thread getting the result; `red` holds one
 // value per warp.
 template <bool MAX>
@@ -580,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(128 * COMBINE_GROUPS)
 #pragma unroll 8
         for (u32 s = 0; s < splits; ++s) {
             const float ms = __ldg(part_ml + 2 * (row0 + s));
-            const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+            const float f = split_weight(ms, mx);
             acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
             sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
         }
@@ -591,14 +596,14 @@ extern "C" __global__ void __launch_bounds__(128 * COMBINE_GROUPS)
         mx = block_reduce<true>(mx, red);
         for (u32 s = tid; s < splits; s += threads) {
             const float ms = __ldg(part_ml + 2 * (row0 + s));
-            const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+            const float f = split_weight(ms, mx);
             sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
         }
         sum = block_reduce<false>(sum, red);
 #pragma unroll 8
         for (u32 s = g; s < splits; s += groups) {
             const float ms = __ldg(part_ml + 2 * (row0 + s));
-            const float f = ms == NEG_INF ? 0.f : fast_exp2(ms - mx);
+            const float f = split_weight(ms, mx);
             acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
         }
         acc_g[g][d] = acc;
