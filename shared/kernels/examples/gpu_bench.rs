@@ -17,7 +17,9 @@
 //! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16] [--shapes 8x32768,1x4096]`
 //! (`--dtypes` runs only those decode sweeps, without prefill; `--shapes` only those batch x
 //! context shapes of them). `--profile` runs a few calls of batch 32 x 32K (or `--shapes`) per
-//! dtype (FP8 and NVFP4, or `--dtypes`) and nothing else, for `ncu`.
+//! dtype (FP8 and NVFP4, or `--dtypes`) and nothing else, for `ncu`. A sequence's pages lie at
+//! random places in the pool, as a serving pool's free list hands them out; `--pages-in-order`
+//! lays each sequence's pages out one after another instead, to measure what the scatter costs.
 
 use std::sync::Arc;
 
@@ -263,7 +265,9 @@ fn decode_sweep(
     let mut pages: CudaSlice<u8> = stream.alloc_zeros(plan.bytes)?;
     kernels.fill_random(&mut pages, geom, dtype, 11 + dtype as u32)?;
     let mut order: Vec<u32> = (0..plan.pages as u32).collect();
-    order.shuffle(rng);
+    if !std::env::args().any(|a| a == "--pages-in-order") {
+        order.shuffle(rng);
+    }
     emit(
         json!({"bench": "pool", "dtype": dtype.to_string(), "pages": plan.pages,
                 "page_bytes": layout.page_bytes(), "page_tokens": page(), "bytes": plan.bytes}),

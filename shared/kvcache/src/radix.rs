@@ -40,6 +40,8 @@ pub struct CacheStats {
     pub inserted_blocks: u64,
     /// Blocks evicted.
     pub evicted_blocks: u64,
+    /// Calls to [`RadixCache::evict`] that asked for pages: each walks every cached block.
+    pub eviction_scans: u64,
 }
 
 /// The prefix cache of one worker.
@@ -147,9 +149,14 @@ impl RadixCache {
         Ok(())
     }
 
-    /// Caches the chain `hashes[i] → pages[i]` (full pages of one sequence, from its first). Blocks
-    /// already cached keep their page and count as just used; new ones take a reference on the
-    /// given page. Returns how many blocks were new.
+    /// Caches the chain `hashes[i] → pages[i]` (full pages of one sequence, from its first). New
+    /// blocks take a reference on the given page. Blocks already cached count as just used, and
+    /// when the given page is another copy of the block (a sequence that computed the block
+    /// itself, not through a prefix hit) the cache moves to it: its reference on the old copy
+    /// goes, freeing that page unless a sequence holds it. Keeping the old copy instead would hold
+    /// two pages for one block while the sequence runs, and once the sequence's next block is
+    /// cached below it, the old copy could not be evicted either. Returns how many blocks were
+    /// new.
     pub fn insert(
         &mut self,
         pool: &mut PagePool,
@@ -197,6 +204,11 @@ impl RadixCache {
         for (hash, page) in hashes.iter().zip(pages) {
             if let Some(node) = self.nodes.get_mut(hash) {
                 node.last_access = now;
+                if node.page != *page {
+                    pool.retain(*page)?;
+                    pool.release(node.page)?;
+                    node.page = *page;
+                }
             } else {
                 pool.retain(*page)?;
                 if let Some(p) = parent {
@@ -237,6 +249,10 @@ impl RadixCache {
     /// Evicts up to `pages` least-recently-used blocks whose pages nobody else holds, leaves
     /// first, and returns how many pages went back to the pool.
     pub fn evict(&mut self, pool: &mut PagePool, pages: usize) -> Result<usize> {
+        if pages == 0 {
+            return Ok(0);
+        }
+        self.stats.eviction_scans += 1;
         let mut heap: BinaryHeap<Reverse<(u64, BlockHash)>> = self
             .nodes
             .iter()

@@ -202,6 +202,75 @@ fn pages_filled_while_decoding_are_cached_as_one_chain() {
 }
 
 #[test]
+fn a_block_computed_again_does_not_pin_a_second_page() {
+    // Request 1 decodes a prompt into blocks P, A, B (cached when it ends). Request 2 has the same
+    // prompt (P is a hit), computes A again with the same tokens, then samples other tokens
+    // (B'), and needs a fourth page: the pool's last. Had the cache kept its old copy of A, that
+    // copy would be pinned as B''s parent while request 2 holds its own, and request 2 could
+    // never get its fourth page: with nobody else to preempt, it would stall forever.
+    let mut s = state(4, SchedulerConfig::default());
+    let prompt: Vec<u32> = (0..5).collect();
+    s.submit(request(1, prompt.clone(), 8)).unwrap();
+    drain(&mut s);
+    assert_eq!(s.cache.len(), 3, "P, A, B");
+    s.submit(request(2, prompt.clone(), 9)).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..20 {
+        let batch = s.schedule();
+        if batch.is_empty() {
+            break;
+        }
+        if out.is_empty() {
+            assert_eq!(s.prefix_hit(SeqId(2)), Some(PAGE), "P is a hit");
+        }
+        let mut sampled = Vec::new();
+        for item in batch.items.iter().filter(|i| i.sample) {
+            let tokens = s.tokens(item.seq).unwrap();
+            // Tokens from position 8 on differ from request 1's: block B' is not B.
+            let other = if tokens.len() >= 8 { 1000 } else { 0 };
+            sampled.push((item.seq, next_token(tokens) + other));
+        }
+        for (_, outcome) in s.complete(&batch, &sampled) {
+            if let Outcome::Token(t) | Outcome::Finished(Some(t), _) = outcome {
+                out.push(t);
+            }
+        }
+        s.pool.check_invariants().unwrap();
+    }
+    assert_eq!(out.len(), 9, "request 2 ran to its end");
+    assert_eq!(s.running() + s.waiting(), 0);
+    assert_eq!(s.preemptions(), 0);
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn decodes_crossing_a_page_boundary_together_evict_in_one_pass() {
+    // A finished request leaves 4 cached blocks and 8 free pages; 4 requests then fill the 8 and
+    // cross into their third page in the same step. That step evicts the 4 blocks in one walk of
+    // the cache, not one walk per sequence.
+    let mut s = state(12, SchedulerConfig::default());
+    s.submit(request(100, (0..16).collect(), 1)).unwrap();
+    drain(&mut s);
+    assert_eq!((s.cache.len(), s.pool.free_pages()), (4, 8));
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|r| (0..6).map(|t| 500 + 10 * r + t).collect())
+        .collect();
+    for (r, prompt) in prompts.iter().enumerate() {
+        s.submit(request(r as u64, prompt.clone(), 4)).unwrap();
+    }
+    let before = s.cache.stats();
+    let out = drain(&mut s);
+    let after = s.cache.stats();
+    for (r, prompt) in prompts.iter().enumerate() {
+        assert_eq!(out[&SeqId(r as u64)], expected_output(prompt, 4));
+    }
+    assert_eq!(after.evicted_blocks - before.evicted_blocks, 4);
+    assert_eq!(after.eviction_scans - before.eviction_scans, 1);
+    assert_eq!(s.preemptions(), 0);
+    assert_no_leak(&mut s);
+}
+
+#[test]
 fn admission_waits_for_free_pages() {
     let mut s = state(4, SchedulerConfig::default());
     s.submit(request(1, (0..12).collect(), 2)).unwrap();

@@ -48,23 +48,44 @@ fn match_insert_and_reuse() {
 }
 
 #[test]
-fn insert_keeps_existing_pages_and_references_new_ones() {
+fn a_block_cached_again_moves_to_the_new_copy() {
     let mut pool = pool(8);
     let mut cache = RadixCache::default();
     let tokens: Vec<u32> = (0..8).collect();
     let hashes = hash_blocks(&tokens, PAGE);
     let first = pool.alloc(2).unwrap();
     assert_eq!(cache.insert(&mut pool, &hashes, &first).unwrap(), 2);
+    assert_eq!(pool.refcount(first[0]).unwrap(), 2);
+    // The same two blocks computed again into other pages: nothing new is cached, and the cache
+    // now holds the new copies, not both.
     let second = pool.alloc(2).unwrap();
     assert_eq!(cache.insert(&mut pool, &hashes, &second).unwrap(), 0);
-    assert_eq!(cache.match_prefix(&hashes), first);
-    assert_eq!(pool.refcount(first[0]).unwrap(), 2);
+    assert_eq!(cache.len(), 2);
+    assert_eq!(cache.match_prefix(&hashes), second);
+    for (old, new) in first.iter().zip(&second) {
+        assert_eq!(pool.refcount(*old).unwrap(), 1, "only its first owner");
+        assert_eq!(pool.refcount(*new).unwrap(), 2, "its owner and the cache");
+    }
+    // The first owner lets go: its copies go back to the pool at once.
+    pool.release_all(&first).unwrap();
+    assert_eq!(pool.free_pages(), 6);
+    // Offering the page the cache already holds changes nothing.
     assert_eq!(
-        pool.refcount(second[0]).unwrap(),
-        1,
-        "not taken by the cache"
+        cache
+            .extend(&mut pool, Some(hashes[0]), &hashes[1..], &second[1..])
+            .unwrap(),
+        0
     );
-    let err = cache.insert(&mut pool, &hashes, &first[..1]).unwrap_err();
+    assert_eq!(pool.refcount(second[1]).unwrap(), 2);
+    let events = cache.drain_events();
+    assert_eq!(
+        events.len(),
+        1,
+        "moving a block to another page is no event"
+    );
+    assert!(matches!(&events[0].data, KvEventData::Stored { blocks, .. } if blocks.len() == 2));
+    pool.check_invariants().unwrap();
+    let err = cache.insert(&mut pool, &hashes, &second[..1]).unwrap_err();
     assert_eq!(
         err,
         Error::HashPageMismatch {
