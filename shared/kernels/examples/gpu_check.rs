@@ -239,7 +239,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
     let stream = kernels.stream();
     let mut rng = StdRng::seed_from_u64(0x5eed ^ geo.head_dim as u64 ^ dtype as u64);
     let layout = PageLayout::new(geo.layers, geo.kv_heads, geo.head_dim, PAGE, dtype)?;
-    let contexts = [1usize, 15, 16, 333, 2100];
+    let contexts = [1usize, 15, 16, 333, 2100, 12_000];
     let total_tokens: usize = contexts.iter().map(|c| c.next_multiple_of(PAGE)).sum();
     let plan = PoolPlan::for_pages(layout, total_tokens / PAGE + 8)?;
     let mut pool = PagePool::new(plan);
@@ -402,13 +402,15 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         };
         scratch.decode(&store, args, &mut cpu_out[i * qn..(i + 1) * qn])?;
     }
-    // Three batches: every sequence (contexts up to 2,100 tokens: several splits, merged by
-    // decode_combine in one thread group), the first three alone (at most 16 tokens: one split,
-    // whose blocks write the output themselves), and the longest alone (17 splits: merged in
-    // four thread groups). Each runs twice on the same workspace, and the second output must
-    // equal the first bit for bit: nothing left in the workspace changes a launch.
+    // Four batches: every sequence (several splits, merged by decode_combine in one thread group
+    // for 8 KV heads, in four for 3), the first three alone (at most 16 tokens: one split, whose
+    // blocks write the output themselves), the 2,100 tokens alone (17 splits: four groups, one
+    // round of loads) and the 12,000 alone (63 splits for 8 KV heads; 94 for 3, more than the 80
+    // four groups load in one round). Each runs twice on the same workspace, and the second
+    // output must equal the first bit for bit: nothing left in the workspace changes a launch.
     let mut ws = DecodeWorkspace::new(kernels)?;
-    for batch_seqs in [0..contexts.len(), 0..3, contexts.len() - 1..contexts.len()] {
+    let n = contexts.len();
+    for batch_seqs in [0..n, 0..3, n - 2..n - 1, n - 1..n] {
         let seqs = batch_seqs.len();
         let first = batch_seqs.start;
         let ctx32: Vec<u32> = contexts[batch_seqs.clone()]

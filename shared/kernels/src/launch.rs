@@ -51,17 +51,14 @@ const PREFILL_ROWS: u32 = 64;
 const DECODE_THREADS: u32 = 128;
 const DECODE_WARPS: usize = DECODE_THREADS as usize / 32;
 pub(crate) const DECODE_TILE: usize = 16;
-/// Thread groups of a `decode_combine` block (`COMBINE_GROUPS` in `cu/decode.cu`) for a merge of
-/// `splits`: one group (each thread reads every split) up to 16 splits, where the block-wide
-/// reductions of four groups cost more than they save (run 79: batch 32 x 4K, 2 splits, +5%
-/// time); four above (batch 1: dozens of splits, -2% to -8% time, +6% decode tokens/s).
-fn combine_groups(splits: usize) -> u32 {
-    if splits <= 16 {
-        1
-    } else {
-        4
-    }
+/// Whether `decode_combine_groups` (four thread groups, `COMBINE_GROUPS` in `cu/decode.cu`)
+/// merges `splits` splits rather than `decode_combine` (one group): above 16 splits (a batch of
+/// one sequence: dozens), where one group would take several rounds of loads.
+fn merges_in_groups(splits: usize) -> bool {
+    splits > 16
 }
+/// `COMBINE_GROUPS` in `cu/decode.cu`.
+const COMBINE_GROUPS: u32 = 4;
 
 /// The compiled kernels on one device.
 pub struct Kernels {
@@ -82,6 +79,7 @@ pub struct Kernels {
     /// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
     prefill: [[CudaFunction; 2]; 2],
     combine: CudaFunction,
+    combine_groups: CudaFunction,
     pages_gather: CudaFunction,
     pages_scatter: CudaFunction,
 }
@@ -175,6 +173,7 @@ impl Kernels {
             decode,
             decode_slots,
             combine: function("decode", "decode_combine")?,
+            combine_groups: function("decode", "decode_combine_groups")?,
             pages_gather: function("pages", "pages_gather")?,
             pages_scatter: function("pages", "pages_scatter")?,
             prefill: [
@@ -584,7 +583,12 @@ impl Kernels {
             return Ok(()); // the blocks wrote the output themselves
         }
         let (qh, splits, dim) = (q_heads as u32, plan.splits as u32, d as u32);
-        let mut c = self.builder(&self.combine);
+        let (combine, groups) = if merges_in_groups(plan.splits) {
+            (&self.combine_groups, COMBINE_GROUPS)
+        } else {
+            (&self.combine, 1)
+        };
+        let mut c = self.builder(combine);
         c.arg(&ws.part_o)
             .arg(&ws.part_ml)
             .arg(out)
@@ -595,10 +599,10 @@ impl Kernels {
             .arg(&args.v_scale);
         let cfg = LaunchConfig {
             grid_dim: (qh, seqs as u32, 1),
-            block_dim: (dim, combine_groups(plan.splits), 1),
+            block_dim: (dim, groups, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches decode_combine; the workspace holds seqs * q_heads * splits rows, out
+        // SAFETY: matches decode_combine(_groups); the workspace holds seqs * q_heads * splits rows, out
         // (and the cast, or null) seqs * q_heads.
         unsafe { c.launch(cfg) }?;
         Ok(())
@@ -859,19 +863,16 @@ mod tests {
 
     #[test]
     fn many_splits_merge_in_four_groups() {
-        assert_eq!(combine_groups(2), 1);
-        assert_eq!(combine_groups(16), 1);
-        assert_eq!(combine_groups(17), 4);
-        assert_eq!(combine_groups(64), 4);
+        assert!(!merges_in_groups(2));
+        assert!(!merges_in_groups(16));
+        assert!(merges_in_groups(17));
+        assert!(merges_in_groups(64));
         // gpu_check's batch of its longest sequence alone (2,100 tokens, 8 or 3 KV heads) must
         // take the four-group merge on any device of at least 136 slots, or that path goes
         // unchecked against the CPU.
         for (slots, kv_heads) in [(528, 8), (396, 8), (528, 3), (136, 8)] {
             let splits = split_plan(slots, kv_heads, 2100).splits;
-            assert!(
-                combine_groups(splits) == 4,
-                "{splits} splits on {slots} slots"
-            );
+            assert!(merges_in_groups(splits), "{splits} splits on {slots} slots");
         }
     }
 }

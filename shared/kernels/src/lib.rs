@@ -59,6 +59,7 @@ pub const ENTRY_POINTS: [(&str, &[&str]); 4] = [
             "decode_bf16_d64",
             "decode_bf16_d128",
             "decode_combine",
+            "decode_combine_groups",
         ],
     ),
     (

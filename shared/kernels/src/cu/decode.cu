@@ -534,85 +534,117 @@ DECODE_KERNEL(decode_bf16_d128, NIBBLE_BF16, 128, 3)
 
 // Merges the splits of every (sequence, query head): out = sum_s o_s 2^(m_s - M) / L * v_scale,
 // and its BF16 cast into out_bf16 unless null (as the decode kernel writes both with one split).
-// Grid (q_heads, sequences); block (head_dim, groups), groups 1 or COMBINE_GROUPS. Empty splits
-// (m = -inf, l = 0, o = 0) weigh 0, without a branch, so unrolled loads stay in flight together.
-// * One group (a few splits, batches that fill the device): every thread reads all the splits'
-//   (m, l) and its o_s[d], 8 splits' loads at once.
-// * COMBINE_GROUPS groups (dozens of splits: a batch of one sequence, where the merge, a chain
-//   of loads from L2, was most of the call): the block reads every split's (m, l) at once, one
-//   load per thread, and reduces M and L across the block; thread (d, g) sums o_s[d] over splits
-//   g, g + COMBINE_GROUPS, ..., and the groups are added in order in shared memory.
+// Grid (q_heads, sequences). The merge is a chain of loads from L2 and little else, so round trips
+// are its time: thread d loads dim d of a round of splits, every load of the round issued before
+// any is used, and folds the round into its running (max, sum, output) as the decode kernel
+// folds tiles. Empty splits (m = -inf, l = 0, o = 0) weigh 0, without a branch.
+// * decode_combine, block (head_dim): one thread group, up to 16 splits (batches of 4 and more
+//   sequences), in rounds of COMBINE_ROUND (batches of 8 and more: one round).
+// * decode_combine_groups, block (head_dim, COMBINE_GROUPS): dozens of splits (small batches,
+//   where the merge is a large share of the call). Group g merges splits g, g + 4, ... in rounds
+//   of 8 up to 32 splits and of COMBINE_GROUP_ROUND above (up to 80 splits: one round), then
+//   group 0 merges the groups' results from shared memory. A batch of one sequence at 32K (66
+//   splits) spent ~6 us of a 33 us call in a merge of dependent block-wide reductions before
+//   (runs 90-91: 33.2 -> 27.7 us).
+// Two kernels, not one with two paths: the groups' 20-split rounds take 84 registers, which would
+// also cap how many one-group blocks fit an SM (40 registers with rounds of 8, 12 blocks).
 #define COMBINE_GROUPS 4
+#define COMBINE_ROUND 8
+#define COMBINE_GROUP_ROUND 20
 
 // The weight 2^(m_s - M) of a split whose max is m_s; 0 for an empty split (m_s = -inf).
 __device__ __forceinline__ float split_weight(float ms, float mx) {
     return ms == __int_as_float(0xff800000) ? 0.f : fast_exp2(ms - mx);
 }
 
-// The block-wide reduction of v (max or sum), every thread getting the result; `red` holds one
-// value per warp.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
+// Folds dim d of splits first, first + step, ... (< splits) into (mx, sum, acc), ROUND at a time.
+template <int ROUND>
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_o,
+                                             const float* __restrict__ part_ml, u64 row0,
+                                             u32 splits, u32 first, u32 step, u32 head_dim, u32 d,
+                                             float& mx, float& sum, float& acc) {
+    const float NEG_INF = __int_as_float(0xff800000);
+    const float* ml = part_ml + 2 * row0;     // (m, l) of split s at 2s
+    const float* o = part_o + row0 * head_dim + d;  // dim d of split s at s * head_dim
+    for (; first < splits; first += ROUND * step) {
+        float ms[ROUND], ls[ROUND], os[ROUND];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, w) : v + w;
+        for (int i = 0; i < ROUND; ++i) {
+            const u32 s = first + i * step;
+            const bool in = s < splits;
+            ms[i] = in ? __ldg(ml + 2 * s) : NEG_INF;
+            ls[i] = in ? __ldg(ml + 2 * s + 1) : 0.f;
+            os[i] = in ? __ldg(o + s * head_dim) : 0.f;
+        }
+        float m_new = mx;
+#pragma unroll
+        for (int i = 0; i < ROUND; ++i) m_new = fmaxf(m_new, ms[i]);
+        const float c = split_weight(mx, m_new);  // what came before, rescaled (0 while empty)
+        acc *= c;
+        sum *= c;
+#pragma unroll
+        for (int i = 0; i < ROUND; ++i) {
+            const float f = split_weight(ms[i], m_new);
+            acc += os[i] * f;
+            sum += ls[i] * f;
+        }
+        mx = m_new;
     }
-    const u32 tid = threadIdx.y * blockDim.x + threadIdx.x, warps = blockDim.x * blockDim.y / 32;
-    __syncthreads();  // red is free (a previous reduction has been read)
-    if (tid % 32 == 0) red[tid / 32] = v;
-    __syncthreads();
-    v = red[0];
-    for (u32 w = 1; w < warps; ++w) v = MAX ? fmaxf(v, red[w]) : v + red[w];
-    return v;
 }
 
-extern "C" __global__ void __launch_bounds__(128 * COMBINE_GROUPS)
+__device__ __forceinline__ void write_merged(float* __restrict__ out, u16* __restrict__ out_bf16,
+                                             u64 at, float sum, float acc, float v_scale) {
+    const float y = sum > 0.f ? acc / sum * v_scale : 0.f;
+    out[at] = y;
+    if (out_bf16) out_bf16[at] = (u16)bf16_encode(y);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
     decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                    float* __restrict__ out, u16* __restrict__ out_bf16, u32 q_heads, u32 splits,
                    u32 head_dim, float v_scale) {
     grid_dependency_sync();
-    __shared__ float red[128 * COMBINE_GROUPS / 32];
+    const u32 h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+    const u64 row0 = ((u64)seq * q_heads + h) * splits;
+    float mx = __int_as_float(0xff800000), sum = 0.f, acc = 0.f;
+    merge_splits<COMBINE_ROUND>(part_o, part_ml, row0, splits, 0, 1, head_dim, d, mx, sum, acc);
+    write_merged(out, out_bf16, ((u64)seq * q_heads + h) * head_dim + d, sum, acc, v_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128 * COMBINE_GROUPS)
+    decode_combine_groups(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                          float* __restrict__ out, u16* __restrict__ out_bf16, u32 q_heads,
+                          u32 splits, u32 head_dim, float v_scale) {
+    grid_dependency_sync();
+    __shared__ float m_g[COMBINE_GROUPS], l_g[COMBINE_GROUPS];
     __shared__ float acc_g[COMBINE_GROUPS][128];
     const u32 h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, g = threadIdx.y;
-    const u32 groups = blockDim.y;
     const u64 row0 = ((u64)seq * q_heads + h) * splits;
-    const float NEG_INF = __int_as_float(0xff800000);
-    float mx = NEG_INF, sum = 0.f, acc = 0.f;
-    if (groups == 1) {
-#pragma unroll 8
-        for (u32 s = 0; s < splits; ++s) mx = fmaxf(mx, __ldg(part_ml + 2 * (row0 + s)));
-#pragma unroll 8
-        for (u32 s = 0; s < splits; ++s) {
-            const float ms = __ldg(part_ml + 2 * (row0 + s));
-            const float f = split_weight(ms, mx);
-            acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
-            sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
-        }
-    } else {
-        const u32 tid = g * head_dim + d, threads = head_dim * groups;
-        for (u32 s = tid; s < splits; s += threads)
-            mx = fmaxf(mx, __ldg(part_ml + 2 * (row0 + s)));
-        mx = block_reduce<true>(mx, red);
-        for (u32 s = tid; s < splits; s += threads) {
-            const float ms = __ldg(part_ml + 2 * (row0 + s));
-            const float f = split_weight(ms, mx);
-            sum += __ldg(part_ml + 2 * (row0 + s) + 1) * f;
-        }
-        sum = block_reduce<false>(sum, red);
-#pragma unroll 8
-        for (u32 s = g; s < splits; s += groups) {
-            const float ms = __ldg(part_ml + 2 * (row0 + s));
-            const float f = split_weight(ms, mx);
-            acc += __ldg(part_o + (row0 + s) * head_dim + d) * f;
-        }
-        acc_g[g][d] = acc;
-        __syncthreads();
-        if (g != 0) return;
-        for (u32 j = 1; j < groups; ++j) acc += acc_g[j][d];
+    float mx = __int_as_float(0xff800000), sum = 0.f, acc = 0.f;
+    // Rounds of 8 where they cover every split at once (up to 32: a batch of one sequence at
+    // 4K), to issue no more loads than there are splits.
+    if (splits <= 8 * COMBINE_GROUPS)
+        merge_splits<8>(part_o, part_ml, row0, splits, g, COMBINE_GROUPS, head_dim, d, mx, sum, acc);
+    else
+        merge_splits<COMBINE_GROUP_ROUND>(part_o, part_ml, row0, splits, g, COMBINE_GROUPS,
+                                          head_dim, d, mx, sum, acc);
+    if (d == 0) {
+        m_g[g] = mx;
+        l_g[g] = sum;
     }
-    const float y = sum > 0.f ? acc / sum * v_scale : 0.f;
-    const u64 at = ((u64)seq * q_heads + h) * head_dim + d;
-    out[at] = y;
-    if (out_bf16) out_bf16[at] = (u16)bf16_encode(y);
+    acc_g[g][d] = acc;
+    __syncthreads();
+    if (g != 0) return;
+    float m_all = m_g[0];
+#pragma unroll
+    for (int j = 1; j < COMBINE_GROUPS; ++j) m_all = fmaxf(m_all, m_g[j]);
+    acc = 0.f;
+    sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < COMBINE_GROUPS; ++j) {
+        const float f = split_weight(m_g[j], m_all);
+        acc += acc_g[j][d] * f;
+        sum += l_g[j] * f;
+    }
+    write_merged(out, out_bf16, ((u64)seq * q_heads + h) * head_dim + d, sum, acc, v_scale);
 }
