@@ -279,12 +279,20 @@ impl State {
         table: &mut PageTable,
         n: usize,
     ) -> Option<Vec<SlotId>> {
-        let need = table.pages_needed(n, pool.layout().page_size());
-        if need > pool.free_pages() {
-            let missing = need - pool.free_pages();
+        Self::make_room(
+            pool,
+            cache,
+            table.pages_needed(n, pool.layout().page_size()),
+        );
+        table.append(pool, n).ok()
+    }
+
+    /// Evicts cached blocks, in one walk of the cache, until `pages` pages are free or nothing
+    /// more can go.
+    fn make_room(pool: &mut PagePool, cache: &mut RadixCache, pages: usize) {
+        if let Some(missing) = pages.checked_sub(pool.free_pages()).filter(|m| *m > 0) {
             cache.evict(pool, missing).expect("cache pages are valid");
         }
-        table.append(pool, n).ok()
     }
 
     /// Releases everything a sequence holds. Its cached blocks count as used now (pages were
@@ -360,12 +368,7 @@ impl State {
             .take(budget)
             .filter(|s| s.table.pages_needed(1, page_size) > 0)
             .count();
-        if starting > self.pool.free_pages() {
-            let missing = starting - self.pool.free_pages();
-            self.cache
-                .evict(&mut self.pool, missing)
-                .expect("cache pages are valid");
-        }
+        Self::make_room(&mut self.pool, &mut self.cache, starting);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let seq = &self.running[i];
