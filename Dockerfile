@@ -4,11 +4,12 @@
 #
 #   docker build -t nibble:dev .
 #   docker run --rm nibble:dev nibble --help
-#   docker run --rm --gpus all -v /srv/models:/models:ro -p 50061:50061 nibble:dev \
-#       nibble-decode --model /models/model.gguf --listen 0.0.0.0:50061
+#   docker run --rm --gpus all -v "$PWD/models:/models:ro" -p 8000:8000 -p 50051:50051 \
+#       nibble:dev nibble up --model /models/SmolLM2-135M-Instruct.Q4_1.gguf
 #
-# Stage 1 builds the workspace in the official Rust image (protoc is needed by the build scripts
-# of nibble-proto and etcd-client). Stage 2 runs on NVIDIA's CUDA *runtime* image, which carries
+# Stage 1 builds the workspace in the official Rust image (protoc and the well-known-type protos
+# of libprotobuf-dev, which protobuf-compiler only recommends, are needed by the build scripts of
+# nibble-proto and etcd-client). Stage 2 runs on NVIDIA's CUDA *runtime* image, which carries
 # the libraries the CUDA backend loads at run time through cudarc: NVRTC (cuda-libraries),
 # cuBLAS/cuBLASLt and NCCL (libnccl2). No CUDA toolkit is needed to build: kernels are compiled
 # by NVRTC when a worker starts. The GPU driver (libcuda) comes from the node through the NVIDIA
@@ -33,7 +34,7 @@ ARG CARGO_PROFILE=release
 
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        protobuf-compiler=3.21.* \
+        protobuf-compiler=3.21.* libprotobuf-dev=3.21.* \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
@@ -93,9 +94,12 @@ LABEL org.opencontainers.image.title="nibble" \
       org.opencontainers.image.source="https://github.com/nibble-serve/nibble"
 
 # Every process reads its flags from NIBBLE_* variables too; these are the container defaults:
-# listen on every interface (the binaries' own default is loopback).
+# every public port listens on all interfaces (the binaries' own default is loopback), so
+# `docker run -p 8000:8000 IMAGE nibble up` serves the OpenAI API from outside the container.
 ENV NIBBLE_LISTEN=0.0.0.0:50061 \
     NIBBLE_ROUTER_LISTEN=0.0.0.0:50051 \
+    NIBBLE_HTTP_LISTEN=0.0.0.0:8000 \
+    NIBBLE_METRICS_LISTEN=0.0.0.0:9090 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 USER 10001:10001

@@ -1,10 +1,10 @@
-"""Checks that every NIBBLE_* variable the chart sets is one the services read.
+"""Checks that every NIBBLE_* variable the chart and the Dockerfile set is one the services read.
 
-The chart configures the services only through environment variables, and a binary ignores a
-variable it does not know, so a renamed or misspelled variable would silently drop a setting.
-This collects the `env = "NIBBLE_..."` names the workspace's clap flags declare and fails on any
-rendered container variable that is neither declared nor on PENDING (flags being added in
-parallel). A pending name that is declared now is reported, so the list can shrink.
+The chart configures the services only through environment variables, and the image sets its
+container defaults the same way (`ENV` in the Dockerfile); a binary ignores a variable it does not
+know, so a renamed or misspelled variable would silently drop a setting. This collects the
+`env = "NIBBLE_..."` names the workspace's clap flags declare and fails on any rendered container
+variable, or any `ENV` of the Dockerfile, that none declares.
 
     python check-env.py WORKSPACE_ROOT RENDERED.yaml...
 """
@@ -15,10 +15,9 @@ import sys
 
 import yaml
 
-# Flags the chart already sets ahead of the services (docs/DEPLOY.md, "Today, and what is landing").
-PENDING: set[str] = set()
-
 DECLARED = re.compile(r'env\s*=\s*"(NIBBLE_[A-Z0-9_]+)"')
+# `ENV A=1 \` continuation lines of a Dockerfile, joined first.
+DOCKER_ENV = re.compile(r"\b(NIBBLE_[A-Z0-9_]+)=")
 
 
 def declared(root: pathlib.Path) -> set:
@@ -29,9 +28,19 @@ def declared(root: pathlib.Path) -> set:
     return names
 
 
+def dockerfile_env(root: pathlib.Path) -> set:
+    text = (root / "Dockerfile").read_text(encoding="utf-8").replace("\\\n", " ")
+    names = set()
+    for line in text.splitlines():
+        if line.lstrip().startswith("ENV "):
+            names.update(DOCKER_ENV.findall(line))
+    return names
+
+
 def main() -> int:
     root, *rendered = sys.argv[1:]
-    known = declared(pathlib.Path(root))
+    root = pathlib.Path(root)
+    known = declared(root)
     unknown = {}
     used = set()
     for file in rendered:
@@ -44,14 +53,20 @@ def main() -> int:
                         if not name.startswith("NIBBLE_"):
                             continue
                         used.add(name)
-                        if name not in known and name not in PENDING:
+                        if name not in known:
                             where = f"{obj['kind']}/{obj['metadata']['name']} container {container['name']}"
                             unknown.setdefault(name, where)
-    for name in sorted(PENDING & known & used):
-        print(f"note: {name} is declared by a flag now; remove it from PENDING in {__file__}")
+    image = dockerfile_env(root)
+    if not image:
+        unknown.setdefault("(none)", "the Dockerfile sets no NIBBLE_* variable with ENV")
+    for name in image - known:
+        unknown.setdefault(name, "Dockerfile ENV")
     for name, where in sorted(unknown.items()):
-        print(f"UNKNOWN {name} ({where}): no flag declares it and it is not pending")
-    print(f"{len(used)} NIBBLE_* variables set by the chart, {len(unknown)} unknown")
+        print(f"UNKNOWN {name} ({where}): no flag declares it")
+    print(
+        f"{len(used)} NIBBLE_* variables set by the chart, {len(image)} by the Dockerfile, "
+        f"{len(unknown)} unknown"
+    )
     return 1 if unknown else 0
 
 

@@ -38,7 +38,8 @@ pub enum Command {
     /// KV-cache format tools: encode, decode, page layout.
     #[command(subcommand, arg_required_else_help = true)]
     Kv(KvCommand),
-    /// Generate text from a prompt on the CPU engine, streaming it to stdout.
+    /// Generate text from a prompt (here on the CPU or a GPU, or through a running cluster with
+    /// --url), streaming it to stdout.
     #[command(arg_required_else_help = true)]
     Generate(GenerateArgs),
     /// Evaluate a model over a paged, quantized KV cache.

@@ -57,6 +57,20 @@ pub struct UpArgs {
     /// Tokens per KV page.
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
     pub page_size: usize,
+    /// How NVFP4 block scales are chosen on write: mse (of the E4M3 codes near amax/6, the one
+    /// with the least squared error over the block; the default) or amax (amax/6, the bytes other
+    /// NVFP4 implementations write). Readers decode both alike.
+    #[arg(long, value_name = "RULE", env = "NIBBLE_KV_SCALE_RULE", default_value = "mse",
+          value_parser = nibble_kvfmt::ScaleRule::parse)]
+    pub scale_rule: nibble_kvfmt::ScaleRule,
+    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales for both
+    /// workers; without it every scale is 1.0.
+    #[arg(long, value_name = "FILE", env = "NIBBLE_CALIBRATION")]
+    pub calibration: Option<PathBuf>,
+    /// Rotate both workers' K/V head vectors (and Q) by the normalized Hadamard matrix before
+    /// quantizing (power-of-two head dims; the CPU backend only).
+    #[arg(long, env = "NIBBLE_HADAMARD")]
+    pub hadamard: bool,
     /// MiB of KV pages each worker allocates [default: 256 on the CPU; on a GPU, which the two
     /// workers share, 25% of its memory for the prefill worker's pages and 60% for the decode
     /// worker's].
@@ -95,6 +109,34 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .map_err(|e| Error::Cluster(format!("cannot start the async runtime: {e}")))
+}
+
+/// The flags the printed `generate` and `curl` examples need to pass the cluster's TLS and API
+/// key as they are set (the key itself is never printed: `$NIBBLE_API_KEY` stands for it).
+struct Hints {
+    generate: String,
+    curl: String,
+}
+
+impl Hints {
+    fn new(args: &UpArgs) -> Self {
+        let (mut generate, mut curl) = (String::new(), String::new());
+        if let Some(ca) = args
+            .security
+            .tls
+            .tls_ca
+            .as_ref()
+            .or(args.security.tls.tls_cert.as_ref())
+        {
+            generate.push_str(&format!(" --tls-ca {}", ca.display()));
+            curl.push_str(&format!(" --cacert {}", ca.display()));
+        }
+        if args.serving.http.api_key.is_some() {
+            generate.push_str(" --api-key \"$NIBBLE_API_KEY\"");
+            curl.push_str(" -H \"Authorization: Bearer $NIBBLE_API_KEY\"");
+        }
+        Self { generate, curl }
+    }
 }
 
 /// `nibble prefill` / `nibble decode`.
@@ -171,6 +213,7 @@ pub async fn up_until(
             .and_then(nibble_security::Secret::new),
     )
     .map_err(|e| fail("nibble up", &e))?;
+    let hints = Hints::new(args);
     config.security = security;
     drop(source);
     // Installed before any service starts, so that all three record into it.
@@ -217,6 +260,9 @@ pub async fn up_until(
             worker_id: None,
             kv_dtype: args.kv_dtype,
             page_size: args.page_size,
+            scale_rule: args.scale_rule,
+            calibration: args.calibration.clone(),
+            hadamard: args.hadamard,
             kv_budget_mib: args.kv_budget_mib,
             kv_memory_fraction: match role {
                 Role::Prefill => UP_PREFILL_KV_FRACTION,
@@ -291,9 +337,10 @@ pub async fn up_until(
             writeln!(
                 out,
                 "nibble up: ready on {address} ({model_name}, {} KV, loaded in {:.1} s); try: \
-                 nibble generate --url {address} \"Hello\"",
+                 nibble generate --url {address}{} --chat \"Hello\"",
                 args.kv_dtype,
-                started.elapsed().as_secs_f64()
+                started.elapsed().as_secs_f64(),
+                hints.generate,
             )
             .map_err(Error::Stdout)?;
             if let Some(prompt) = &args.prompt {
@@ -311,9 +358,10 @@ pub async fn up_until(
             if let Some(http) = http_address {
                 writeln!(
                     out,
-                    "nibble up: OpenAI API: curl {scheme}://{http}/v1/completions -H \
+                    "nibble up: OpenAI API: curl{} {scheme}://{http}/v1/completions -H \
                      'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \
-                     \"max_tokens\": 16}}'"
+                     \"max_tokens\": 16}}'",
+                    hints.curl,
                 )
                 .map_err(Error::Stdout)?;
             }

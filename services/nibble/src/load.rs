@@ -12,6 +12,7 @@ use nibble_engine::calibrate::Calibration;
 use nibble_engine::{Backend, CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
 use nibble_kernels::{CudaBackend, Device, KvNeeds};
 use nibble_kvfmt::KvDtype;
+use nibble_proto::progress::{Bar, Unit};
 
 use crate::cli::{ModelArgs, QuantArgs};
 use crate::{files, Error, Result};
@@ -96,6 +97,7 @@ impl Opened {
             page_size: quant.page_size,
             scales,
             hadamard: quant.hadamard,
+            scale_rule: quant.scale_rule,
         })
     }
 
@@ -132,8 +134,9 @@ impl Opened {
     }
 
     fn load_on<B: Backend>(&self, backend: B) -> Result<Model<B>> {
+        let bar = Bar::new("loading weights", 0, Unit::Steps);
         self.source
-            .load_model(Arc::new(backend))
+            .load_model_observed(Arc::new(backend), &|done, total| bar.track(done, total))
             .map_err(|source| Error::Model {
                 path: self.path.clone(),
                 source,

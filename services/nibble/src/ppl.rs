@@ -40,6 +40,8 @@ pub struct Settings {
     pub calibrated: bool,
     pub calibration: Option<PathBuf>,
     pub hadamard: bool,
+    /// How NVFP4 block scales were chosen on write (`amax` or `mse`; null for other caches).
+    pub scale_rule: Option<&'static str>,
 }
 
 /// One window's scores.
@@ -198,6 +200,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             calibrated: args.quant.calibration.is_some(),
             calibration: args.quant.calibration.clone(),
             hadamard: args.quant.hadamard,
+            scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
         },
         mean: MeanReport::new(&windows),
         windows,
@@ -207,8 +210,9 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
 /// The report as a small table: one row per window, then the means.
 fn table(report: &PplReport) -> String {
     let s = &report.settings;
-    let mut text = format!(
-        "{} · kv {} · path {} · {} windows of {} tokens{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
+    let mut text =
+        format!(
+        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
         s.model.display(),
         s.kv_dtype,
         s.path,
@@ -216,6 +220,7 @@ fn table(report: &PplReport) -> String {
         s.window,
         if s.calibrated { " · calibrated" } else { "" },
         if s.hadamard { " · hadamard" } else { "" },
+        s.scale_rule.map(|r| format!(" · scales {r}")).unwrap_or_default(),
         "window",
         "ppl",
         "ppl (f32)",

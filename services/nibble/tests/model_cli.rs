@@ -31,7 +31,7 @@ fn nibble<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
         "NIBBLE_CALIBRATION",
         "NIBBLE_HADAMARD",
         "NIBBLE_PAGE_SIZE",
-        "NIBBLE_KV_BUDGET_MB",
+        "NIBBLE_KV_BUDGET_MIB",
     ] {
         cmd.env_remove(var);
     }

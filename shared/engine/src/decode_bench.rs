@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
-use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -450,7 +450,8 @@ pub fn random_pages(
     let plan = PoolPlan::for_pages(layout, n).map_err(Error::from)?;
     let mut pool = PagePool::new(plan);
     let ids = pool.alloc(n).map_err(Error::from)?;
-    let mut host = HostPages::new(plan, scales.clone()).map_err(Error::from)?;
+    let mut host =
+        HostPages::new(plan, scales.clone(), ScaleRule::default()).map_err(Error::from)?;
     let page_size = layout.page_size();
     let slots: Vec<Option<SlotId>> = ids
         .iter()

@@ -192,10 +192,9 @@ impl<B: Backend> Engine<B> {
     pub fn new(model: Model<B>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<Self> {
         let layout = config.kv.layout(&model)?;
         let plan = PoolPlan::for_budget(layout, config.kv_budget_bytes)?;
-        let scales = config.kv.scales_for(layout.layers())?;
         let pages = model
             .backend()
-            .new_pages(plan, scales, config.kv.hadamard)?;
+            .new_pages(plan, config.kv.encoding(layout.layers())?)?;
         let mut scheduler = config.scheduler;
         scheduler.max_context = scheduler.max_context.min(model.config().max_context);
         let ws = model.workspace();

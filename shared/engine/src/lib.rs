@@ -44,7 +44,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use backend::cpu::{CpuBackend, CpuTensor};
-pub use backend::{AttentionArgs, AttnGeometry, Backend, PagedSeq, RopeArgs};
+pub use backend::{AttentionArgs, AttnGeometry, Backend, PageEncoding, PagedSeq, RopeArgs};
 pub use chat::ChatMessage;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use engine::{Engine, EngineConfig, Event, RequestError, StepPhases, Usage};
@@ -55,4 +55,4 @@ pub use model::{Logits, Model, SeqInput, Workspace};
 pub use session::{KvConfig, PagedSession};
 pub use source::ModelSource;
 pub use tokenizer::Tokenizer;
-pub use weights::{LayerWeights, Weights};
+pub use weights::{LayerWeights, LoadProgress, Weights};

@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kv::{ContiguousKv, KvBatch, KvStore, PerSequence, StepTokens};
-use crate::weights::Weights;
+use crate::weights::{LoadProgress, Weights};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -94,8 +94,17 @@ impl<B: Backend> Model<B> {
 
     /// Loads the model of an opened GGUF file.
     pub fn from_gguf(backend: Arc<B>, file: &GgufFile) -> Result<Self> {
+        Self::from_gguf_observed(backend, file, &|_, _| {})
+    }
+
+    /// [`Self::from_gguf`], telling `progress` as the blocks load.
+    pub fn from_gguf_observed(
+        backend: Arc<B>,
+        file: &GgufFile,
+        progress: LoadProgress<'_>,
+    ) -> Result<Self> {
         let config = ModelConfig::from_gguf(file)?;
-        let weights = Weights::from_gguf(&*backend, file, &config)?;
+        let weights = Weights::from_gguf_observed(&*backend, file, &config, progress)?;
         Self::new(backend, config, weights)
     }
 

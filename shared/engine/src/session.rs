@@ -2,9 +2,9 @@
 //! tests drive the three attention paths directly with this.
 
 use nibble_kvcache::{GlobalScales, PagePool, PageTable, PoolPlan};
-use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
 
-use crate::backend::{Backend, PagedSeq};
+use crate::backend::{Backend, PageEncoding, PagedSeq};
 use crate::error::{Error, Result};
 use crate::kv::PagedBatch;
 use crate::model::{Logits, Model, Workspace};
@@ -19,17 +19,29 @@ pub struct KvConfig {
     pub scales: Option<GlobalScales>,
     /// Store head vectors rotated by the normalized Hadamard matrix.
     pub hadamard: bool,
+    /// How NVFP4 block scales are chosen on write (readers need not know).
+    pub scale_rule: ScaleRule,
 }
 
 impl KvConfig {
-    /// `dtype` pages of 16 tokens, uncalibrated, no rotation.
+    /// `dtype` pages of 16 tokens, uncalibrated, no rotation, the default scale rule.
     pub fn new(dtype: KvDtype) -> Self {
         Self {
             dtype,
             page_size: 16,
             scales: None,
             hadamard: false,
+            scale_rule: ScaleRule::default(),
         }
+    }
+
+    /// How a pool of `layers` layers under this config encodes its pages.
+    pub fn encoding(&self, layers: usize) -> Result<PageEncoding> {
+        Ok(PageEncoding {
+            scales: self.scales_for(layers)?,
+            hadamard: self.hadamard,
+            scale_rule: self.scale_rule,
+        })
     }
 
     /// The page layout of `model` under this config.
@@ -71,10 +83,11 @@ impl<B: Backend> PagedSession<B> {
     pub fn new(model: &Model<B>, kv: &KvConfig, tokens: usize) -> Result<Self> {
         let layout = kv.layout(model)?;
         let plan = PoolPlan::for_pages(layout, tokens.div_ceil(kv.page_size).max(1))?;
-        let scales = kv.scales_for(layout.layers())?;
         Ok(Self {
             pool: PagePool::new(plan),
-            pages: model.backend().new_pages(plan, scales, kv.hadamard)?,
+            pages: model
+                .backend()
+                .new_pages(plan, kv.encoding(layout.layers())?)?,
             table: PageTable::new(),
         })
     }

@@ -21,6 +21,7 @@ use crate::gguf::GgufFile;
 use crate::hf::HfModelDir;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
+use crate::weights::LoadProgress;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -66,9 +67,19 @@ impl ModelSource {
 
     /// Loads the weights onto `backend` (converted to f32 once, shared by the model's clones).
     pub fn load_model<B: Backend>(&self, backend: Arc<B>) -> Result<Model<B>> {
+        self.load_model_observed(backend, &|_, _| {})
+    }
+
+    /// [`Self::load_model`], telling `progress(done, total)` as the blocks load (a progress
+    /// bar's feed; see [`LoadProgress`]).
+    pub fn load_model_observed<B: Backend>(
+        &self,
+        backend: Arc<B>,
+        progress: LoadProgress<'_>,
+    ) -> Result<Model<B>> {
         match self {
-            Self::Gguf(file) => Model::from_gguf(backend, file),
-            Self::HuggingFace(dir) => dir.load_model(backend),
+            Self::Gguf(file) => Model::from_gguf_observed(backend, file, progress),
+            Self::HuggingFace(dir) => dir.load_model_observed(backend, progress),
         }
     }
 

@@ -8,6 +8,10 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::gguf::GgufFile;
 
+/// Told `(done, total)` as a loader puts the weights on the backend, one step per block plus
+/// one for the embedding, final norm and head (a progress bar's feed).
+pub type LoadProgress<'a> = &'a dyn Fn(usize, usize);
+
 /// One transformer block.
 pub struct LayerWeights<B: Backend> {
     /// RMSNorm before attention, `[1, hidden]`.
@@ -54,6 +58,17 @@ impl<B: Backend> Weights<B> {
 
     /// Loads every tensor of a GGUF model, checking each shape against `config`.
     pub fn from_gguf(backend: &B, file: &GgufFile, config: &ModelConfig) -> Result<Self> {
+        Self::from_gguf_observed(backend, file, config, &|_, _| {})
+    }
+
+    /// [`Self::from_gguf`], calling `progress(done, total)` as each block (and, last, the
+    /// embedding, final norm and head) is on the backend: `total` is the layer count plus one.
+    pub fn from_gguf_observed(
+        backend: &B,
+        file: &GgufFile,
+        config: &ModelConfig,
+        progress: LoadProgress<'_>,
+    ) -> Result<Self> {
         let (h, q, kv, f) = (
             config.hidden_size,
             config.q_dim(),
@@ -107,8 +122,9 @@ impl<B: Backend> Weights<B> {
                 w_up: matrix(&n("ffn_up.weight"), f, h)?,
                 w_down: matrix(&n("ffn_down.weight"), h, f)?,
             });
+            progress(i + 1, config.num_layers + 1);
         }
-        Ok(Self {
+        let weights = Self {
             embed: matrix("token_embd.weight", config.vocab_size, h)?,
             layers,
             final_norm: vector("output_norm.weight", h)?,
@@ -117,6 +133,8 @@ impl<B: Backend> Weights<B> {
             } else {
                 Some(matrix("output.weight", config.vocab_size, h)?)
             },
-        })
+        };
+        progress(config.num_layers + 1, config.num_layers + 1);
+        Ok(weights)
     }
 }

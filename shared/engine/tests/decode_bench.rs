@@ -46,7 +46,9 @@ fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<
     let sources = random_pages(layout, &scales, b.distinct_pages, b.seed).unwrap();
     let plan = PoolPlan::for_pages(layout, b.max_tokens_held().div_ceil(16)).unwrap();
     let mut pool = PagePool::new(plan);
-    let mut pages = be.new_pages(plan, scales, false).unwrap();
+    let mut pages = be
+        .new_pages(plan, kv.encoding(layout.layers()).unwrap())
+        .unwrap();
     let mut table = PageTable::new();
     let (_, first) = b.sequence(model.config().vocab_size, 0, CONTEXT);
     table.append(&mut pool, CONTEXT).unwrap();

@@ -27,7 +27,7 @@ use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
 use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
 use nibble_kvcache::PoolPlan;
-use nibble_kvfmt::{layout::kv_bytes, KvDtype, PageLayout};
+use nibble_kvfmt::{layout::kv_bytes, KvDtype, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use serde_json::json;
 
@@ -373,27 +373,37 @@ fn quantize_and_gather(
         .map(|t| order[t / page()] * page() as u32 + (t % page()) as u32)
         .collect();
     let dslots = stream.clone_htod(&slots)?;
-    let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
-        kernels.quantize(
-            pages,
-            geom,
-            dtype,
-            &dk.as_view(),
-            &dv.as_view(),
-            &dslots.as_view(),
-            (0.9, 1.1),
-        )?;
-        Ok(())
-    })?;
-    let ms = median(&times);
-    let written = tokens * kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
-    let read = 2 * values * 4;
-    emit(
-        json!({"bench": "quantize", "dtype": dtype.to_string(), "tokens": tokens, "ms": ms,
-                "f32_bytes_read": read, "kv_bytes_written": written,
-                "gbps": (read + written) as f64 / (ms as f64 * 1e6),
-                "tokens_per_s": tokens as f64 / (ms as f64 * 1e-3)}),
-    );
+    // Every NVFP4 block scale rule (the default last, so the pages hold its bytes); other
+    // dtypes have none.
+    let rules: &[ScaleRule] = match dtype {
+        KvDtype::Nvfp4 => &[ScaleRule::Amax, ScaleRule::Mse],
+        _ => &[ScaleRule::Mse],
+    };
+    for &rule in rules {
+        let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
+            kernels.quantize(
+                pages,
+                geom,
+                dtype,
+                rule,
+                &dk.as_view(),
+                &dv.as_view(),
+                &dslots.as_view(),
+                (0.9, 1.1),
+            )?;
+            Ok(())
+        })?;
+        let ms = median(&times);
+        let written = tokens * kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
+        let read = 2 * values * 4;
+        emit(
+            json!({"bench": "quantize", "dtype": dtype.to_string(), "scale_rule": rule.name(),
+                    "tokens": tokens, "ms": ms, "f32_bytes_read": read,
+                    "kv_bytes_written": written,
+                    "gbps": (read + written) as f64 / (ms as f64 * 1e6),
+                    "tokens_per_s": tokens as f64 / (ms as f64 * 1e-3)}),
+        );
+    }
 
     let prefix = 131072;
     let table = stream.clone_htod(&order[..prefix / page()])?;

@@ -20,7 +20,7 @@ use nibble_engine::paged::{DecodeArgs, DecodeScratch};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
 use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
-use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout};
+use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
 /// Relative L2 error allowed for decode attention against the CPU. The GPU reads the same
@@ -247,7 +247,8 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         k: vec![1.0, 0.37],
         v: vec![1.0, 1.9],
     };
-    let mut store = HostPages::new(plan, scales.clone())?;
+    // The default rule here, with poisoned pages; the other NVFP4 rule below, from zeroed ones.
+    let mut store = HostPages::new(plan, scales.clone(), ScaleRule::default())?;
     let geom = PageGeom::new(&layout, LAYER)?;
     let name = format!("{dtype} D={} H={}", geo.head_dim, geo.kv_heads);
     let mut failures = 0;
@@ -297,12 +298,36 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         &mut dev_pages,
         geom,
         dtype,
+        store.scale_rule(),
         &dk.as_view(),
         &dv.as_view(),
         &ds.as_view(),
         g,
     )?;
     let gpu_bytes = stream.clone_dtoh(&dev_pages)?;
+    if dtype == KvDtype::Nvfp4 {
+        for rule in ScaleRule::ALL
+            .into_iter()
+            .filter(|r| *r != store.scale_rule())
+        {
+            let mut other = HostPages::new(plan, scales.clone(), rule)?;
+            other.write_kv(&pool, LAYER, &k, &v, &slots)?;
+            let mut dev = stream.alloc_zeros::<u8>(plan.bytes)?;
+            let (dk, dv, ds) = (dk.as_view(), dv.as_view(), ds.as_view());
+            kernels.quantize(&mut dev, geom, dtype, rule, &dk, &dv, &ds, g)?;
+            let gpu = stream.clone_dtoh(&dev)?;
+            let mut cpu = Vec::with_capacity(plan.bytes);
+            for p in 0..plan.pages {
+                cpu.extend_from_slice(other.page(PageId(p as u32))?);
+            }
+            let diff = cpu.iter().zip(&gpu).filter(|(a, b)| a != b).count();
+            failures += report(
+                &format!("quantize {name} scale rule {rule}"),
+                diff == 0,
+                &format!("{diff} of {} page bytes differ", cpu.len()),
+            );
+        }
+    }
     let mut cpu_bytes = Vec::with_capacity(plan.bytes);
     for p in 0..plan.pages {
         cpu_bytes.extend_from_slice(store.page(PageId(p as u32))?);

@@ -31,11 +31,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig};
-use nibble_engine::backend::{AttentionArgs, Backend, PagedSeq, RopeArgs};
+use nibble_engine::backend::{AttentionArgs, Backend, PageEncoding, PagedSeq, RopeArgs};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
-use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout};
+use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout, ScaleRule};
 
 use crate::libs::Search;
 use crate::{nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result};
@@ -891,12 +891,12 @@ impl Backend for CudaBackend {
 
     type Pages = CudaPages;
 
-    fn new_pages(
-        &self,
-        plan: PoolPlan,
-        scales: GlobalScales,
-        hadamard: bool,
-    ) -> EngineResult<CudaPages> {
+    fn new_pages(&self, plan: PoolPlan, encoding: PageEncoding) -> EngineResult<CudaPages> {
+        let PageEncoding {
+            scales,
+            hadamard,
+            scale_rule,
+        } = encoding;
         let layout = plan.layout;
         let needs = crate::KvNeeds {
             head_dim: layout.head_dim(),
@@ -921,6 +921,7 @@ impl Backend for CudaBackend {
             bytes: stream.alloc_zeros(plan.bytes.max(1)).map_err(engine_err)?,
             layout,
             scales,
+            scale_rule,
             ws_k: stream.alloc_zeros(1).map_err(engine_err)?,
             ws_v: stream.alloc_zeros(1).map_err(engine_err)?,
             decode: DecodeWorkspace::new(&self.kernels).map_err(engine_err)?,
@@ -993,6 +994,7 @@ pub struct CudaPages {
     bytes: CudaSlice<u8>,
     layout: PageLayout,
     scales: GlobalScales,
+    scale_rule: ScaleRule,
     ws_k: CudaSlice<u8>,
     ws_v: CudaSlice<u8>,
     decode: DecodeWorkspace,
@@ -1448,6 +1450,7 @@ impl CudaBackend {
                 &mut pages.bytes,
                 geom,
                 dtype,
+                pages.scale_rule,
                 &k.as_view(),
                 &v.as_view(),
                 &slots.as_view(),
@@ -1534,8 +1537,16 @@ impl CudaBackend {
                 step.v.f32().slice(rows.start * kv_row..rows.end * kv_row),
             ),
         };
-        self.kernels
-            .quantize(&mut pages.bytes, geom, dtype, &k, &v, &slots, g)?;
+        self.kernels.quantize(
+            &mut pages.bytes,
+            geom,
+            dtype,
+            pages.scale_rule,
+            &k,
+            &v,
+            &slots,
+            g,
+        )?;
         let batch = DecodeBatch {
             q,
             q_heads,

@@ -1,7 +1,7 @@
 //! [`PageGeom`]: a `PageLayout` and a layer, as the kernels address pages.
 
 use cudarc::driver::DeviceRepr;
-use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
 
 use crate::{Error, Result};
 
@@ -79,9 +79,36 @@ pub(crate) fn dtype_code(dtype: KvDtype) -> u32 {
     }
 }
 
+/// The block scale rule code of `cu/common.cuh` (`NIBBLE_SCALE_AMAX`, `NIBBLE_SCALE_MSE`).
+pub(crate) fn scale_rule_code(rule: ScaleRule) -> u32 {
+    match rule {
+        ScaleRule::Amax => 0,
+        ScaleRule::Mse => 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scale_rule_codes_and_candidates_match_the_cuda_prelude() {
+        let prelude = crate::PRELUDE;
+        assert!(prelude.contains("#define NIBBLE_SCALE_AMAX 0u"));
+        assert!(prelude.contains("#define NIBBLE_SCALE_MSE 1u"));
+        assert_eq!(scale_rule_code(ScaleRule::Amax), 0);
+        assert_eq!(scale_rule_code(ScaleRule::Mse), 1);
+        // The kernel tries offset 0 first, then these, in this order.
+        let offsets = &nibble_kvfmt::nvfp4::MSE_CANDIDATES;
+        assert_eq!(offsets[0], 0);
+        let list: Vec<String> = offsets[1..].iter().map(i32::to_string).collect();
+        let expected = format!(
+            "const int offsets[{}] = {{{}}};",
+            list.len(),
+            list.join(", ")
+        );
+        assert!(prelude.contains(&expected), "the prelude lacks {expected}");
+    }
 
     #[test]
     fn matches_the_layout() {

@@ -7,9 +7,9 @@ use cudarc::driver::{
     sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
     CudaViewMut, DeviceRepr, LaunchConfig,
 };
-use nibble_kvfmt::KvDtype;
+use nibble_kvfmt::{KvDtype, ScaleRule};
 
-use crate::geom::dtype_code;
+use crate::geom::{dtype_code, scale_rule_code};
 use crate::launcher::Launch;
 use crate::{nvrtc, Error, PageGeom, Result};
 
@@ -134,10 +134,20 @@ impl Kernels {
         let sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let arch = arch_for(major, minor)?;
+        // The one slow step of a GPU start after the weights: say so before it begins.
+        tracing::info!(
+            "compiling the CUDA kernels for {arch} with NVRTC ({} sources; once per start)",
+            crate::SOURCES.len()
+        );
+        let started = std::time::Instant::now();
         let mut modules = Vec::new();
         for compiled in nvrtc::compile_all(arch)? {
             modules.push((compiled.name, ctx.load_module(compiled.ptx)?));
         }
+        tracing::info!(
+            "compiled the CUDA kernels in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
         let function = |source: &str, name: &str| -> Result<CudaFunction> {
             let module = &modules
                 .iter()
@@ -257,13 +267,15 @@ impl Kernels {
 
     /// Quantize-on-write: writes `n` tokens' K and V (f32 `[token][kv_head][head_dim]`) of
     /// `geom.layer` into their `slots` (`page * page_size + offset`; `u32::MAX` is padding),
-    /// with global scales `(gk, gv)`. The bytes equal `HostPages::write_kv`'s.
+    /// with global scales `(gk, gv)` and NVFP4 block scales chosen by `rule`. The bytes equal
+    /// `HostPages::write_kv`'s under the same rule.
     #[allow(clippy::too_many_arguments)]
     pub fn quantize(
         &self,
         pages: &mut CudaSlice<u8>,
         geom: PageGeom,
         dtype: KvDtype,
+        rule: ScaleRule,
         k: &CudaView<f32>,
         v: &CudaView<f32>,
         slots: &CudaView<u32>,
@@ -278,6 +290,7 @@ impl Kernels {
             return Ok(());
         }
         let (n32, code) = (n as u32, dtype_code(dtype));
+        let rule = scale_rule_code(rule);
         let mut b = self.builder(&self.quantize);
         b.arg(pages)
             .arg(k)
@@ -285,7 +298,8 @@ impl Kernels {
             .arg(slots)
             .arg(&n32)
             .arg(&geom)
-            .arg(&code);
+            .arg(&code)
+            .arg(&rule);
         b.arg(&scales.0).arg(&scales.1);
         // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
         // and every slot is bounds-checked by the caller's page pool.

@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use nibble_kvfmt::{bf16, check_global_scale, fp8, nvfp4, KvDtype, KvPart, PageLayout};
+use nibble_kvfmt::{bf16, check_global_scale, fp8, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule};
 use serde::{Deserialize, Serialize};
 
 use crate::pool::{PageId, PagePool, PoolPlan, SlotId};
@@ -60,6 +60,7 @@ impl GlobalScales {
 pub struct HostPages {
     layout: PageLayout,
     scales: GlobalScales,
+    rule: ScaleRule,
     storage: Vec<u8>,
 }
 
@@ -73,14 +74,20 @@ impl fmt::Debug for HostPages {
 }
 
 impl HostPages {
-    /// Zeroed storage for the plan's pages.
-    pub fn new(plan: PoolPlan, scales: GlobalScales) -> Result<Self> {
+    /// Zeroed storage for the plan's pages; NVFP4 blocks are written under `rule`.
+    pub fn new(plan: PoolPlan, scales: GlobalScales, rule: ScaleRule) -> Result<Self> {
         scales.validate(plan.layout.layers())?;
         Ok(Self {
             layout: plan.layout,
             scales,
+            rule,
             storage: vec![0u8; plan.pages * plan.layout.page_bytes()],
         })
+    }
+
+    /// How NVFP4 block scales are chosen on write.
+    pub fn scale_rule(&self) -> ScaleRule {
+        self.rule
     }
 
     pub fn layout(&self) -> &PageLayout {
@@ -180,7 +187,8 @@ impl HostPages {
                 KvDtype::Nvfp4 => {
                     let s = base + layout.scale_offset(layer, part, head, offset);
                     let (lo, hi) = self.storage.split_at_mut(s);
-                    nvfp4::quantize_unchecked(hx, g, &mut lo[data], &mut hi[..scale_bytes]);
+                    let (packed, scales) = (&mut lo[data], &mut hi[..scale_bytes]);
+                    nvfp4::quantize_unchecked_with(hx, g, self.rule, packed, scales);
                 }
                 KvDtype::Fp8 => fp8::quantize_unchecked(hx, g, &mut self.storage[data]),
                 KvDtype::Bf16 => bf16::encode_le(hx, &mut self.storage[data]),

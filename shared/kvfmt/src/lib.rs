@@ -26,6 +26,7 @@ pub mod nvfp4;
 pub use dtype::KvDtype;
 pub use error::{Error, Result};
 pub use layout::{KvPart, PageLayout};
+pub use nvfp4::ScaleRule;
 
 /// Returns the index of the first value that is NaN or infinite.
 pub fn first_non_finite(values: &[f32]) -> Option<usize> {

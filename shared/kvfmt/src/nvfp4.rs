@@ -10,6 +10,18 @@
 //! x^_i = (e2m1(q_i) * s) * g
 //! ```
 //!
+//! That is [`ScaleRule::Amax`], the rule of the OCP and NVIDIA write-ups. [`ScaleRule::Mse`]
+//! (nibble's default) then tries the codes near `s` and keeps the one whose block has the least
+//! squared error:
+//!
+//! ```text
+//! for c in [s, s-1, s+1, s-2, s-3]          E4M3 codes, skipping 0 and anything past 0x7E
+//!     q_i(c)  = E2M1_RNE_SAT(x_i / (c * g))
+//!     err(c)  = sum over i = 0..15 in order of (x_i - (e2m1(q_i) * c) * g)^2
+//! keep the first c with the smallest err    (a NaN err never wins)
+//! ```
+//!
+//! Both rules write bytes any NVFP4 reader decodes the same way; only the encoder differs.
 //! The f32 operations happen in exactly this order so that every implementation (this crate, the
 //! CUDA quantize-on-write kernel) produces the same bytes. Two codes per byte: element 2j in the
 //! low nibble, 2j+1 in the high nibble. A head vector of D values is D/2 packed bytes and D/16
@@ -22,23 +34,115 @@ pub const BLOCK: usize = 16;
 /// Packed bytes per block.
 pub const PACKED_BLOCK_BYTES: usize = BLOCK / 2;
 
-/// Quantizes one block into 8 packed bytes and returns its scale byte.
+/// How an encoder chooses a block's E4M3 scale (see the module docs). Readers need not know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ScaleRule {
+    /// `E4M3(amax / 6g)`: the bytes other NVFP4 implementations write.
+    Amax,
+    /// The code near amax's with the least squared error over the block (the default: it
+    /// lowers the cache's error at no cost to the reader).
+    #[default]
+    Mse,
+}
+
+impl ScaleRule {
+    /// Every rule, in the order of their names.
+    pub const ALL: [ScaleRule; 2] = [ScaleRule::Amax, ScaleRule::Mse];
+
+    /// The rule's name, as flags and reports spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleRule::Amax => "amax",
+            ScaleRule::Mse => "mse",
+        }
+    }
+
+    /// The rule named `name` (`amax` or `mse`).
+    pub fn parse(name: &str) -> std::result::Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|r| r.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| format!("unknown NVFP4 scale rule {name:?} (expected amax or mse)"))
+    }
+}
+
+impl std::fmt::Display for ScaleRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Offsets from the amax code that [`ScaleRule::Mse`] tries, in order (ties keep the earlier).
+pub const MSE_CANDIDATES: [i32; 5] = [0, -1, 1, -2, -3];
+
+/// Quantizes one block with the amax rule into 8 packed bytes and returns its scale byte.
 #[inline]
 pub fn quantize_block(x: &[f32; BLOCK], g: f32, packed: &mut [u8; PACKED_BLOCK_BYTES]) -> u8 {
+    quantize_block_with(x, g, ScaleRule::Amax, packed)
+}
+
+/// Quantizes one block under `rule` into 8 packed bytes and returns its scale byte.
+#[inline]
+pub fn quantize_block_with(
+    x: &[f32; BLOCK],
+    g: f32,
+    rule: ScaleRule,
+    packed: &mut [u8; PACKED_BLOCK_BYTES],
+) -> u8 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let scale = e4m3::encode(amax / (e2m1::MAX * g));
-    let s = e4m3::decode(scale);
-    if s == 0.0 {
+    if e4m3::decode(scale) == 0.0 {
         *packed = [0; PACKED_BLOCK_BYTES];
         return scale;
     }
+    let scale = match rule {
+        ScaleRule::Amax => scale,
+        ScaleRule::Mse => least_error_scale(x, g, scale),
+    };
+    encode_with_scale(x, g, e4m3::decode(scale), packed);
+    scale
+}
+
+/// Packs the block's E2M1 codes under the decoded scale `s` (> 0).
+#[inline]
+fn encode_with_scale(x: &[f32; BLOCK], g: f32, s: f32, packed: &mut [u8; PACKED_BLOCK_BYTES]) {
     let denom = s * g;
     for (byte, pair) in packed.iter_mut().zip(x.chunks_exact(2)) {
         let lo = e2m1::encode(pair[0] / denom);
         let hi = e2m1::encode(pair[1] / denom);
         *byte = lo | (hi << 4);
     }
-    scale
+}
+
+/// The squared error of the block quantized under the decoded scale `s`, summed in order.
+#[inline]
+fn block_error(x: &[f32; BLOCK], g: f32, s: f32) -> f32 {
+    let denom = s * g;
+    let mut err = 0.0f32;
+    for &v in x {
+        let d = v - (e2m1::decode(e2m1::encode(v / denom)) * s) * g;
+        err += d * d;
+    }
+    err
+}
+
+/// [`ScaleRule::Mse`]'s choice among the codes near `amax_code` (a positive, finite code).
+fn least_error_scale(x: &[f32; BLOCK], g: f32, amax_code: u8) -> u8 {
+    let mut best = amax_code;
+    let mut best_err = block_error(x, g, e4m3::decode(amax_code));
+    for offset in &MSE_CANDIDATES[1..] {
+        let code = i32::from(amax_code) + offset;
+        if code < 1 || code > i32::from(e4m3::MAX_CODE) {
+            continue;
+        }
+        let code = code as u8;
+        let err = block_error(x, g, e4m3::decode(code));
+        if err < best_err {
+            best = code;
+            best_err = err;
+        }
+    }
+    best
 }
 
 /// Dequantizes one block.
@@ -62,6 +166,20 @@ pub fn dequantize_block(
 /// # Panics
 /// If the lengths disagree or `x.len()` is not a multiple of 16.
 pub fn quantize_unchecked(x: &[f32], g: f32, packed: &mut [u8], scales: &mut [u8]) {
+    quantize_unchecked_with(x, g, ScaleRule::Amax, packed, scales);
+}
+
+/// [`quantize_unchecked`] under `rule`.
+///
+/// # Panics
+/// If the lengths disagree or `x.len()` is not a multiple of 16.
+pub fn quantize_unchecked_with(
+    x: &[f32],
+    g: f32,
+    rule: ScaleRule,
+    packed: &mut [u8],
+    scales: &mut [u8],
+) {
     assert_eq!(x.len() % BLOCK, 0, "NVFP4 input must be whole blocks");
     assert_eq!(packed.len() * 2, x.len(), "packed length");
     assert_eq!(scales.len() * BLOCK, x.len(), "scales length");
@@ -70,7 +188,7 @@ pub fn quantize_unchecked(x: &[f32], g: f32, packed: &mut [u8], scales: &mut [u8
     for ((block, out), scale) in blocks.zip(packed_blocks).zip(scales.iter_mut()) {
         let block: &[f32; BLOCK] = block.try_into().expect("chunk of BLOCK");
         let out: &mut [u8; PACKED_BLOCK_BYTES] = out.try_into().expect("chunk of 8");
-        *scale = quantize_block(block, g, out);
+        *scale = quantize_block_with(block, g, rule, out);
     }
 }
 
@@ -118,10 +236,21 @@ fn check_lengths(values: usize, packed: usize, scales: usize) -> Result<()> {
 /// Checked [`quantize_unchecked`]: rejects a bad global scale, bad lengths and non-finite values
 /// (naming the first one's index) before writing anything.
 pub fn quantize(x: &[f32], g: f32, packed: &mut [u8], scales: &mut [u8]) -> Result<()> {
+    quantize_with(x, g, ScaleRule::Amax, packed, scales)
+}
+
+/// Checked [`quantize_unchecked_with`], as [`quantize`] checks.
+pub fn quantize_with(
+    x: &[f32],
+    g: f32,
+    rule: ScaleRule,
+    packed: &mut [u8],
+    scales: &mut [u8],
+) -> Result<()> {
     check_global_scale(g)?;
     check_lengths(x.len(), packed.len(), scales.len())?;
     check_finite(x)?;
-    quantize_unchecked(x, g, packed, scales);
+    quantize_unchecked_with(x, g, rule, packed, scales);
     Ok(())
 }
 

@@ -30,8 +30,8 @@ pub fn kv_dtype(value: i32, field: &'static str) -> Result<nibble_kvfmt::KvDtype
 }
 
 impl v1::KvFormat {
-    /// The wire description of a pool's format.
-    pub fn new(layout: &PageLayout, scales: &GlobalScales) -> Self {
+    /// The wire description of a pool's format; `hadamard`: head vectors stored rotated.
+    pub fn new(layout: &PageLayout, scales: &GlobalScales, hadamard: bool) -> Self {
         let count = |n: usize| u32::try_from(n).expect("PageLayout bounds every count to 4096");
         Self {
             dtype: v1::KvDtype::from(layout.dtype()) as i32,
@@ -41,6 +41,7 @@ impl v1::KvFormat {
             head_dim: count(layout.head_dim()),
             k_scales: scales.k.clone(),
             v_scales: scales.v.clone(),
+            hadamard,
         }
     }
 
@@ -162,7 +163,7 @@ mod tests {
             let mut scales = GlobalScales::ones(30);
             scales.k[3] = 0.25;
             scales.v[29] = 4.0;
-            let wire = v1::KvFormat::new(&layout(dtype), &scales);
+            let wire = v1::KvFormat::new(&layout(dtype), &scales, false);
             let (back, back_scales) = wire.to_domain().unwrap();
             assert_eq!(back, layout(dtype));
             assert_eq!(back_scales, scales);
@@ -174,7 +175,7 @@ mod tests {
         let scales = GlobalScales::ones(30);
         let prints: Vec<u64> = KvDtype::ALL
             .iter()
-            .map(|d| v1::KvFormat::new(&layout(*d), &scales).fingerprint())
+            .map(|d| v1::KvFormat::new(&layout(*d), &scales, false).fingerprint())
             .collect();
         assert_ne!(prints[0], prints[1]);
         assert_ne!(prints[1], prints[2]);
@@ -183,7 +184,7 @@ mod tests {
 
     #[test]
     fn invalid_formats_name_the_field() {
-        let good = v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30));
+        let good = v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), false);
         let err = |f: v1::KvFormat| f.to_domain().unwrap_err().to_string();
 
         let unspecified = v1::KvFormat {

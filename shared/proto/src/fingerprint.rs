@@ -1,8 +1,10 @@
 //! The KV-format fingerprint: a stable 64-bit hash of a [`KvFormat`].
 //!
 //! Two workers may exchange pages only when their fingerprints are equal. The hash covers every
-//! field that changes how page bytes are read: dtype, page size, layers, KV heads, head dim and the
-//! bit patterns of every global scale (a different scale silently reinterprets every byte). It is
+//! field that changes how page bytes are read: dtype, page size, layers, KV heads, head dim, the
+//! bit patterns of every global scale (a different scale silently reinterprets every byte) and
+//! the Hadamard rotation (one byte appended only when it is on, so the fingerprints of unrotated
+//! formats are those of builds before the field existed). It is
 //! `xxh3_64` with a fixed seed over a canonical little-endian encoding, so it is the same in every
 //! process, on every machine, and independent of protobuf's encoding of the message.
 
@@ -28,6 +30,9 @@ impl KvFormat {
                 bytes.extend_from_slice(&g.to_bits().to_le_bytes());
             }
         }
+        if self.hadamard {
+            bytes.push(1);
+        }
         xxh3_64_with_seed(&bytes, SEED)
     }
 }
@@ -46,6 +51,7 @@ mod tests {
             head_dim: 64,
             k_scales: vec![1.0, 1.0],
             v_scales: vec![1.0, 1.0],
+            hadamard: false,
         }
     }
 
@@ -99,6 +105,13 @@ mod tests {
                 "v scale",
                 KvFormat {
                     v_scales: vec![0.5, 1.0],
+                    ..base.clone()
+                },
+            ),
+            (
+                "hadamard",
+                KvFormat {
+                    hadamard: true,
                     ..base.clone()
                 },
             ),

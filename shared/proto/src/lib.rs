@@ -15,6 +15,7 @@ pub mod convert;
 mod error;
 pub mod fingerprint;
 pub mod logging;
+pub mod progress;
 pub mod serving;
 
 pub use error::ConvertError;

@@ -52,7 +52,7 @@ struct Stderr;
 
 impl Write for Stderr {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        STDERR_GATE.write(buf, &mut io::stderr())
+        crate::progress::suspended(|| STDERR_GATE.write(buf, &mut io::stderr()))
     }
 
     fn flush(&mut self) -> io::Result<()> {

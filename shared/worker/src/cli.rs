@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
+use nibble_engine::calibrate::Calibration;
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
 use nibble_kernels::{Device, DeviceMemory, KvNeeds};
-use nibble_kvfmt::KvDtype;
+use nibble_kvfmt::{KvDtype, ScaleRule};
+use nibble_proto::progress::{Bar, Unit};
 use nibble_proto::v1;
 use nibble_security::{Security, SecurityArgs};
 use tokio::net::TcpListener;
@@ -46,6 +48,22 @@ pub struct WorkerArgs {
     /// Tokens per KV page.
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
     pub page_size: usize,
+    /// How NVFP4 block scales are chosen on write: mse (of the E4M3 codes near amax/6, the one
+    /// with the least squared error over the block; the default) or amax (amax/6, the bytes other
+    /// NVFP4 implementations write). Readers decode both alike.
+    #[arg(long, value_name = "RULE", env = "NIBBLE_KV_SCALE_RULE", default_value = "mse",
+          value_parser = ScaleRule::parse)]
+    pub scale_rule: ScaleRule,
+    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales; without it
+    /// every scale is 1.0. Prefill and decode workers must use the same file: the scales are
+    /// part of the KV format their pages are checked against.
+    #[arg(long, value_name = "FILE", env = "NIBBLE_CALIBRATION")]
+    pub calibration: Option<PathBuf>,
+    /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing
+    /// (power-of-two head dims; the CPU backend only: `--device auto` then picks the CPU).
+    /// Prefill and decode workers must agree: the rotation is part of the KV format.
+    #[arg(long, env = "NIBBLE_HADAMARD")]
+    pub hadamard: bool,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
     /// --kv-memory-fraction of the GPU's memory].
     #[arg(long, env = "NIBBLE_KV_BUDGET_MIB")]
@@ -219,6 +237,24 @@ fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
         .ok_or_else(|| format!("unknown KV dtype {s:?} (expected bf16, fp8 or nvfp4)"))
 }
 
+/// The KV cache the worker's flags ask for, its calibration file read and checked against the
+/// model's `layers`.
+fn kv_config(args: &WorkerArgs, layers: usize) -> Result<KvConfig> {
+    let mut kv = KvConfig::new(args.kv_dtype);
+    kv.page_size = args.page_size;
+    kv.scale_rule = args.scale_rule;
+    kv.hadamard = args.hadamard;
+    if let Some(path) = &args.calibration {
+        let fail = |why: String| {
+            Error::InvalidArgument(format!("--calibration {}: {why}", path.display()))
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+        let calibration = Calibration::from_json(&text, layers).map_err(|e| fail(e.to_string()))?;
+        kv.scales = Some(calibration.scales(args.kv_dtype));
+    }
+    Ok(kv)
+}
+
 /// The worker's security settings, checked: a worker serving TLS dials other workers over TLS,
 /// so it needs the CA too.
 pub fn load_security(args: &WorkerArgs) -> Result<Security> {
@@ -250,12 +286,11 @@ pub fn start_engine(
     let security = load_security(args)?;
     let source = ModelSource::open(&args.model)?;
     let tokenizer = Arc::new(source.load_tokenizer()?);
-    let mut kv = KvConfig::new(args.kv_dtype);
-    kv.page_size = args.page_size;
+    let kv = kv_config(args, source.config()?.num_layers)?;
     let needs = KvNeeds {
         head_dim: source.config()?.head_dim,
         page_size: args.page_size,
-        hadamard: false,
+        hadamard: args.hadamard,
     };
     let cuda = args
         .device
@@ -279,16 +314,24 @@ pub fn start_engine(
             static GPU_START: std::sync::Mutex<()> = std::sync::Mutex::new(());
             let _one_at_a_time = GPU_START.lock().unwrap_or_else(|e| e.into_inner());
             let context = Arc::clone(backend.context());
-            let model = source.load_model(Arc::new(backend))?;
+            let bar = Bar::new(
+                format!("{role}: loading weights on the GPU"),
+                0,
+                Unit::Steps,
+            );
+            let model = source.load_model_observed(Arc::new(backend), &|d, t| bar.track(d, t))?;
+            drop(bar);
             let memory = DeviceMemory::of(&context)
                 .map_err(|e| Error::InvalidArgument(format!("reading the GPU's memory: {e}")))?;
             EngineHandle::spawn(model, tokenizer, config(Some(memory))?)?
         }
-        None => EngineHandle::spawn(
-            source.load_model(Arc::new(CpuBackend::new(args.threads)?))?,
-            tokenizer,
-            config(None)?,
-        )?,
+        None => {
+            let bar = Bar::new(format!("{role}: loading weights"), 0, Unit::Steps);
+            let backend = Arc::new(CpuBackend::new(args.threads)?);
+            let model = source.load_model_observed(backend, &|d, t| bar.track(d, t))?;
+            drop(bar);
+            EngineHandle::spawn(model, tokenizer, config(None)?)?
+        }
     };
     let model_name = args
         .model_name
@@ -443,6 +486,50 @@ mod tests {
             free: free_gib * GIB,
             total: total_gib * GIB,
         })
+    }
+
+    #[test]
+    fn kv_flags_reach_the_cache_config() {
+        let kv = kv_config(&args(&[]).unwrap(), 2).unwrap();
+        assert_eq!((kv.dtype, kv.page_size), (KvDtype::Nvfp4, 16));
+        assert_eq!(kv.scale_rule, ScaleRule::Mse);
+        assert!(kv.scales.is_none() && !kv.hadamard);
+
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("calibration.json");
+        let calibration = Calibration {
+            source: "test".into(),
+            tokens: 8,
+            k_amax: vec![12.0, 24.0],
+            v_amax: vec![3.0, 6.0],
+        };
+        std::fs::write(&file, calibration.to_json().unwrap()).unwrap();
+        let path = file.to_str().unwrap();
+        let flags = [
+            "--kv-dtype",
+            "fp8",
+            "--scale-rule",
+            "amax",
+            "--hadamard",
+            "--calibration",
+        ];
+        let a = args(&[&flags[..], &[path]].concat());
+        let kv = kv_config(&a.unwrap(), 2).unwrap();
+        assert_eq!(kv.scale_rule, ScaleRule::Amax);
+        assert!(kv.hadamard);
+        assert_eq!(kv.scales, Some(calibration.scales(KvDtype::Fp8)));
+
+        // A file for another layer count, a missing file and an unknown rule name what is wrong.
+        let err = kv_config(&args(&["--calibration", path]).unwrap(), 3).unwrap_err();
+        assert!(
+            err.to_string().contains("--calibration") && err.to_string().contains("3 layers"),
+            "{err}"
+        );
+        let err =
+            kv_config(&args(&["--calibration", "/nonexistent.json"]).unwrap(), 2).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent.json"), "{err}");
+        let err = args(&["--scale-rule", "max"]).unwrap_err().to_string();
+        assert!(err.contains("amax or mse"), "{err}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use clap::Args;
 use nibble_engine::eval::EvalPath;
 use nibble_engine::sampling::SamplingParams;
 use nibble_kernels::Device;
-use nibble_kvfmt::KvDtype;
+use nibble_kvfmt::{KvDtype, ScaleRule};
 
 use super::parse_dtype;
 
@@ -58,6 +58,12 @@ pub struct QuantArgs {
     /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing.
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
+    /// How NVFP4 block scales are chosen on write: mse (of the E4M3 codes near amax/6, the one
+    /// with the least squared error over the block; the default) or amax (amax/6, the bytes other
+    /// NVFP4 implementations write). Readers decode both alike.
+    #[arg(long, value_name = "RULE", env = "NIBBLE_KV_SCALE_RULE", default_value = "mse",
+          value_parser = ScaleRule::parse)]
+    pub scale_rule: ScaleRule,
     /// Tokens per KV page.
     #[arg(long, value_name = "N", env = "NIBBLE_PAGE_SIZE", default_value_t = 16,
           value_parser = parse_positive)]
@@ -75,10 +81,10 @@ pub struct GenerateArgs {
     pub kv_dtype: KvDtype,
     #[command(flatten)]
     pub quant: QuantArgs,
-    /// Megabytes (MiB) of KV pages to allocate.
-    #[arg(long, value_name = "N", env = "NIBBLE_KV_BUDGET_MB", default_value_t = 256,
-          value_parser = parse_positive)]
-    pub kv_budget_mb: usize,
+    /// MiB of KV pages to allocate (the flag every nibble command takes for this).
+    #[arg(long, value_name = "MIB", env = "NIBBLE_KV_BUDGET_MIB", default_value_t = 256,
+          value_parser = parse_positive, alias = "kv-budget-mb")]
+    pub kv_budget_mib: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Render the prompt as one user message with the model's chat template (and the header of
@@ -292,13 +298,27 @@ mod tests {
     }
 
     #[test]
+    fn generate_kv_budget_is_mib_like_every_command() {
+        for flag in ["--kv-budget-mib", "--kv-budget-mb"] {
+            let Command::Generate(args) = parse(&["generate", flag, "64", "hi"])
+                .expect("valid")
+                .command
+            else {
+                panic!("not generate");
+            };
+            assert_eq!(args.kv_budget_mib, 64, "{flag}");
+        }
+        assert!(parse(&["generate", "--kv-budget-mib", "0", "hi"]).is_err());
+    }
+
+    #[test]
     fn generate_defaults() {
         let Command::Generate(args) = parse(&["generate", "hi"]).expect("valid").command else {
             panic!("not generate");
         };
         assert_eq!(args.kv_dtype, KvDtype::Nvfp4);
         assert_eq!(args.quant.page_size, 16);
-        assert_eq!(args.kv_budget_mb, 256);
+        assert_eq!(args.kv_budget_mib, 256);
         assert!(!args.chat && args.system.is_none());
         assert_eq!(
             args.sampling.params().expect("valid"),

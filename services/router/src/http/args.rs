@@ -17,7 +17,8 @@ pub struct HttpArgs {
     /// Serve no HTTP API (gRPC only).
     #[arg(long, env = "NIBBLE_NO_HTTP")]
     pub no_http: bool,
-    /// Bearer key every /v1 HTTP request must carry; unset leaves the API open.
+    /// Bearer key every /v1 HTTP request and every gRPC Inference call must carry
+    /// (`Authorization: Bearer KEY`); unset leaves both APIs open.
     #[arg(long, env = "NIBBLE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Largest HTTP request body, in bytes (413 above).

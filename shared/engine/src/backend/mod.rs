@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::gguf::{dequant, GgmlType};
 use crate::kv::StepTokens;
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
+use nibble_kvfmt::ScaleRule;
 use std::ops::Range;
 
 /// Shape of a GQA attention: query heads share KV heads in groups of
@@ -60,6 +61,29 @@ pub struct RopeArgs<'a, T> {
     pub style: RopeStyle,
     /// Dims per head; each row of the rotated tensor is a whole number of heads.
     pub head_dim: usize,
+}
+
+/// How a pool writes its pages, fixed for its life: what a [`Backend::new_pages`] needs
+/// besides the plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PageEncoding {
+    /// Per-(layer, K|V) dequantization multipliers.
+    pub scales: GlobalScales,
+    /// Head vectors stored rotated by the normalized Hadamard matrix (see [`crate::hadamard`]).
+    pub hadamard: bool,
+    /// How NVFP4 block scales are chosen on write.
+    pub scale_rule: ScaleRule,
+}
+
+impl PageEncoding {
+    /// Uncalibrated, unrotated, with `rule`.
+    pub fn plain(layers: usize, scale_rule: ScaleRule) -> Self {
+        Self {
+            scales: GlobalScales::ones(layers),
+            hadamard: false,
+            scale_rule,
+        }
+    }
 }
 
 /// Tensor storage and compute kernels.
@@ -226,14 +250,8 @@ pub trait Backend: Send + Sync + 'static {
     /// The bytes of a KV page pool, in this backend's memory.
     type Pages: Send;
 
-    /// Zeroed storage for `plan`'s pages, with global scales fixed for its life. With `hadamard`,
-    /// head vectors are stored rotated (see [`crate::hadamard`]).
-    fn new_pages(
-        &self,
-        plan: PoolPlan,
-        scales: GlobalScales,
-        hadamard: bool,
-    ) -> Result<Self::Pages>;
+    /// Zeroed storage for `plan`'s pages, written as `encoding` says for the pool's life.
+    fn new_pages(&self, plan: PoolPlan, encoding: PageEncoding) -> Result<Self::Pages>;
 
     /// One layer of paged attention for a whole step: writes every new token's K/V into its
     /// slot (quantized to the pool's dtype) and runs each sequence's attention path — initial

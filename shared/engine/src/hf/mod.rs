@@ -25,7 +25,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
-use crate::weights::Weights;
+use crate::weights::{LoadProgress, Weights};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -71,7 +71,17 @@ impl HfModelDir {
 
     /// Loads the model onto `backend`.
     pub fn load_model<B: Backend>(&self, backend: Arc<B>) -> Result<Model<B>> {
-        let weights = self.load_weights(&*backend)?;
+        self.load_model_observed(backend, &|_, _| {})
+    }
+
+    /// [`Self::load_model`], telling `progress` as the blocks load.
+    pub fn load_model_observed<B: Backend>(
+        &self,
+        backend: Arc<B>,
+        progress: LoadProgress<'_>,
+    ) -> Result<Model<B>> {
+        let weights =
+            Weights::from_hf_observed(&*backend, &self.checkpoint, &self.config, progress)?;
         Model::new(backend, self.config.clone(), weights)
     }
 

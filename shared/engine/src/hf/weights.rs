@@ -11,7 +11,7 @@ use super::checkpoint::Checkpoint;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::weights::{LayerWeights, Weights};
+use crate::weights::{LayerWeights, LoadProgress, Weights};
 use std::cell::RefCell;
 use std::collections::HashSet;
 
@@ -20,6 +20,17 @@ impl<B: Backend> Weights<B> {
     /// When the embeddings are tied, a stored `lm_head.weight` is ignored (as `transformers`
     /// does).
     pub fn from_hf(backend: &B, checkpoint: &Checkpoint, config: &ModelConfig) -> Result<Self> {
+        Self::from_hf_observed(backend, checkpoint, config, &|_, _| {})
+    }
+
+    /// [`Self::from_hf`], calling `progress(done, total)` as each block (and, last, the
+    /// embedding, final norm and head) is on the backend: `total` is the layer count plus one.
+    pub fn from_hf_observed(
+        backend: &B,
+        checkpoint: &Checkpoint,
+        config: &ModelConfig,
+        progress: LoadProgress<'_>,
+    ) -> Result<Self> {
         let (h, q, kv, f) = (
             config.hidden_size,
             config.q_dim(),
@@ -70,6 +81,7 @@ impl<B: Backend> Weights<B> {
                 w_up: load(&n("mlp.up_proj.weight"), &[f, h])?,
                 w_down: load(&n("mlp.down_proj.weight"), &[h, f])?,
             });
+            progress(i + 1, config.num_layers + 1);
         }
         let weights = Self {
             embed: load("model.embed_tokens.weight", &[config.vocab_size, h])?,
@@ -81,6 +93,7 @@ impl<B: Backend> Weights<B> {
                 Some(load("lm_head.weight", &[config.vocab_size, h])?)
             },
         };
+        progress(config.num_layers + 1, config.num_layers + 1);
         let used = used.into_inner();
         let mut unused: Vec<&str> = checkpoint
             .names()

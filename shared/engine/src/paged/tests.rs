@@ -1,4 +1,5 @@
 use nibble_kvcache::{GlobalScales, HostPages, PageTable, PoolPlan};
+use nibble_kvfmt::ScaleRule;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::*;
@@ -9,6 +10,7 @@ const DIM: usize = 32;
 const PAGE: usize = 8;
 const LAYERS: usize = 2;
 
+/// Amax block scales: the expected pages below are `interchange` encodings, which use amax.
 fn pool(dtype: KvDtype) -> (PagePool, HostPages) {
     let layout = PageLayout::new(LAYERS, KV_HEADS, DIM, PAGE, dtype).unwrap();
     let scales = GlobalScales {
@@ -16,7 +18,10 @@ fn pool(dtype: KvDtype) -> (PagePool, HostPages) {
         v: vec![1.0, 0.25],
     };
     let plan = PoolPlan::for_pages(layout, 16).unwrap();
-    (PagePool::new(plan), HostPages::new(plan, scales).unwrap())
+    (
+        PagePool::new(plan),
+        HostPages::new(plan, scales, ScaleRule::Amax).unwrap(),
+    )
 }
 
 fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {

@@ -4,12 +4,14 @@
 //! with their page bytes, for each KV dtype.
 
 use anyhow::Result;
-use nibble_engine::backend::{AttentionArgs, AttnGeometry, Backend, PagedSeq, RopeArgs};
+use nibble_engine::backend::{
+    AttentionArgs, AttnGeometry, Backend, PageEncoding, PagedSeq, RopeArgs,
+};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{CpuBackend, RopeStyle};
 use nibble_kernels::CudaBackend;
 use nibble_kvcache::{GlobalScales, PagePool, PageTable, PoolPlan};
-use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -300,8 +302,13 @@ fn check_paged(
         v: vec![0.025, 0.015],
     };
     let mut pool = PagePool::new(plan);
-    let mut pc = cpu.new_pages(plan, scales.clone(), false)?;
-    let mut pg = gpu.new_pages(plan, scales, false)?;
+    let encoding = PageEncoding {
+        scales,
+        hadamard: false,
+        scale_rule: ScaleRule::default(),
+    };
+    let mut pc = cpu.new_pages(plan, encoding.clone())?;
+    let mut pg = gpu.new_pages(plan, encoding)?;
     let (mut ta, mut tb) = (PageTable::new(), PageTable::new());
     let layer = 1;
     let mut ok = true;

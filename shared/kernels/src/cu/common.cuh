@@ -130,17 +130,54 @@ __device__ __forceinline__ float bf16_decode(u32 bits) { return __uint_as_float(
 
 // ---- NVFP4 block: kvfmt::nvfp4::quantize_block, the f32 operations in the same order ----
 
-// Quantizes 16 values with global scale g into 8 packed bytes (two u32, element 2j in the low
-// nibble of byte j) and returns the scale byte.
-__device__ __forceinline__ u32 nvfp4_quantize_block(const float* x, float g, u32* packed) {
+// The block scale rules of kvfmt::nvfp4::ScaleRule (the kernels' `rule` argument).
+#define NIBBLE_SCALE_AMAX 0u
+#define NIBBLE_SCALE_MSE 1u
+
+// kvfmt::nvfp4::block_error: the squared error of the block under the decoded scale s, summed in
+// order, every operation rounded on its own (no FMA contraction) as the CPU does.
+__device__ __forceinline__ float nvfp4_block_error(const float* x, float g, float s) {
+    const float denom = __fmul_rn(s, g);
+    float err = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float q = e2m1_decode(e2m1_encode(__fdiv_rn(x[i], denom)));
+        const float d = __fsub_rn(x[i], __fmul_rn(__fmul_rn(q, s), g));
+        err = __fadd_rn(err, __fmul_rn(d, d));
+    }
+    return err;
+}
+
+// Quantizes 16 values with global scale g under `rule` into 8 packed bytes (two u32, element 2j
+// in the low nibble of byte j) and returns the scale byte. NIBBLE_SCALE_MSE tries the codes at
+// offsets 0, -1, +1, -2, -3 from amax's (kvfmt::nvfp4::MSE_CANDIDATES) and keeps the first with
+// the least error.
+__device__ __forceinline__ u32 nvfp4_quantize_block(const float* x, float g, u32 rule,
+                                                    u32* packed) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
     u32 scale = e4m3_encode(__fdiv_rn(amax, __fmul_rn(6.0f, g)));
-    float s = e4m3_decode(scale);
     packed[0] = 0u;
     packed[1] = 0u;
-    if (s == 0.0f) return scale;
+    if (e4m3_decode(scale) == 0.0f) return scale;
+    if (rule == NIBBLE_SCALE_MSE) {
+        u32 best = scale;
+        float best_err = nvfp4_block_error(x, g, e4m3_decode(scale));
+        const int offsets[4] = {-1, 1, -2, -3};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int code = (int)scale + offsets[k];
+            if (code < 1 || code > 0x7E) continue;
+            const float err = nvfp4_block_error(x, g, e4m3_decode((u32)code));
+            if (err < best_err) {
+                best = (u32)code;
+                best_err = err;
+            }
+        }
+        scale = best;
+    }
+    const float s = e4m3_decode(scale);
     float denom = __fmul_rn(s, g);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {

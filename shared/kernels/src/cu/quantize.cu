@@ -2,12 +2,13 @@
 // HostPages::write_kv and the engine's extend workspace).
 
 // Writes n tokens' K and V (f32, [token][kv_head][head_dim]) into their slots, quantized to the
-// pool's dtype. slots[t] = page * page_size + offset; 0xFFFFFFFF is padding and is skipped. One
-// thread per 16 values of one (token, K|V, head).
+// pool's dtype (NVFP4 block scales chosen by `rule`, NIBBLE_SCALE_*). slots[t] = page *
+// page_size + offset; 0xFFFFFFFF is padding and is skipped. One thread per 16 values of one
+// (token, K|V, head).
 extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __restrict__ k,
                                        const float* __restrict__ v,
                                        const u32* __restrict__ slots, u32 n_tokens,
-                                       PageGeom g, u32 dtype, float gk, float gv) {
+                                       PageGeom g, u32 dtype, u32 rule, float gk, float gv) {
     grid_dependency_sync();
     const u32 chunks = g.head_dim / 16u;
     const u32 per_part = g.kv_heads * chunks;
@@ -36,7 +37,7 @@ extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __re
     u8* data = base + data_offset(g, part, head, off);
     if (dtype == NIBBLE_NVFP4) {
         u32 packed[2];
-        u32 scale = nvfp4_quantize_block(x, gs, packed);
+        u32 scale = nvfp4_quantize_block(x, gs, rule, packed);
         *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(packed[0], packed[1]);
         base[scale_offset(g, part, head, off) + chunk] = (u8)scale;
     } else if (dtype == NIBBLE_FP8) {

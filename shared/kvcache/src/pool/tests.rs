@@ -1,6 +1,6 @@
 use std::collections::HashMap;
 
-use nibble_kvfmt::{interchange, KvDtype, KvPart};
+use nibble_kvfmt::{interchange, KvDtype, KvPart, ScaleRule};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::*;
@@ -14,7 +14,7 @@ fn pool(dtype: KvDtype, pages: usize) -> (PagePool, HostPages) {
     let plan = PoolPlan::for_pages(layout(dtype), pages).unwrap();
     (
         PagePool::new(plan),
-        HostPages::new(plan, GlobalScales::ones(2)).unwrap(),
+        HostPages::new(plan, GlobalScales::ones(2), ScaleRule::Amax).unwrap(),
     )
 }
 
@@ -23,7 +23,7 @@ fn allocated_storage_equals_planned_bytes() {
     for dtype in KvDtype::ALL {
         let layout = PageLayout::new(30, 3, 64, 16, dtype).unwrap();
         let plan = PoolPlan::for_budget(layout, 64 << 20).unwrap();
-        let pages = HostPages::new(plan, GlobalScales::ones(30)).unwrap();
+        let pages = HostPages::new(plan, GlobalScales::ones(30), ScaleRule::Mse).unwrap();
         assert_eq!(pages.storage_bytes(), plan.bytes, "{dtype}");
         assert_eq!(PagePool::new(plan).total_pages(), plan.pages);
         assert_eq!(plan.bytes, plan.pages * layout.page_bytes());

@@ -1,4 +1,4 @@
-use nibble_kvfmt::{interchange, KvDtype, KvPart, PageLayout};
+use nibble_kvfmt::{interchange, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule};
 
 use super::*;
 
@@ -7,10 +7,14 @@ fn layout(dtype: KvDtype) -> PageLayout {
 }
 
 fn pool(dtype: KvDtype, pages: usize) -> (PagePool, HostPages) {
+    pool_with(dtype, pages, ScaleRule::Amax)
+}
+
+fn pool_with(dtype: KvDtype, pages: usize, rule: ScaleRule) -> (PagePool, HostPages) {
     let plan = PoolPlan::for_pages(layout(dtype), pages).unwrap();
     (
         PagePool::new(plan),
-        HostPages::new(plan, GlobalScales::ones(2)).unwrap(),
+        HostPages::new(plan, GlobalScales::ones(2), rule).unwrap(),
     )
 }
 
@@ -84,11 +88,43 @@ fn nvfp4_page_bytes_match_the_interchange_encoding() {
 }
 
 #[test]
+fn nvfp4_pages_are_written_under_the_stores_scale_rule() {
+    let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.61).cos() * 2.5).collect();
+    let v: Vec<f32> = k.iter().map(|x| x * -0.3).collect();
+    let mut pages = Vec::new();
+    for rule in ScaleRule::ALL {
+        let (mut pool, mut store) = pool_with(KvDtype::Nvfp4, 1, rule);
+        assert_eq!(store.scale_rule(), rule);
+        let page = pool.alloc(1).unwrap()[0];
+        let slot = SlotId::new(page, 1, 4);
+        store.write_kv(&pool, 0, &k, &v, &[Some(slot)]).unwrap();
+        let layout = *store.layout();
+        let bytes = store.page(page).unwrap().to_vec();
+        for (part, x) in [(KvPart::K, &k), (KvPart::V, &v)] {
+            for head in 0..2 {
+                let (mut packed, mut scales) = ([0u8; 16], [0u8; 2]);
+                let hx = &x[head * 32..(head + 1) * 32];
+                nvfp4::quantize_with(hx, 1.0, rule, &mut packed, &mut scales).unwrap();
+                let d = layout.data_offset(0, part, head, 1);
+                let s = layout.scale_offset(0, part, head, 1);
+                assert_eq!(&bytes[d..d + 16], &packed, "{rule} {part:?} head {head}");
+                assert_eq!(&bytes[s..s + 2], &scales, "{rule} {part:?} head {head}");
+            }
+        }
+        pages.push(bytes);
+    }
+    assert_ne!(
+        pages[0], pages[1],
+        "the two rules choose some scale differently here"
+    );
+}
+
+#[test]
 fn scales_are_validated() {
     let plan = PoolPlan::for_pages(layout(KvDtype::Fp8), 1).unwrap();
     let mut scales = GlobalScales::ones(2);
     scales.v[1] = f32::NAN;
-    let err = HostPages::new(plan, scales).unwrap_err();
+    let err = HostPages::new(plan, scales, ScaleRule::Mse).unwrap_err();
     assert!(err.to_string().contains("V scale of layer 1"), "{err}");
-    assert!(HostPages::new(plan, GlobalScales::ones(3)).is_err());
+    assert!(HostPages::new(plan, GlobalScales::ones(3), ScaleRule::Mse).is_err());
 }

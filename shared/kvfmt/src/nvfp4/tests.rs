@@ -186,3 +186,92 @@ proptest! {
         prop_assert_eq!(y, z);
     }
 }
+
+/// The block's squared error after a round trip under `rule`.
+fn rule_error(x: &[f32; BLOCK], g: f32, rule: ScaleRule) -> (u8, f32) {
+    let mut packed = [0u8; PACKED_BLOCK_BYTES];
+    let scale = quantize_block_with(x, g, rule, &mut packed);
+    let mut y = [0.0f32; BLOCK];
+    dequantize_block(&packed, scale, g, &mut y);
+    let err = x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum();
+    (scale, err)
+}
+
+#[test]
+fn scale_rules_parse_by_name() {
+    for rule in ScaleRule::ALL {
+        assert_eq!(ScaleRule::parse(rule.name()), Ok(rule));
+        assert_eq!(rule.to_string(), rule.name());
+    }
+    assert_eq!(ScaleRule::parse("MSE"), Ok(ScaleRule::Mse));
+    let err = ScaleRule::parse("max").unwrap_err();
+    assert!(
+        err.contains("\"max\"") && err.contains("amax or mse"),
+        "{err}"
+    );
+    assert_eq!(ScaleRule::default(), ScaleRule::Mse);
+}
+
+#[test]
+fn mse_keeps_the_amax_code_when_it_is_exact() {
+    // Every value on the E2M1 grid under s = 1: no other code can do better than zero error.
+    let x: [f32; BLOCK] = std::array::from_fn(|i| e2m1::decode(i as u8));
+    let (scale, err) = rule_error(&x, 1.0, ScaleRule::Mse);
+    assert_eq!(scale, e4m3::encode(1.0));
+    assert_eq!(err, 0.0);
+}
+
+#[test]
+fn mse_picks_a_smaller_scale_when_one_outlier_costs_the_rest() {
+    // One value at 6, fifteen at 4.9: under s = 1 the fifteen round down to 4 (E2M1 has nothing
+    // between 4 and 6); at s = 0.875 they land on 6 x 0.875 = 5.25 and the 6 is clipped to 5.25.
+    let mut x = [4.9f32; BLOCK];
+    x[0] = 6.0;
+    let (amax_scale, amax_err) = rule_error(&x, 1.0, ScaleRule::Amax);
+    let (mse_scale, mse_err) = rule_error(&x, 1.0, ScaleRule::Mse);
+    assert_eq!(amax_scale, e4m3::encode(1.0));
+    assert_ne!(mse_scale, amax_scale);
+    assert!(mse_err < amax_err, "{mse_err} !< {amax_err}");
+}
+
+#[test]
+fn mse_never_does_worse_than_amax_and_lowers_gaussian_error() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let normal = Normal::new(0.0f32, 1.0).unwrap();
+    let (mut amax_total, mut mse_total) = (0.0f64, 0.0f64);
+    for _ in 0..2000 {
+        let x: [f32; BLOCK] = std::array::from_fn(|_| normal.sample(&mut rng));
+        let (_, a) = rule_error(&x, 1.0, ScaleRule::Amax);
+        let (_, m) = rule_error(&x, 1.0, ScaleRule::Mse);
+        assert!(m <= a, "mse {m} > amax {a} for {x:?}");
+        amax_total += f64::from(a);
+        mse_total += f64::from(m);
+    }
+    // At least 10% less squared error over Gaussian blocks.
+    assert!(mse_total < 0.9 * amax_total, "{mse_total} vs {amax_total}");
+}
+
+#[test]
+fn mse_stays_within_the_valid_codes() {
+    // Saturated (amax code 0x7E: nothing above it) and the smallest subnormal (nothing below 1).
+    let (big, _) = rule_error(&[1e6f32; BLOCK], 1.0, ScaleRule::Mse);
+    assert!(big <= e4m3::MAX_CODE);
+    let tiny = [e4m3::MIN_SUBNORMAL * 6.0; BLOCK];
+    let (small, err) = rule_error(&tiny, 1.0, ScaleRule::Mse);
+    assert!((1..=e4m3::MAX_CODE).contains(&small), "{small:#x}");
+    assert!(err.is_finite());
+    // An all-zero block keeps scale 0 under every rule.
+    assert_eq!(rule_error(&[0.0; BLOCK], 1.0, ScaleRule::Mse), (0, 0.0));
+}
+
+#[test]
+fn the_default_entry_points_keep_the_amax_bytes() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let normal = Normal::new(0.0f32, 3.0).unwrap();
+    let x: Vec<f32> = (0..64).map(|_| normal.sample(&mut rng)).collect();
+    let (mut p1, mut s1) = (vec![0u8; 32], vec![0u8; 4]);
+    let (mut p2, mut s2) = (vec![0u8; 32], vec![0u8; 4]);
+    quantize(&x, 1.0, &mut p1, &mut s1).unwrap();
+    quantize_with(&x, 1.0, ScaleRule::Amax, &mut p2, &mut s2).unwrap();
+    assert_eq!((p1, s1), (p2, s2));
+}

@@ -14,14 +14,14 @@ mod paged;
 mod qmatmul;
 pub mod simd;
 
-use super::{AttentionArgs, Backend, PagedSeq, RopeArgs};
+use super::{AttentionArgs, Backend, PageEncoding, PagedSeq, RopeArgs};
 use crate::config::RopeStyle;
 use crate::error::{Error, Result};
 use crate::gguf::{dequant, GgmlType};
 use crate::kv::StepTokens;
 pub(crate) use attention::causal_gqa;
 use blocks::{BlockMatrix, Isa};
-use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan};
+use nibble_kvcache::{PageId, PagePool, PoolPlan};
 pub use paged::CpuPages;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -354,8 +354,8 @@ impl Backend for CpuBackend {
 
     type Pages = CpuPages;
 
-    fn new_pages(&self, plan: PoolPlan, scales: GlobalScales, hadamard: bool) -> Result<CpuPages> {
-        CpuPages::new(plan, scales, hadamard)
+    fn new_pages(&self, plan: PoolPlan, encoding: PageEncoding) -> Result<CpuPages> {
+        CpuPages::new(plan, encoding)
     }
 
     fn paged_attention(

@@ -8,11 +8,11 @@
 
 use std::ops::Range;
 
-use nibble_kvcache::{GlobalScales, HostPages, PagePool, PoolPlan};
+use nibble_kvcache::{HostPages, PagePool, PoolPlan};
 use rayon::prelude::*;
 
 use super::CpuTensor;
-use crate::backend::PagedSeq;
+use crate::backend::{PageEncoding, PagedSeq};
 use crate::error::{Error, Result};
 use crate::hadamard;
 use crate::kv::StepTokens;
@@ -28,7 +28,12 @@ pub struct CpuPages {
 }
 
 impl CpuPages {
-    pub(super) fn new(plan: PoolPlan, scales: GlobalScales, hadamard: bool) -> Result<Self> {
+    pub(super) fn new(plan: PoolPlan, encoding: PageEncoding) -> Result<Self> {
+        let PageEncoding {
+            scales,
+            hadamard,
+            scale_rule,
+        } = encoding;
         let head_dim = plan.layout.head_dim();
         if hadamard && !hadamard::supported(head_dim) {
             return Err(Error::InvalidInput(format!(
@@ -37,7 +42,7 @@ impl CpuPages {
         }
         Ok(Self {
             ws: Workspace::new(plan.layout.dtype()),
-            store: HostPages::new(plan, scales)?,
+            store: HostPages::new(plan, scales, scale_rule)?,
             hadamard,
             rotated: Default::default(),
         })
