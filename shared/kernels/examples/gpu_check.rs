@@ -306,13 +306,23 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
     )?;
     let gpu_bytes = stream.clone_dtoh(&dev_pages)?;
     if dtype == KvDtype::Nvfp4 {
-        for rule in ScaleRule::ALL
+        // The other rule over every token, and both over a decode step's few tokens (the mse
+        // rule then runs its eight-lane kernel), each from zeroed pages.
+        let few = 5;
+        let cases = ScaleRule::ALL
             .into_iter()
             .filter(|r| *r != store.scale_rule())
-        {
+            .map(|r| (r, slots.len()))
+            .chain(ScaleRule::ALL.into_iter().map(|r| (r, few)));
+        for (rule, tokens) in cases {
+            let values = tokens * per_token;
+            let (k, v, slots) = (&k[..values], &v[..values], &slots[..tokens]);
             let mut other = HostPages::new(plan, scales.clone(), rule)?;
-            other.write_kv(&pool, LAYER, &k, &v, &slots)?;
+            other.write_kv(&pool, LAYER, k, v, slots)?;
             let mut dev = stream.alloc_zeros::<u8>(plan.bytes)?;
+            let ids: Vec<u32> = slots.iter().map(|s| s.map_or(u32::MAX, |s| s.0)).collect();
+            let (dk, dv) = (stream.clone_htod(k)?, stream.clone_htod(v)?);
+            let ds = stream.clone_htod(&ids)?;
             let (dk, dv, ds) = (dk.as_view(), dv.as_view(), ds.as_view());
             kernels.quantize(&mut dev, geom, dtype, rule, &dk, &dv, &ds, g)?;
             let gpu = stream.clone_dtoh(&dev)?;
@@ -322,7 +332,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             }
             let diff = cpu.iter().zip(&gpu).filter(|(a, b)| a != b).count();
             failures += report(
-                &format!("quantize {name} scale rule {rule}"),
+                &format!("quantize {name} scale rule {rule}, {tokens} tokens"),
                 diff == 0,
                 &format!("{diff} of {} page bytes differ", cpu.len()),
             );

@@ -92,22 +92,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scale_rule_codes_and_candidates_match_the_cuda_prelude() {
-        let prelude = crate::PRELUDE;
-        assert!(prelude.contains("#define NIBBLE_SCALE_AMAX 0u"));
-        assert!(prelude.contains("#define NIBBLE_SCALE_MSE 1u"));
-        assert_eq!(scale_rule_code(ScaleRule::Amax), 0);
-        assert_eq!(scale_rule_code(ScaleRule::Mse), 1);
-        // The kernel tries offset 0 first, then these, in this order.
+    fn the_mse_kernels_try_kvfmts_candidates_in_kvfmts_order() {
         let offsets = &nibble_kvfmt::nvfp4::MSE_CANDIDATES;
-        assert_eq!(offsets[0], 0);
-        let list: Vec<String> = offsets[1..].iter().map(i32::to_string).collect();
+        let list: Vec<String> = offsets.iter().map(i32::to_string).collect();
         let expected = format!(
             "const int offsets[{}] = {{{}}};",
             list.len(),
             list.join(", ")
         );
-        assert!(prelude.contains(&expected), "the prelude lacks {expected}");
+        for (file, source) in [
+            ("quantize.cu", include_str!("cu/quantize.cu")),
+            ("common.cuh", crate::PRELUDE),
+        ] {
+            assert!(source.contains(&expected), "{file} lacks {expected}");
+        }
+        // Five candidates fit the lane kernel's eight lanes per block.
+        assert!(offsets.len() <= 8 && offsets[0] == 0);
+        assert!(crate::PRELUDE.contains("#define NIBBLE_SCALE_AMAX 0u"));
+        assert!(crate::PRELUDE.contains("#define NIBBLE_SCALE_MSE 1u"));
+        assert_eq!(scale_rule_code(ScaleRule::Amax), 0);
+        assert_eq!(scale_rule_code(ScaleRule::Mse), 1);
     }
 
     #[test]

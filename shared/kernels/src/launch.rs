@@ -70,6 +70,7 @@ pub struct Kernels {
     /// `NIBBLE_CUDA_PDL=0`.
     programmatic: bool,
     quantize: CudaFunction,
+    quantize_nvfp4_mse: CudaFunction,
     gather: CudaFunction,
     fill: CudaFunction,
     /// [dtype code][0: head dim 64, 1: 128]
@@ -178,6 +179,7 @@ impl Kernels {
         }
         let kernels = Self {
             quantize: function("quantize", "kv_quantize")?,
+            quantize_nvfp4_mse: function("quantize", "kv_quantize_nvfp4_mse")?,
             gather: function("quantize", "kv_gather_work")?,
             fill: function("quantize", "fill_random_pages")?,
             decode,
@@ -285,12 +287,22 @@ impl Kernels {
         let values = n * (geom.kv_heads * geom.head_dim) as usize;
         check("K values", values, k.len())?;
         check("V values", values, v.len())?;
-        let threads = n as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
-        if threads == 0 {
+        let groups = n as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
+        if groups == 0 {
             return Ok(());
         }
-        let (n32, code) = (n as u32, dtype_code(dtype));
-        let rule = scale_rule_code(rule);
+        let n32 = n as u32;
+        if dtype == KvDtype::Nvfp4 && rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
+            // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
+            let mut b = self.builder(&self.quantize_nvfp4_mse);
+            b.arg(pages).arg(k).arg(v).arg(slots).arg(&n32).arg(&geom);
+            b.arg(&scales.0).arg(&scales.1);
+            // SAFETY: the argument list matches kv_quantize_nvfp4_mse's signature; sizes were
+            // checked above and every slot is bounds-checked by the caller's page pool.
+            unsafe { b.launch(grid_1d(groups * 8)) }?;
+            return Ok(());
+        }
+        let (code, rule) = (dtype_code(dtype), scale_rule_code(rule));
         let mut b = self.builder(&self.quantize);
         b.arg(pages)
             .arg(k)
@@ -303,7 +315,7 @@ impl Kernels {
         b.arg(&scales.0).arg(&scales.1);
         // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
         // and every slot is bounds-checked by the caller's page pool.
-        unsafe { b.launch(grid_1d(threads)) }?;
+        unsafe { b.launch(grid_1d(groups)) }?;
         Ok(())
     }
 
@@ -786,6 +798,11 @@ fn page_copy_grid(pages: usize, page_bytes: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// Up to this many 16-value blocks (a decode step's: 32 sequences of a Llama-3-8B layer, or 256
+/// tokens), NVFP4 quantize-on-write under the mse rule runs eight lanes per block (one wave of an
+/// H200 at most); past it, one thread per block, which keeps more of the GPU busy per byte.
+const MSE_LANES_MAX_BLOCKS: u64 = 32_768;
 
 fn grid_1d(threads: u64) -> LaunchConfig {
     const BLOCK: u64 = 256;

@@ -47,7 +47,12 @@ pub(crate) const SOURCES: [(&str, &str); 4] = [
 pub const ENTRY_POINTS: [(&str, &[&str]); 4] = [
     (
         "quantize",
-        &["kv_quantize", "kv_gather_work", "fill_random_pages"],
+        &[
+            "kv_quantize",
+            "kv_quantize_nvfp4_mse",
+            "kv_gather_work",
+            "fill_random_pages",
+        ],
     ),
     (
         "decode",

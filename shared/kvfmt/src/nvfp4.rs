@@ -16,10 +16,15 @@
 //!
 //! ```text
 //! for c in [s, s-1, s+1, s-2, s-3]          E4M3 codes, skipping 0 and anything past 0x7E
-//!     q_i(c)  = E2M1_RNE_SAT(x_i / (c * g))
+//!     r       = 1 / (c * g)
+//!     q_i(c)  = E2M1_RNE_SAT(x_i * r)
 //!     err(c)  = sum over i = 0..15 in order of (x_i - (e2m1(q_i) * c) * g)^2
 //! keep the first c with the smallest err    (a NaN err never wins)
 //! ```
+//!
+//! and then encodes the block under the chosen code exactly as the amax rule does (dividing).
+//! The search multiplies by one reciprocal per candidate instead of dividing 16 times: on the
+//! GPU that is what keeps the search cheap enough for a decode step's quantize-on-write.
 //!
 //! Both rules write bytes any NVFP4 reader decodes the same way; only the encoder differs.
 //! The f32 operations happen in exactly this order so that every implementation (this crate, the
@@ -114,13 +119,14 @@ fn encode_with_scale(x: &[f32; BLOCK], g: f32, s: f32, packed: &mut [u8; PACKED_
     }
 }
 
-/// The squared error of the block quantized under the decoded scale `s`, summed in order.
+/// The squared error of the block quantized under the decoded scale `s`, summed in order; the
+/// codes come from one reciprocal (see the module docs), each operation rounded on its own.
 #[inline]
 fn block_error(x: &[f32; BLOCK], g: f32, s: f32) -> f32 {
-    let denom = s * g;
+    let r = 1.0 / (s * g);
     let mut err = 0.0f32;
     for &v in x {
-        let d = v - (e2m1::decode(e2m1::encode(v / denom)) * s) * g;
+        let d = v - (e2m1::decode(e2m1::encode(v * r)) * s) * g;
         err += d * d;
     }
     err
@@ -129,15 +135,16 @@ fn block_error(x: &[f32; BLOCK], g: f32, s: f32) -> f32 {
 /// [`ScaleRule::Mse`]'s choice among the codes near `amax_code` (a positive, finite code).
 fn least_error_scale(x: &[f32; BLOCK], g: f32, amax_code: u8) -> u8 {
     let mut best = amax_code;
-    let mut best_err = block_error(x, g, e4m3::decode(amax_code));
-    for offset in &MSE_CANDIDATES[1..] {
+    let mut best_err = f32::NAN;
+    for offset in MSE_CANDIDATES {
         let code = i32::from(amax_code) + offset;
         if code < 1 || code > i32::from(e4m3::MAX_CODE) {
             continue;
         }
         let code = code as u8;
         let err = block_error(x, g, e4m3::decode(code));
-        if err < best_err {
+        // The amax code (offset 0, first) always sets the bar, whatever its error.
+        if offset == 0 || err < best_err {
             best = code;
             best_err = err;
         }

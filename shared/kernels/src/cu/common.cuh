@@ -130,60 +130,81 @@ __device__ __forceinline__ float bf16_decode(u32 bits) { return __uint_as_float(
 
 // ---- NVFP4 block: kvfmt::nvfp4::quantize_block, the f32 operations in the same order ----
 
-// The block scale rules of kvfmt::nvfp4::ScaleRule (the kernels' `rule` argument).
-#define NIBBLE_SCALE_AMAX 0u
-#define NIBBLE_SCALE_MSE 1u
-
 // kvfmt::nvfp4::block_error: the squared error of the block under the decoded scale s, summed in
-// order, every operation rounded on its own (no FMA contraction) as the CPU does.
+// order, the codes from one reciprocal, every operation rounded on its own (no FMA contraction)
+// as the CPU does.
 __device__ __forceinline__ float nvfp4_block_error(const float* x, float g, float s) {
-    const float denom = __fmul_rn(s, g);
+    const float r = __fdiv_rn(1.0f, __fmul_rn(s, g));
     float err = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-        const float q = e2m1_decode(e2m1_encode(__fdiv_rn(x[i], denom)));
+        const float q = e2m1_decode(e2m1_encode(__fmul_rn(x[i], r)));
         const float d = __fsub_rn(x[i], __fmul_rn(__fmul_rn(q, s), g));
         err = __fadd_rn(err, __fmul_rn(d, d));
     }
     return err;
 }
 
-// Quantizes 16 values with global scale g under `rule` into 8 packed bytes (two u32, element 2j
-// in the low nibble of byte j) and returns the scale byte. NIBBLE_SCALE_MSE tries the codes at
-// offsets 0, -1, +1, -2, -3 from amax's (kvfmt::nvfp4::MSE_CANDIDATES) and keeps the first with
-// the least error.
-__device__ __forceinline__ u32 nvfp4_quantize_block(const float* x, float g, u32 rule,
-                                                    u32* packed) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    u32 scale = e4m3_encode(__fdiv_rn(amax, __fmul_rn(6.0f, g)));
+// Packs 16 values under the decoded block scale s (> 0) into 8 bytes (two u32, element 2j in the
+// low nibble of byte j), dividing as kvfmt::nvfp4 encodes.
+__device__ __forceinline__ void nvfp4_encode_block(const float* x, float g, float s, u32* packed) {
+    const float denom = __fmul_rn(s, g);
     packed[0] = 0u;
     packed[1] = 0u;
-    if (e4m3_decode(scale) == 0.0f) return scale;
-    if (rule == NIBBLE_SCALE_MSE) {
-        u32 best = scale;
-        float best_err = nvfp4_block_error(x, g, e4m3_decode(scale));
-        const int offsets[4] = {-1, 1, -2, -3};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int code = (int)scale + offsets[k];
-            if (code < 1 || code > 0x7E) continue;
-            const float err = nvfp4_block_error(x, g, e4m3_decode((u32)code));
-            if (err < best_err) {
-                best = (u32)code;
-                best_err = err;
-            }
-        }
-        scale = best;
-    }
-    const float s = e4m3_decode(scale);
-    float denom = __fmul_rn(s, g);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         u32 q = e2m1_encode(__fdiv_rn(x[i], denom));
         packed[i >> 3] |= q << (4 * (i & 7));
     }
+}
+
+// The amax rule's scale byte of 16 values: E4M3(amax / 6g).
+__device__ __forceinline__ u32 nvfp4_amax_scale(const float* x, float g) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    return e4m3_encode(__fdiv_rn(amax, __fmul_rn(6.0f, g)));
+}
+
+// The block scale rules of kvfmt::nvfp4::ScaleRule (kv_quantize's `rule` argument).
+#define NIBBLE_SCALE_AMAX 0u
+#define NIBBLE_SCALE_MSE 1u
+
+// The mse rule's choice for one thread holding the block: every candidate's error first
+// (independent chains the scheduler overlaps), then the choice in kvfmt's order (the amax code
+// sets the bar whatever its error; an out-of-range code never wins).
+__device__ __forceinline__ u32 nvfp4_mse_scale(const float* x, float g, u32 amax_code) {
+    const int offsets[5] = {0, -1, 1, -2, -3};
+    float errs[5];
+#pragma unroll
+    for (int c = 0; c < 5; ++c) {
+        const int code = (int)amax_code + offsets[c];
+        const u32 scored = (code < 1 || code > 0x7E) ? amax_code : (u32)code;
+        errs[c] = nvfp4_block_error(x, g, e4m3_decode(scored));
+    }
+    u32 best = amax_code;
+    float best_err = errs[0];
+#pragma unroll
+    for (int c = 1; c < 5; ++c) {
+        const int code = (int)amax_code + offsets[c];
+        if (code >= 1 && code <= 0x7E && errs[c] < best_err) {
+            best = (u32)code;
+            best_err = errs[c];
+        }
+    }
+    return best;
+}
+
+// Quantizes 16 values with global scale g under `rule` (NIBBLE_SCALE_*) into 8 packed bytes and
+// returns the scale byte (kvfmt::nvfp4::quantize_block_with).
+__device__ __forceinline__ u32 nvfp4_quantize_block(const float* x, float g, u32 rule,
+                                                    u32* packed) {
+    u32 scale = nvfp4_amax_scale(x, g);
+    packed[0] = 0u;
+    packed[1] = 0u;
+    if (e4m3_decode(scale) == 0.0f) return scale;
+    if (rule == NIBBLE_SCALE_MSE) scale = nvfp4_mse_scale(x, g, scale);
+    nvfp4_encode_block(x, g, e4m3_decode(scale), packed);
     return scale;
 }
 

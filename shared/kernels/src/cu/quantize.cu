@@ -2,9 +2,10 @@
 // HostPages::write_kv and the engine's extend workspace).
 
 // Writes n tokens' K and V (f32, [token][kv_head][head_dim]) into their slots, quantized to the
-// pool's dtype (NVFP4 block scales chosen by `rule`, NIBBLE_SCALE_*). slots[t] = page *
+// pool's dtype, NVFP4 block scales chosen by `rule` (NIBBLE_SCALE_*). slots[t] = page *
 // page_size + offset; 0xFFFFFFFF is padding and is skipped. One thread per 16 values of one
-// (token, K|V, head).
+// (token, K|V, head): the fastest for prompts, while a decode step's few tokens under the mse
+// rule go to kv_quantize_nvfp4_mse, whose bytes are the same.
 extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __restrict__ k,
                                        const float* __restrict__ v,
                                        const u32* __restrict__ slots, u32 n_tokens,
@@ -53,6 +54,82 @@ extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __re
         dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
         dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
     }
+}
+
+// NVFP4 quantize-on-write under the mse block-scale rule (kvfmt::nvfp4::ScaleRule::Mse) for few
+// tokens, with kv_quantize's arguments less the dtype and rule. Eight lanes of one warp share 16
+// values: lane k < 5 scores the candidate code at MSE_CANDIDATES[k] = {0, -1, +1, -2, -3} from
+// amax's (its error summed in order, as the CPU does), lane 0 gathers the five errors, chooses in
+// that order and writes. Spreading the candidates over lanes keeps a decode step's write as short
+// as the amax rule's; for a prompt's many tokens kv_quantize's one thread per block is faster.
+extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
+                                                 const float* __restrict__ k,
+                                                 const float* __restrict__ v,
+                                                 const u32* __restrict__ slots, u32 n_tokens,
+                                                 PageGeom g, float gk, float gv) {
+    grid_dependency_sync();
+    const u32 chunks = g.head_dim / 16u;
+    const u32 per_part = g.kv_heads * chunks;
+    const u64 gidx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 idx = gidx >> 3;
+    const u32 lane = (u32)(gidx & 7u);
+    // The eight lanes of a group share idx, so they leave together or not at all.
+    if (idx >= (u64)n_tokens * 2u * per_part) return;
+    const u32 token = (u32)(idx / (2u * per_part));
+    u32 rem = (u32)(idx % (2u * per_part));
+    const u32 part = rem / per_part;
+    rem %= per_part;
+    const u32 head = rem / chunks, chunk = rem % chunks;
+    const u32 slot = slots[token];
+    if (slot == 0xFFFFFFFFu) return;
+    const u32 page = slot >> g.page_shift, off = slot & (g.page_size - 1u);
+    const float* src = (part ? v : k) + ((u64)token * g.kv_heads + head) * g.head_dim + chunk * 16u;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float4 f = reinterpret_cast<const float4*>(src)[i];
+        x[4 * i] = f.x;
+        x[4 * i + 1] = f.y;
+        x[4 * i + 2] = f.z;
+        x[4 * i + 3] = f.w;
+    }
+    const float gs = part ? gv : gk;
+    u8* base = pages + (u64)page * g.page_bytes;
+    u8* data = base + data_offset(g, part, head, off);
+    const u32 amax_code = nvfp4_amax_scale(x, gs);
+    if (e4m3_decode(amax_code) == 0.0f) {
+        if (lane == 0u) {
+            *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(0u, 0u);
+            base[scale_offset(g, part, head, off) + chunk] = (u8)amax_code;
+        }
+        return;
+    }
+    const int offsets[5] = {0, -1, 1, -2, -3};
+    const int code = (int)amax_code + offsets[lane < 5u ? lane : 0u];
+    const bool valid = lane < 5u && code >= 1 && code <= 0x7E;
+    // Lanes past the candidates, and out-of-range codes, score the amax code (never chosen).
+    const float err = nvfp4_block_error(x, gs, e4m3_decode(valid ? (u32)code : amax_code));
+    const u32 group = (threadIdx.x & 31u) & ~7u;
+    const u32 mask = 0xFFu << group;
+    const u32 valid_bits = (__ballot_sync(mask, valid) >> group) & 0x1Fu;
+    float errs[5];
+#pragma unroll
+    for (int c = 0; c < 5; ++c) errs[c] = __shfl_sync(mask, err, c, 8);
+    if (lane != 0u) return;
+    // kvfmt's order: the amax code sets the bar whatever its error; a later one must beat it.
+    u32 best = amax_code;
+    float best_err = errs[0];
+#pragma unroll
+    for (int c = 1; c < 5; ++c) {
+        if (((valid_bits >> c) & 1u) && errs[c] < best_err) {
+            best = (u32)((int)amax_code + offsets[c]);
+            best_err = errs[c];
+        }
+    }
+    u32 packed[2];
+    nvfp4_encode_block(x, gs, e4m3_decode(best), packed);
+    *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(packed[0], packed[1]);
+    base[scale_offset(g, part, head, off) + chunk] = (u8)best;
 }
 
 // Extend: gathers tokens [0, n_tokens) of one sequence (its pages in page_table) from the pool
