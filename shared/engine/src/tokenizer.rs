@@ -4,10 +4,11 @@
 //!
 //! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is supported. For the SmolLM/StarCoder
 //! family (`tokenizer.ggml.pre` = `smollm`, `starcoder`, `refact`) the pre-tokenizer splits every
-//! digit into its own piece, then applies GPT-2's byte-level split; `gpt2`/absent means GPT-2's
-//! split alone; any other pre-tokenizer is refused by name rather than guessed. Control and
-//! user-defined tokens (types 3 and 4) are added as special tokens so they match as a whole in
-//! text such as chat templates.
+//! digit into its own piece, then applies GPT-2's byte-level split; for Qwen2 (`qwen2`) the text
+//! is split by Qwen2's own regex (`QWEN2_SPLIT`, digits one by one too) and then mapped to
+//! byte-level symbols without a further split; `gpt2`/absent means GPT-2's split alone; any other
+//! pre-tokenizer is refused by name rather than guessed. Control and user-defined tokens (types 3
+//! and 4) are added as special tokens so they match as a whole in text such as chat templates.
 
 use crate::chat::{self, ChatMessage};
 use crate::error::{Error, Result};
@@ -17,13 +18,28 @@ use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::byte_level::ByteLevel as ByteLevelProcessor;
-use tokenizers::AddedToken;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 /// GGUF token type of control tokens.
 const TOKEN_TYPE_CONTROL: i64 = 3;
 /// GGUF token type of user-defined tokens.
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// Qwen2's pre-tokenizer split (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`, the `Split` of Hugging
+/// Face's Qwen2 `tokenizer.json` with its `(?i:...)` contractions spelled out): contractions,
+/// letter runs with at most one leading non-letter, single digits, punctuation runs with an
+/// optional leading space and trailing newlines, then whitespace runs.
+const QWEN2_SPLIT: &str = concat!(
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])",
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+",
+    r"|\p{N}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"|\s*[\r\n]+",
+    r"|\s+(?!\S)",
+    r"|\s+",
+);
 
 /// A text tokenizer with the model's special tokens and chat template.
 pub struct Tokenizer {
@@ -104,24 +120,11 @@ impl Tokenizer {
             .build()
             .map_err(|e| Error::Tokenizer(format!("building BPE: {e}")))?;
 
-        let byte_level = ByteLevel::new(false, true, true);
         let pre = file
             .get("tokenizer.ggml.pre")
             .and_then(|v| v.as_str())
             .unwrap_or("default");
-        let pre_tokenizer = match pre {
-            // Digits one by one, then GPT-2's split (SmolLM, StarCoder, Refact).
-            "smollm" | "starcoder" | "refact" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()])
-            }
-            "gpt2" | "default" => Sequence::new(vec![byte_level.into()]),
-            other => {
-                return Err(Error::Tokenizer(format!(
-                    "pre-tokenizer `{other}` (tokenizer.ggml.pre) is not supported \
-                     (supported: smollm, starcoder, refact, gpt2, default)"
-                )))
-            }
-        };
+        let pre_tokenizer = pre_tokenizer(pre)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner
             .with_pre_tokenizer(Some(pre_tokenizer))
@@ -273,6 +276,39 @@ impl Tokenizer {
     }
 }
 
+/// The pre-tokenizer named by `tokenizer.ggml.pre` (`default` when absent); unknown names are
+/// refused so that text is never split in a way the model was not trained on.
+fn pre_tokenizer(pre: &str) -> Result<Sequence> {
+    // GPT-2's split, then bytes mapped to their byte-level symbols.
+    let gpt2 = || ByteLevel::new(false, true, true);
+    Ok(match pre {
+        // Digits one by one, then GPT-2's split (SmolLM, StarCoder, Refact).
+        "smollm" | "starcoder" | "refact" => {
+            Sequence::new(vec![Digits::new(true).into(), gpt2().into()])
+        }
+        // Qwen2's regex (digits one by one as well), then only the byte-level mapping.
+        "qwen2" => {
+            let split = Split::new(
+                SplitPattern::Regex(QWEN2_SPLIT.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| Error::Tokenizer(format!("building the qwen2 split regex: {e}")))?;
+            Sequence::new(vec![
+                split.into(),
+                ByteLevel::new(false, false, false).into(),
+            ])
+        }
+        "gpt2" | "default" => Sequence::new(vec![gpt2().into()]),
+        other => {
+            return Err(Error::Tokenizer(format!(
+                "pre-tokenizer `{other}` (tokenizer.ggml.pre) is not supported \
+                 (supported: smollm, starcoder, refact, qwen2, gpt2, default)"
+            )))
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,5 +336,110 @@ mod tests {
         .unwrap();
         let e = Tokenizer::from_gguf(&file).err().unwrap();
         assert!(e.to_string().contains("llama-bpe"), "{e}");
+    }
+
+    /// A GGUF tokenizer whose vocabulary is the 256 byte-level symbols (sorted) plus `extra`
+    /// tokens, with `merges`, pre-tokenizer `pre`.
+    fn byte_level_tokenizer(pre: &str, extra: &[&str], merges: &[&str]) -> Tokenizer {
+        let mut symbols: Vec<String> = ByteLevel::alphabet()
+            .into_iter()
+            .map(String::from)
+            .collect();
+        symbols.sort();
+        symbols.extend(extra.iter().map(|t| t.to_string()));
+        let str_array =
+            |items: Vec<String>| Value::Array(items.into_iter().map(Value::String).collect());
+        let image = GgufBuilder::new()
+            .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .meta("tokenizer.ggml.pre", Value::String(pre.into()))
+            .meta("tokenizer.ggml.tokens", str_array(symbols))
+            .meta(
+                "tokenizer.ggml.merges",
+                str_array(merges.iter().map(|m| m.to_string()).collect()),
+            )
+            .build();
+        Tokenizer::from_gguf(&GgufFile::from_bytes(image).unwrap()).unwrap()
+    }
+
+    /// The pieces of `text` (as slices of the original text) after the pre-tokenizer.
+    fn pieces<'t>(tok: &Tokenizer, text: &'t str) -> Vec<&'t str> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let mut pts = PreTokenizedString::from(text);
+        let pre = tok.inner().get_pre_tokenizer().unwrap();
+        pre.pre_tokenize(&mut pts).unwrap();
+        pts.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, (a, b), _)| &text[a..b])
+            .collect()
+    }
+
+    /// The qwen2 split of a text with contractions, a digit run, currency, newlines (LF, CRLF,
+    /// blank lines), tabs, trailing spaces, CJK with a full-width comma and accented words.
+    /// Expected pieces from Python's `regex` module (2026.5.9) with the pattern of
+    /// [`QWEN2_SPLIT`]: `regex.findall(PAT, TEXT)`.
+    #[test]
+    fn qwen2_splits_like_the_reference_regex() {
+        const TEXT: &str =
+            "I'm sure it's 12345 THEY'LL pay £3.50!\n\n  def f(x):\r\n\treturn x  \n\
+                            你好，世界 café naïve Ünïcödé";
+        const WANT: [&str; 33] = [
+            "I",
+            "'m",
+            " sure",
+            " it",
+            "'s",
+            " ",
+            "1",
+            "2",
+            "3",
+            "4",
+            "5",
+            " THEY",
+            "'LL",
+            " pay",
+            " £",
+            "3",
+            ".",
+            "5",
+            "0",
+            "!\n\n",
+            " ",
+            " def",
+            " f",
+            "(x",
+            "):\r\n",
+            "\treturn",
+            " x",
+            "  \n",
+            "你好",
+            "，世界",
+            " café",
+            " naïve",
+            " Ünïcödé",
+        ];
+        let tok = byte_level_tokenizer("qwen2", &[], &[]);
+        assert_eq!(pieces(&tok, TEXT), WANT);
+        // Every byte becomes one byte-level symbol and decodes back to the text.
+        let ids = tok.encode(TEXT, false).unwrap();
+        assert_eq!(ids.len(), TEXT.len());
+        assert_eq!(tok.decode(&ids, false).unwrap(), TEXT);
+    }
+
+    /// Merges never cross qwen2's pieces: with a `1 2` merge in the vocabulary, GPT-2's split
+    /// keeps "12" together and merges it, qwen2's splits the digits apart first.
+    #[test]
+    fn qwen2_keeps_digits_apart_where_gpt2_merges_them() {
+        let merges = ["1 2", "a b"];
+        let qwen2 = byte_level_tokenizer("qwen2", &["12", "ab"], &merges);
+        let gpt2 = byte_level_tokenizer("gpt2", &["12", "ab"], &merges);
+        let id = |t: &Tokenizer, s: &str| t.token_to_id(s).unwrap();
+        assert_eq!(
+            qwen2.encode("ab12", false).unwrap(),
+            [id(&qwen2, "ab"), id(&qwen2, "1"), id(&qwen2, "2")]
+        );
+        assert_eq!(
+            gpt2.encode("ab12", false).unwrap(),
+            [id(&gpt2, "ab"), id(&gpt2, "12")]
+        );
     }
 }

@@ -87,6 +87,8 @@ fn type_id(ty: GgmlType) -> u32 {
         GgmlType::F16 => 1,
         GgmlType::Q4_0 => 2,
         GgmlType::Q4_1 => 3,
+        GgmlType::Q5_0 => 6,
+        GgmlType::Q5_1 => 7,
         GgmlType::Q8_0 => 8,
         GgmlType::Q4K => 12,
         GgmlType::Q6K => 14,

@@ -8,6 +8,11 @@
 //! * Q4_0 (32 values, 18 bytes): f16 `d`, 16 bytes; byte j holds value j in its low nibble and
 //!   value j+16 in its high nibble; `x = d·(nibble − 8)`.
 //! * Q4_1 (32 values, 20 bytes): f16 `d`, f16 `m`, 16 bytes as Q4_0; `x = d·nibble + m`.
+//! * Q5_0 (32 values, 22 bytes): f16 `d`, 4 bytes `qh` (a little-endian u32 whose bit j is the
+//!   fifth bit of value j), 16 bytes of low nibbles laid out as Q4_0; with
+//!   `q = nibble | bit << 4`, `x = d·(q − 16)`.
+//! * Q5_1 (32 values, 24 bytes): f16 `d`, f16 `m`, then `qh` and nibbles as Q5_0;
+//!   `x = d·q + m`.
 //! * Q4_K (256 values, 144 bytes): f16 `d`, f16 `dmin`, 12 bytes packing eight 6-bit
 //!   (scale, min) pairs, 128 bytes of nibbles. Sub-block s (32 values) has
 //!   `x = d·scale_s·nibble − dmin·min_s`; each 64-value group reads 32 bytes, low nibbles
@@ -37,6 +42,8 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> bool {
         GgmlType::Q8_0 => q8_0(bytes, out),
         GgmlType::Q4_0 => q4_0(bytes, out),
         GgmlType::Q4_1 => q4_1(bytes, out),
+        GgmlType::Q5_0 => q5_0(bytes, out),
+        GgmlType::Q5_1 => q5_1(bytes, out),
         GgmlType::Q4K => q4_k(bytes, out),
         GgmlType::Q6K => q6_k(bytes, out),
         GgmlType::Other(_) => return false,
@@ -98,6 +105,14 @@ fn q4_1(bytes: &[u8], out: &mut [f32]) {
     each_block::<20, 32, Q4_1>(bytes, out);
 }
 
+fn q5_0(bytes: &[u8], out: &mut [f32]) {
+    each_block::<22, 32, Q5_0>(bytes, out);
+}
+
+fn q5_1(bytes: &[u8], out: &mut [f32]) {
+    each_block::<24, 32, Q5_1>(bytes, out);
+}
+
 fn q4_k(bytes: &[u8], out: &mut [f32]) {
     each_block::<144, 256, Q4K>(bytes, out);
 }
@@ -146,6 +161,48 @@ impl Block<20, 32> for Q4_1 {
         for ((l, h), &q) in lo.iter_mut().zip(hi).zip(&blk[4..]) {
             *l = d * f32::from(q & 0x0f) + m;
             *h = d * f32::from(q >> 4) + m;
+        }
+    }
+}
+
+/// The 5-bit codes of a Q5_0/Q5_1 block from its `qh` word (bit j = fifth bit of value j) and
+/// 16 nibble bytes (byte j: value j low, value j+16 high), in value order. Both formats share
+/// this packing and differ only in how a code becomes a value.
+#[inline(always)]
+fn q5_codes(qh: &[u8], qs: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let bit = |j: usize| (((qh >> j) & 1) as u8) << 4;
+    let mut codes = [0u8; 32];
+    for (j, &q) in qs.iter().take(16).enumerate() {
+        codes[j] = (q & 0x0f) | bit(j);
+        codes[j + 16] = (q >> 4) | bit(j + 16);
+    }
+    codes
+}
+
+/// The Q5_0 block format.
+pub(crate) struct Q5_0;
+
+impl Block<22, 32> for Q5_0 {
+    #[inline(always)]
+    fn decode(blk: &[u8; 22], o: &mut [f32; 32]) {
+        let d = half_at(blk, 0);
+        for (x, q) in o.iter_mut().zip(q5_codes(&blk[2..6], &blk[6..])) {
+            *x = d * (f32::from(q) - 16.0);
+        }
+    }
+}
+
+/// The Q5_1 block format.
+pub(crate) struct Q5_1;
+
+impl Block<24, 32> for Q5_1 {
+    #[inline(always)]
+    fn decode(blk: &[u8; 24], o: &mut [f32; 32]) {
+        let d = half_at(blk, 0);
+        let m = half_at(blk, 2);
+        for (x, q) in o.iter_mut().zip(q5_codes(&blk[4..8], &blk[8..])) {
+            *x = d * f32::from(q) + m;
         }
     }
 }

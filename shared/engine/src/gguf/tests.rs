@@ -90,15 +90,43 @@ fn errors_name_what_is_wrong() {
     assert!(matches!(e, Error::MissingMetadata(_)));
 }
 
+/// Q5_0 (id 6) and Q5_1 (id 7) tensors round-trip through the file: type ids, byte sizes and
+/// dequantization. One block each, every 5-bit code 0..32 once (value j has code j).
+#[test]
+fn reads_q5_tensors() {
+    let f16 = |x: f32| half::f16::from_f32(x).to_bits().to_le_bytes();
+    // Codes j: the fifth bit is set for j >= 16, the low nibble of j and j+16 is j.
+    let mut payload = 0xffff_0000u32.to_le_bytes().to_vec();
+    payload.extend((0..16u8).map(|j| (j << 4) | j));
+    let q5_0 = [f16(0.5).as_slice(), &payload].concat();
+    let q5_1 = [f16(0.5).as_slice(), &f16(1.0), &payload].concat();
+    let image = GgufBuilder::new()
+        .tensor_raw("a", &[32], GgmlType::Q5_0, q5_0)
+        .tensor_raw("b", &[32], GgmlType::Q5_1, q5_1)
+        .build();
+    let f = GgufFile::from_bytes(image).unwrap();
+    assert_eq!(f.tensor("a").unwrap().ggml_type, GgmlType::Q5_0);
+    assert_eq!(f.tensor("b").unwrap().ggml_type, GgmlType::Q5_1);
+    assert_eq!(f.tensor_bytes("a").unwrap().len(), 22);
+    assert_eq!(f.tensor_bytes("b").unwrap().len(), 24);
+    let want_a: Vec<f32> = (0..32).map(|j| 0.5 * (j as f32 - 16.0)).collect();
+    let want_b: Vec<f32> = (0..32).map(|j| 0.5 * j as f32 + 1.0).collect();
+    assert_eq!(f.dequantize("a").unwrap(), want_a);
+    assert_eq!(f.dequantize("b").unwrap(), want_b);
+    assert_eq!(GgmlType::Q5_0.to_string(), "Q5_0");
+    assert_eq!(GgmlType::Q5_1.to_string(), "Q5_1");
+}
+
 #[test]
 fn unsupported_tensor_type_is_named() {
     let image = GgufBuilder::new()
-        .tensor_raw("q5", &[32], GgmlType::Other(6), vec![0; 22])
+        // Q5_K (id 13, 256 values in 176 bytes) has no decoder.
+        .tensor_raw("q5k", &[256], GgmlType::Other(13), vec![0; 176])
         .build();
     let f = GgufFile::from_bytes(image).unwrap();
-    let e = f.dequantize("q5").unwrap_err();
+    let e = f.dequantize("q5k").unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains("q5") && msg.contains("ggml type 6"), "{msg}");
+    assert!(msg.contains("q5k") && msg.contains("ggml type 13"), "{msg}");
 }
 
 #[test]

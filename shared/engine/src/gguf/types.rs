@@ -16,6 +16,10 @@ pub enum GgmlType {
     Q4_0,
     /// 32 values: f16 scale, f16 min, 16 bytes of 4-bit values.
     Q4_1,
+    /// 32 values: f16 scale, 32 fifth bits, 16 bytes of low nibbles; 5-bit values offset by 16.
+    Q5_0,
+    /// 32 values: f16 scale, f16 min, 32 fifth bits, 16 bytes of low nibbles.
+    Q5_1,
     /// 32 values: f16 scale, 32 signed bytes.
     Q8_0,
     /// 256-value super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles.
@@ -34,6 +38,8 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
             12 => Self::Q4K,
             14 => Self::Q6K,
@@ -46,7 +52,7 @@ impl GgmlType {
     pub fn block_len(self) -> Option<usize> {
         Some(match self {
             Self::F32 | Self::F16 | Self::Bf16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
             Self::Q4K | Self::Q6K => 256,
             Self::Other(_) => return None,
         })
@@ -59,6 +65,8 @@ impl GgmlType {
             Self::F16 | Self::Bf16 => 2,
             Self::Q4_0 => 2 + 16,
             Self::Q4_1 => 2 + 2 + 16,
+            Self::Q5_0 => 2 + 4 + 16,
+            Self::Q5_1 => 2 + 2 + 4 + 16,
             Self::Q8_0 => 2 + 32,
             Self::Q4K => 2 + 2 + 12 + 128,
             Self::Q6K => 128 + 64 + 16 + 2,
@@ -85,6 +93,8 @@ impl fmt::Display for GgmlType {
             Self::Bf16 => f.write_str("BF16"),
             Self::Q4_0 => f.write_str("Q4_0"),
             Self::Q4_1 => f.write_str("Q4_1"),
+            Self::Q5_0 => f.write_str("Q5_0"),
+            Self::Q5_1 => f.write_str("Q5_1"),
             Self::Q8_0 => f.write_str("Q8_0"),
             Self::Q4K => f.write_str("Q4_K"),
             Self::Q6K => f.write_str("Q6_K"),

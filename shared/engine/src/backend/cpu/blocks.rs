@@ -1,16 +1,16 @@
 //! Weight matrices kept as their GGUF quantized blocks ([`BlockMatrix`]), and decoding them.
 //!
 //! A matrix is `rows × cols` values stored row by row, each row a whole number of blocks of one
-//! GGML type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), byte for byte as in the file. Every value is
-//! produced by the per-block decoders of [`crate::gguf::dequant`], the same functions that
-//! dequantize a whole tensor to f32, so a kernel reading these blocks sees exactly the weights
+//! GGML type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), byte for byte as in the file. Every
+//! value is produced by the per-block decoders of [`crate::gguf::dequant`], the same functions
+//! that dequantize a whole tensor to f32, so a kernel reading these blocks sees exactly the weights
 //! the f32 path would have used; only its summation order may differ.
 //!
 //! Kernels are written once as plain Rust and compiled twice: for the baseline target and with
 //! AVX2+FMA+F16C, chosen at run time through [`Isa`].
 
 use crate::error::{Error, Result};
-use crate::gguf::dequant::{each_block, Q4K, Q4_0, Q4_1, Q6K, Q8_0};
+use crate::gguf::dequant::{each_block, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 use crate::gguf::GgmlType;
 use std::fmt;
 use std::ops::Range;
@@ -88,7 +88,13 @@ impl BlockMatrix {
     pub fn keeps(ty: GgmlType, cols: usize) -> bool {
         matches!(
             ty,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K
+            GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q8_0
+                | GgmlType::Q4K
+                | GgmlType::Q6K
         ) && ty.block_len().is_some_and(|l| cols.is_multiple_of(l))
     }
 
@@ -163,6 +169,8 @@ fn decode_generic(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
         GgmlType::Q8_0 => each_block::<34, 32, Q8_0>(bytes, out),
         GgmlType::Q4_0 => each_block::<18, 32, Q4_0>(bytes, out),
         GgmlType::Q4_1 => each_block::<20, 32, Q4_1>(bytes, out),
+        GgmlType::Q5_0 => each_block::<22, 32, Q5_0>(bytes, out),
+        GgmlType::Q5_1 => each_block::<24, 32, Q5_1>(bytes, out),
         GgmlType::Q4K => each_block::<144, 256, Q4K>(bytes, out),
         GgmlType::Q6K => each_block::<210, 256, Q6K>(bytes, out),
         other => unreachable!("{other} is not kept as blocks"),
@@ -189,8 +197,8 @@ pub(super) fn random_blocks(ty: GgmlType, blocks: usize, seed: u64) -> Vec<u8> {
     let mut bytes: Vec<u8> = (0..blocks * bb).map(|_| next() as u8).collect();
     // f16 fields: small normal scales of either sign (a random u16 could be inf/NaN).
     let scale_offsets: &[usize] = match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q4K => &[0, 2],
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K => &[0, 2],
         GgmlType::Q6K => &[208],
         _ => &[],
     };
@@ -214,6 +222,8 @@ mod tests {
         for ty in [
             GgmlType::Q4_0,
             GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
             GgmlType::Q8_0,
             GgmlType::Q4K,
             GgmlType::Q6K,

@@ -3,9 +3,9 @@
 //! * Few rows (decode, `n <= MAX_ROWS`): memory-bound on reading `w`, so each weight row is read
 //!   once per group of up to eight input rows. Output features are split across the pool's
 //!   threads. On x86 with AVX2 (and AVX-512 where present), Q4_0/Q4_1/Q8_0 blocks are decoded in
-//!   registers and multiplied straight into running sums ([`x86`]); otherwise (K-quants, other
-//!   targets, the scalar copy) each weight row is decoded into an L1-resident f32 buffer and
-//!   dotted with the input rows (plain loops that vectorize).
+//!   registers and multiplied straight into running sums ([`x86`]); otherwise (Q5_0/Q5_1,
+//!   K-quants, other targets, the scalar copy) each weight row is decoded into an L1-resident f32
+//!   buffer and dotted with the input rows (plain loops that vectorize).
 //! * Many rows (prefill): tiles of output features, at most 4 MiB of f32, are dequantized into a
 //!   buffer (per calling thread, reused) and multiplied with the packed GEMM. A small model's
 //!   layer matrix is one tile; an LM head is a few dozen.
@@ -221,9 +221,11 @@ mod tests {
     use crate::gguf::dequant::dequantize;
     use crate::gguf::GgmlType;
 
-    const TYPES: [GgmlType; 5] = [
+    const TYPES: [GgmlType; 7] = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
         GgmlType::Q4K,
         GgmlType::Q6K,
