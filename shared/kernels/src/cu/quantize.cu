@@ -1,6 +1,49 @@
 // Quantize-on-write and the extend gather, byte-identical to the CPU codecs (kvcache's
 // HostPages::write_kv and the engine's extend workspace).
 
+// One 16-value block of a quantize-on-write: its values and where its bytes go.
+struct WriteBlock {
+    float x[16];
+    float gs;          // the (layer, K|V) global scale
+    u8* base;          // the page
+    u8* data;          // the head vector's data bytes in the page
+    u64 scale_index;   // its scale byte's offset in the page
+    u32 chunk;         // which 16 values of the head vector
+};
+
+// Block `idx` of n tokens' K and V ([token][kv_head][head_dim]): false past the last block and
+// for a padding slot (0xFFFFFFFF), else its values and place in `b`.
+__device__ __forceinline__ bool write_block(u64 idx, u8* pages, const float* k, const float* v,
+                                            const u32* slots, u32 n_tokens, const PageGeom& g,
+                                            float gk, float gv, WriteBlock* b) {
+    const u32 chunks = g.head_dim / 16u;
+    const u32 per_part = g.kv_heads * chunks;
+    if (idx >= (u64)n_tokens * 2u * per_part) return false;
+    const u32 token = (u32)(idx / (2u * per_part));
+    u32 rem = (u32)(idx % (2u * per_part));
+    const u32 part = rem / per_part;
+    rem %= per_part;
+    const u32 head = rem / chunks, chunk = rem % chunks;
+    const u32 slot = slots[token];
+    if (slot == 0xFFFFFFFFu) return false;
+    const u32 page = slot >> g.page_shift, off = slot & (g.page_size - 1u);
+    const float* src = (part ? v : k) + ((u64)token * g.kv_heads + head) * g.head_dim + chunk * 16u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float4 f = reinterpret_cast<const float4*>(src)[i];
+        b->x[4 * i] = f.x;
+        b->x[4 * i + 1] = f.y;
+        b->x[4 * i + 2] = f.z;
+        b->x[4 * i + 3] = f.w;
+    }
+    b->gs = part ? gv : gk;
+    b->base = pages + (u64)page * g.page_bytes;
+    b->data = b->base + data_offset(g, part, head, off);
+    b->scale_index = scale_offset(g, part, head, off) + chunk;
+    b->chunk = chunk;
+    return true;
+}
+
 // Writes n tokens' K and V (f32, [token][kv_head][head_dim]) into their slots, quantized to the
 // pool's dtype, NVFP4 block scales chosen by `rule` (NIBBLE_SCALE_*). slots[t] = page *
 // page_size + offset; 0xFFFFFFFF is padding and is skipped. One thread per 16 values of one
@@ -11,36 +54,19 @@ extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __re
                                        const u32* __restrict__ slots, u32 n_tokens,
                                        PageGeom g, u32 dtype, u32 rule, float gk, float gv) {
     grid_dependency_sync();
-    const u32 chunks = g.head_dim / 16u;
-    const u32 per_part = g.kv_heads * chunks;
+    WriteBlock b;
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)n_tokens * 2u * per_part) return;
-    const u32 token = (u32)(idx / (2u * per_part));
-    u32 rem = (u32)(idx % (2u * per_part));
-    const u32 part = rem / per_part;
-    rem %= per_part;
-    const u32 head = rem / chunks, chunk = rem % chunks;
-    const u32 slot = slots[token];
-    if (slot == 0xFFFFFFFFu) return;
-    const u32 page = slot >> g.page_shift, off = slot & (g.page_size - 1u);
-    const float* src = (part ? v : k) + ((u64)token * g.kv_heads + head) * g.head_dim + chunk * 16u;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float4 f = reinterpret_cast<const float4*>(src)[i];
-        x[4 * i] = f.x;
-        x[4 * i + 1] = f.y;
-        x[4 * i + 2] = f.z;
-        x[4 * i + 3] = f.w;
-    }
-    const float gs = part ? gv : gk;
-    u8* base = pages + (u64)page * g.page_bytes;
-    u8* data = base + data_offset(g, part, head, off);
+    if (!write_block(idx, pages, k, v, slots, n_tokens, g, gk, gv, &b)) return;
+    const float* x = b.x;
+    const float gs = b.gs;
+    const u32 chunk = b.chunk;
+    u8* base = b.base;
+    u8* data = b.data;
     if (dtype == NIBBLE_NVFP4) {
         u32 packed[2];
         u32 scale = nvfp4_quantize_block(x, gs, rule, packed);
         *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(packed[0], packed[1]);
-        base[scale_offset(g, part, head, off) + chunk] = (u8)scale;
+        base[b.scale_index] = (u8)scale;
     } else if (dtype == NIBBLE_FP8) {
         u32 w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
@@ -68,39 +94,18 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
                                                  const u32* __restrict__ slots, u32 n_tokens,
                                                  PageGeom g, float gk, float gv) {
     grid_dependency_sync();
-    const u32 chunks = g.head_dim / 16u;
-    const u32 per_part = g.kv_heads * chunks;
     const u64 gidx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 idx = gidx >> 3;
     const u32 lane = (u32)(gidx & 7u);
-    // The eight lanes of a group share idx, so they leave together or not at all.
-    if (idx >= (u64)n_tokens * 2u * per_part) return;
-    const u32 token = (u32)(idx / (2u * per_part));
-    u32 rem = (u32)(idx % (2u * per_part));
-    const u32 part = rem / per_part;
-    rem %= per_part;
-    const u32 head = rem / chunks, chunk = rem % chunks;
-    const u32 slot = slots[token];
-    if (slot == 0xFFFFFFFFu) return;
-    const u32 page = slot >> g.page_shift, off = slot & (g.page_size - 1u);
-    const float* src = (part ? v : k) + ((u64)token * g.kv_heads + head) * g.head_dim + chunk * 16u;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float4 f = reinterpret_cast<const float4*>(src)[i];
-        x[4 * i] = f.x;
-        x[4 * i + 1] = f.y;
-        x[4 * i + 2] = f.z;
-        x[4 * i + 3] = f.w;
-    }
-    const float gs = part ? gv : gk;
-    u8* base = pages + (u64)page * g.page_bytes;
-    u8* data = base + data_offset(g, part, head, off);
+    WriteBlock b;
+    // The eight lanes of a group share their block, so they leave together or not at all.
+    if (!write_block(gidx >> 3, pages, k, v, slots, n_tokens, g, gk, gv, &b)) return;
+    const float* x = b.x;
+    const float gs = b.gs;
     const u32 amax_code = nvfp4_amax_scale(x, gs);
     if (e4m3_decode(amax_code) == 0.0f) {
         if (lane == 0u) {
-            *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(0u, 0u);
-            base[scale_offset(g, part, head, off) + chunk] = (u8)amax_code;
+            *reinterpret_cast<uint2*>(b.data + b.chunk * 8u) = make_uint2(0u, 0u);
+            b.base[b.scale_index] = (u8)amax_code;
         }
         return;
     }
@@ -128,8 +133,8 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
     }
     u32 packed[2];
     nvfp4_encode_block(x, gs, e4m3_decode(best), packed);
-    *reinterpret_cast<uint2*>(data + chunk * 8u) = make_uint2(packed[0], packed[1]);
-    base[scale_offset(g, part, head, off) + chunk] = (u8)best;
+    *reinterpret_cast<uint2*>(b.data + b.chunk * 8u) = make_uint2(packed[0], packed[1]);
+    b.base[b.scale_index] = (u8)best;
 }
 
 // Extend: gathers tokens [0, n_tokens) of one sequence (its pages in page_table) from the pool
