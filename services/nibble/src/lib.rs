@@ -55,8 +55,9 @@ pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
             report.write_json(stdout)
         }
         Command::Generate(args) => match &args.url {
-            Some(url) => cluster::generate_remote(url, args, stdout, &mut std::io::stderr().lock()),
-            None => generate::run(args, stdout, &mut std::io::stderr().lock()),
+            // Unlocked stderr: a progress bar draws on it from the same command.
+            Some(url) => cluster::generate_remote(url, args, stdout, &mut std::io::stderr()),
+            None => generate::run(args, stdout, &mut std::io::stderr()),
         },
         Command::Up(args) => cluster::up(args, &mut std::io::stdout()),
         Command::Router(args) => cluster::run_router(args),

@@ -6,11 +6,9 @@
 //! process shares one [`MultiProgress`], and the log writer of [`crate::logging`] prints its lines
 //! through [`suspended`], so a log line never tears a bar.
 
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::{self, IsTerminal};
 use std::sync::OnceLock;
-use std::time::Duration;
-
-use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Whether bars draw: stderr is a terminal and logs are text.
 fn drawing() -> bool {
@@ -72,14 +70,20 @@ impl Bar {
         Self(bar)
     }
 
-    /// A bar for work of unknown length: a spinner with the time so far.
+    /// A bar for work of unknown length: a spinner with the time so far, advanced by
+    /// [`Bar::tick`] from the thread doing (or waiting on) the work. No thread of its own draws
+    /// it, so a caller holding stderr's lock can never deadlock with a drawing thread.
     pub fn spinner(label: impl Into<String>) -> Self {
         let style = ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
             .expect("the template is valid");
         let bar = bars().add(ProgressBar::new_spinner().with_style(style));
         bar.set_message(label.into());
-        bar.enable_steady_tick(Duration::from_millis(120));
         Self(bar)
+    }
+
+    /// Redraws a spinner's next frame and time (throttled to the draw rate).
+    pub fn tick(&self) {
+        self.0.tick();
     }
 
     /// Sets how much is done.
@@ -132,6 +136,7 @@ mod tests {
         assert_eq!(bar.position(), 4);
         let spinner = Bar::spinner("downloading");
         spinner.inc(5);
+        spinner.tick();
         assert_eq!(spinner.position(), 5);
         // Under `cargo test` stderr is captured, not a terminal: nothing draws.
         assert_eq!(suspended(|| 7), 7);
