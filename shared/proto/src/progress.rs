@@ -98,19 +98,9 @@ impl Bar {
         self.0.set_position(done as u64);
     }
 
-    /// Adds `n` to what is done.
-    pub fn inc(&self, n: u64) {
-        self.0.inc(n);
-    }
-
     /// How much is done.
     pub fn position(&self) -> u64 {
         self.0.position()
-    }
-
-    /// Whether the bar is drawn (stderr is a terminal and logs are text).
-    pub fn is_drawn(&self) -> bool {
-        drawing()
     }
 }
 
@@ -128,16 +118,13 @@ mod tests {
     #[test]
     fn a_bar_counts_whether_or_not_it_draws() {
         let bar = Bar::new("loading weights", 32, Unit::Steps);
-        bar.inc(3);
         bar.set(10);
-        bar.inc(2);
-        assert_eq!(bar.position(), 12);
+        assert_eq!(bar.position(), 10);
         bar.track(4, 31);
         assert_eq!(bar.position(), 4);
         let spinner = Bar::spinner("downloading");
-        spinner.inc(5);
         spinner.tick();
-        assert_eq!(spinner.position(), 5);
+        assert_eq!(spinner.position(), 0);
         // Under `cargo test` stderr is captured, not a terminal: nothing draws.
         assert_eq!(suspended(|| 7), 7);
     }

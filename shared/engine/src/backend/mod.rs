@@ -75,17 +75,6 @@ pub struct PageEncoding {
     pub scale_rule: ScaleRule,
 }
 
-impl PageEncoding {
-    /// Uncalibrated, unrotated, with `rule`.
-    pub fn plain(layers: usize, scale_rule: ScaleRule) -> Self {
-        Self {
-            scales: GlobalScales::ones(layers),
-            hadamard: false,
-            scale_rule,
-        }
-    }
-}
-
 /// Tensor storage and compute kernels.
 pub trait Backend: Send + Sync + 'static {
     /// A 2-D f32 buffer owned by this backend.
