@@ -71,6 +71,10 @@ pub struct UpArgs {
     /// quantizing (power-of-two head dims; the CPU backend only).
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
+    /// Tokens of each sequence's most recent K/V also kept in BF16 by both workers; a multiple
+    /// of --page-size, 0 for none [default: 64 for an nvfp4 cache, 0 otherwise].
+    #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
+    pub kv_window: Option<usize>,
     /// MiB of KV pages each worker allocates [default: 256 on the CPU; on a GPU, which the two
     /// workers share, 25% of its memory for the prefill worker's pages and 60% for the decode
     /// worker's].
@@ -263,6 +267,7 @@ pub async fn up_until(
             scale_rule: args.scale_rule,
             calibration: args.calibration.clone(),
             hadamard: args.hadamard,
+            kv_window: args.kv_window,
             kv_budget_mib: args.kv_budget_mib,
             kv_memory_fraction: match role {
                 Role::Prefill => UP_PREFILL_KV_FRACTION,

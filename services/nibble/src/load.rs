@@ -92,12 +92,34 @@ impl Opened {
                 ),
             });
         }
+        let window = quant
+            .kv_window
+            .unwrap_or(KvConfig::default_window(dtype));
+        if !window.is_multiple_of(quant.page_size) {
+            return Err(Error::Flag {
+                flag: "--kv-window",
+                reason: format!(
+                    "{window} tokens is not a multiple of the page size ({})",
+                    quant.page_size
+                ),
+            });
+        }
+        if window > self.config.max_context {
+            return Err(Error::Flag {
+                flag: "--kv-window",
+                reason: format!(
+                    "{window} tokens is larger than the model's context ({})",
+                    self.config.max_context
+                ),
+            });
+        }
         Ok(KvConfig {
             dtype,
             page_size: quant.page_size,
             scales,
             hadamard: quant.hadamard,
             scale_rule: quant.scale_rule,
+            window,
         })
     }
 

@@ -42,6 +42,8 @@ pub struct Settings {
     pub hadamard: bool,
     /// How NVFP4 block scales were chosen on write (`amax` or `mse`; null for other caches).
     pub scale_rule: Option<&'static str>,
+    /// Tokens of the BF16 recent window (null for the f32 reference).
+    pub kv_window: Option<usize>,
 }
 
 /// One window's scores.
@@ -144,6 +146,8 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             Some("--calibration")
         } else if args.quant.hadamard {
             Some("--hadamard")
+        } else if args.quant.kv_window.is_some() {
+            Some("--kv-window")
         } else {
             None
         };
@@ -201,6 +205,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             calibration: args.quant.calibration.clone(),
             hadamard: args.quant.hadamard,
             scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
+            kv_window: kv.as_ref().map(|kv| kv.window),
         },
         mean: MeanReport::new(&windows),
         windows,
@@ -212,7 +217,7 @@ fn table(report: &PplReport) -> String {
     let s = &report.settings;
     let mut text =
         format!(
-        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
+        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
         s.model.display(),
         s.kv_dtype,
         s.path,
@@ -221,6 +226,10 @@ fn table(report: &PplReport) -> String {
         if s.calibrated { " · calibrated" } else { "" },
         if s.hadamard { " · hadamard" } else { "" },
         s.scale_rule.map(|r| format!(" · scales {r}")).unwrap_or_default(),
+        s.kv_window
+            .filter(|w| *w > 0)
+            .map(|w| format!(" · bf16 window {w}"))
+            .unwrap_or_default(),
         "window",
         "ppl",
         "ppl (f32)",

@@ -246,7 +246,8 @@ impl DecodeBench {
         if batches.first() == Some(&0) {
             return Err(BenchError::Config("a batch of 0 sequences".into()));
         }
-        let kv = KvConfig::new(dtype);
+        // Random pages stand in for a prefill worker's: no recent window to hand over.
+        let kv = KvConfig::new(dtype).with_window(Some(0));
         let layout = kv.layout(model)?;
         let fits = |b: &usize| self.pool_bytes(&layout, *b) <= budget_bytes;
         let mut outcomes = Vec::new();

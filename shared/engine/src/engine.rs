@@ -191,15 +191,31 @@ impl<B: Backend> Engine<B> {
     /// An engine for `model` with a pool of `config.kv_budget_bytes`.
     pub fn new(model: Model<B>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<Self> {
         let layout = config.kv.layout(&model)?;
+        let window = config.kv.window_layout(&layout)?;
+        let mut scheduler = config.scheduler;
+        scheduler.max_context = scheduler.max_context.min(model.config().max_context);
+        if window.tokens() > scheduler.max_context {
+            return Err(Error::InvalidInput(format!(
+                "a KV window of {} tokens is larger than the context of {} tokens",
+                window.tokens(),
+                scheduler.max_context
+            )));
+        }
         let plan = PoolPlan::for_budget(layout, config.kv_budget_bytes)?;
+        if window.pages() >= plan.pages {
+            return Err(Error::InvalidInput(format!(
+                "a KV budget of {} pages leaves no room beside one sequence's window ({} pages)",
+                plan.pages,
+                window.pages()
+            )));
+        }
         let pages = model
             .backend()
             .new_pages(plan, config.kv.encoding(layout.layers())?)?;
-        let mut scheduler = config.scheduler;
-        scheduler.max_context = scheduler.max_context.min(model.config().max_context);
         let ws = model.workspace();
+        let state = State::new(scheduler, PagePool::new(plan), RadixCache::default());
         Ok(Self {
-            state: State::new(scheduler, PagePool::new(plan), RadixCache::default()),
+            state: state.with_window(&window),
             eos: tokenizer.eos_token_id().into_iter().collect(),
             model,
             tokenizer,
@@ -314,13 +330,14 @@ impl<B: Backend> Engine<B> {
             .items
             .iter()
             .map(|item| {
-                let table = self.state.table(item.seq).ok_or_else(|| {
-                    Error::InvalidInput(format!("request {:?} has no pages", item.seq))
-                })?;
+                let missing =
+                    || Error::InvalidInput(format!("request {:?} has no pages", item.seq));
+                let table = self.state.table(item.seq).ok_or_else(missing)?;
                 Ok(PagedSeq {
                     pages: table.pages(),
                     stored: item.positions.start,
                     slots: &item.slots,
+                    window: self.state.window(item.seq).ok_or_else(missing)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -490,11 +507,13 @@ impl<B: Backend> Engine<B> {
     /// Describes a prefill-only request whose prompt is done; its pages stay held for export.
     fn prefilled(&mut self, id: SeqId, token: u32, logprobs: Option<TokenLogprobs>) -> Event {
         let request = self.requests.remove(&id);
-        let pages = self
+        // The prompt's pages, then its window's: what a decode worker's reservation lists.
+        let mut pages = self
             .state
             .table(id)
             .map(|t| t.pages().to_vec())
             .unwrap_or_default();
+        pages.extend_from_slice(self.state.window(id).unwrap_or_default());
         let usage = Usage {
             prompt_tokens: request.as_ref().map_or(0, |r| r.prompt_tokens),
             completion_tokens: 1,

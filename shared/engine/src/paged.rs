@@ -317,6 +317,7 @@ impl PagedCache<'_> {
         &mut self,
         step: Step<'_>,
         slots: &[Option<SlotId>],
+        window: &[PageId],
         out: &mut [f32],
     ) -> Result<()> {
         let (pool, store, ws) = (self.pool, &mut *self.store, &mut *self.ws);
@@ -330,19 +331,22 @@ impl PagedCache<'_> {
         bf16_q(ws, step.q, heads);
         attend_workspace(ws, &layout, heads, g, 0, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
+        store.write_window(pool, window, step.layer, step.k, step.v, 0..n, n)?;
         Ok(())
     }
 
     /// Path 2: a chunk of `slots.len()` tokens at positions `prefix..prefix + n` after `prefix`
-    /// tokens already in the sequence's `pages`.
+    /// tokens already in the sequence's `pages`. The prefix is read from the pages, never from
+    /// the window: a sequence that started from a cached prefix has nothing of it there.
     pub fn extend(
         &mut self,
         step: Step<'_>,
-        pages: &[PageId],
+        seq: SeqPages<'_>,
         prefix: usize,
         slots: &[Option<SlotId>],
         out: &mut [f32],
     ) -> Result<()> {
+        let pages = seq.pages;
         let (pool, store, ws) = (self.pool, &mut *self.store, &mut *self.ws);
         let layout = *store.layout();
         let n = slots.len();
@@ -368,20 +372,24 @@ impl PagedCache<'_> {
         bf16_q(ws, step.q, heads);
         attend_workspace(ws, &layout, heads, g, prefix, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
+        let positions = prefix..prefix + n;
+        store.write_window(pool, seq.window, step.layer, step.k, step.v, positions, prefix + n)?;
         Ok(())
     }
 
     /// Path 3: one new token at position `context - 1` of a sequence whose `pages` cover `context`
-    /// tokens; `slot` is the new token's slot. The new K/V go to the page first, then attention reads
-    /// all `context` tokens straight from the pages.
+    /// tokens; `slot` is the new token's slot. The new K/V go to the page (and the window) first,
+    /// then attention reads all `context` tokens straight from the pages, the window's last ones
+    /// from the window.
     pub fn decode(
         &mut self,
         step: Step<'_>,
-        pages: &[PageId],
+        seq: SeqPages<'_>,
         context: usize,
         slot: SlotId,
         out: &mut [f32],
     ) -> Result<()> {
+        let pages = seq.pages;
         let (pool, store, ws) = (self.pool, &mut *self.store, &mut *self.ws);
         let layout = *store.layout();
         let heads = step.heads(&layout, 1, out)?;
@@ -395,14 +403,23 @@ impl PagedCache<'_> {
             });
         }
         store.write_kv(pool, step.layer, step.k, step.v, &[Some(slot)])?;
+        let last = context - 1..context;
+        store.write_window(pool, seq.window, step.layer, step.k, step.v, last, context)?;
         let q: Vec<f32> = step.q.iter().map(|x| bf16::round(*x)).collect();
         let query = DecodeQuery {
             layer: step.layer,
             heads,
             q: &q,
         };
-        ws.decode.attend(store, query, pages, context, out)
+        ws.decode.attend(store, query, seq, context, out)
     }
+}
+
+/// A sequence's page table and its recent window's pages (empty without a window).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqPages<'a> {
+    pub pages: &'a [PageId],
+    pub window: &'a [PageId],
 }
 
 /// One decode token's query for one layer, BF16-rounded, all query heads.
@@ -431,8 +448,8 @@ pub struct DecodeArgs<'a> {
     pub q_heads: usize,
     /// The token's queries, all heads (rounded to BF16 here).
     pub q: &'a [f32],
-    /// The sequence's pages, covering `context` tokens.
-    pub pages: &'a [PageId],
+    /// The sequence's pages, covering `context` tokens, and its window's.
+    pub seq: SeqPages<'a>,
     /// Tokens to attend over, the new one (already written to its slot) included.
     pub context: usize,
 }
@@ -453,7 +470,7 @@ impl DecodeScratch {
         check(
             "context pages",
             args.context.div_ceil(layout.page_size()),
-            args.pages.len(),
+            args.seq.pages.len(),
         )?;
         let mut q = std::mem::take(&mut self.q);
         q.clear();
@@ -463,23 +480,35 @@ impl DecodeScratch {
             heads,
             q: &q,
         };
-        let result = self.attend(store, query, args.pages, args.context, out);
+        let result = self.attend(store, query, args.seq, args.context, out);
         self.q = q;
         result
     }
 
-    /// Attention of one query token over `context` tokens read straight from `pages`, written to
-    /// `out`.
+    /// Attention of one query token over `context` tokens read straight from the sequence's
+    /// pages (the tokens its window holds from the window), written to `out`.
     fn attend(
         &mut self,
         store: &HostPages,
         query: DecodeQuery<'_>,
-        pages: &[PageId],
+        seq: SeqPages<'_>,
         context: usize,
         out: &mut [f32],
     ) -> Result<()> {
         let DecodeQuery { layer, heads, q } = query;
+        let (pages, window) = (seq.pages, *store.window());
         let layout = *store.layout();
+        // One head vector of the token at `position` (offset `t` in page `view`): from the window
+        // when it holds it, else dequantized from the page.
+        let read = |view: &PageBytes<'_>, part, kv_head, position, t, g, head: &mut [f32]| {
+            if window.holds(position, context) {
+                let bytes = store.window_head(seq.window, layer, part, kv_head, position)?;
+                bf16::decode_le(bytes, head);
+            } else {
+                view.head(layer, part, kv_head, t, g, head);
+            }
+            Ok::<(), AttentionError>(())
+        };
         let page_size = layout.page_size();
         let g = global_scales(store, layer);
         let (dim, group) = (heads.head_dim, heads.group());
@@ -512,7 +541,7 @@ impl DecodeScratch {
                 // Scores of this page's tokens for every query head of the group: each K vector is
                 // dequantized once for the whole group.
                 for t in 0..tokens {
-                    view.head(layer, KvPart::K, kv_head, t, g.0, head);
+                    read(&view, KvPart::K, kv_head, p * page_size + t, t, g.0, head)?;
                     for j in 0..group {
                         scores[j * page_size + t] = dot(&q[j * dim..(j + 1) * dim], head) * scale;
                     }
@@ -533,7 +562,7 @@ impl DecodeScratch {
                     max[j] = new_max;
                 }
                 for t in 0..tokens {
-                    view.head(layer, KvPart::V, kv_head, t, g.1, head);
+                    read(&view, KvPart::V, kv_head, p * page_size + t, t, g.1, head)?;
                     for j in 0..group {
                         axpy(
                             &mut acc[j * dim..(j + 1) * dim],

@@ -21,8 +21,9 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use nibble_kvcache::{
-    extend_hashes, hash_blocks, BlockHash, PagePool, PageTable, RadixCache, SlotId,
+    extend_hashes, hash_blocks, BlockHash, PageId, PagePool, PageTable, RadixCache, SlotId,
 };
+use nibble_kvfmt::WindowLayout;
 
 /// Limits of the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +152,8 @@ struct Sequence {
     /// Tokens whose K/V are in `table`.
     computed: usize,
     table: PageTable,
+    /// Its recent window's pages while it holds any (see [`State::with_window`]).
+    window: Vec<PageId>,
     /// Cached blocks this sequence locked when it was admitted.
     locked: Vec<BlockHash>,
     /// Full pages already offered to the prefix cache.
@@ -194,6 +197,9 @@ pub struct State {
     /// reservations awaiting their pages.
     held: HashMap<SeqId, Sequence>,
     preemptions: u64,
+    /// Tokens of every sequence's recent window, and the pages one takes.
+    window_tokens: usize,
+    window_pages: usize,
 }
 
 impl State {
@@ -206,7 +212,46 @@ impl State {
             running: Vec::new(),
             held: HashMap::new(),
             preemptions: 0,
+            window_tokens: 0,
+            window_pages: 0,
         }
+    }
+
+    /// Gives every sequence a recent window of `window`'s geometry: each running or held
+    /// sequence holds `window.pages()` pages of the pool for it, and a prompt never reuses the
+    /// cached pages of its last `window.tokens()` tokens (nor the page they start in), which are
+    /// computed again so the window holds them in BF16 when decoding starts.
+    pub fn with_window(mut self, window: &WindowLayout) -> Self {
+        self.window_tokens = window.tokens();
+        self.window_pages = window.pages();
+        self
+    }
+
+    /// Pages of the pool one sequence's window takes.
+    pub fn window_pages(&self) -> usize {
+        self.window_pages
+    }
+
+    /// Cached pages of `tokens` a sequence may start from: at most `matched`, and never any that
+    /// holds one of the last `window_tokens` tokens (nor the last token, which must be computed
+    /// for its logits).
+    fn reusable_pages(&self, tokens: usize, matched: usize) -> usize {
+        let keep = if self.window_tokens == 0 {
+            tokens.saturating_sub(1)
+        } else {
+            tokens.saturating_sub(1 + self.window_tokens)
+        };
+        matched.min(keep / self.page_size())
+    }
+
+    /// Allocates a sequence's window pages, evicting cached blocks if needed; false when the pool
+    /// cannot supply them (nothing is then held).
+    fn take_window(pool: &mut PagePool, cache: &mut RadixCache, pages: usize) -> Option<Vec<PageId>> {
+        if pages == 0 {
+            return Some(Vec::new());
+        }
+        Self::make_room(pool, cache, pages);
+        pool.alloc(pages).ok()
     }
 
     pub fn waiting(&self) -> usize {
@@ -239,7 +284,7 @@ impl State {
                 context: self.config.max_context,
             });
         }
-        let needed = total.div_ceil(self.page_size());
+        let needed = total.div_ceil(self.page_size()) + self.window_pages;
         if needed > self.pool.total_pages() {
             return Err(SubmitError::TooLarge {
                 needed,
@@ -262,6 +307,7 @@ impl State {
             stop_tokens: request.stop_tokens,
             computed: 0,
             table: PageTable::new(),
+            window: Vec::new(),
             locked: Vec::new(),
             cached_pages: 0,
             hashes: Vec::new(),
@@ -303,6 +349,8 @@ impl State {
         self.cache.unlock(&seq.locked).expect("locked at admission");
         seq.locked.clear();
         seq.table.release(&mut self.pool).expect("held pages");
+        self.pool.release_all(&seq.window).expect("window pages");
+        seq.window.clear();
     }
 
     /// Offers the sequence's newly filled full pages to the prefix cache: only the blocks after
@@ -434,7 +482,8 @@ impl State {
             // Reuse the longest cached prefix, keeping at least one token to compute so the step
             // produces logits.
             let hashes = hash_blocks(&seq.tokens[..seq.tokens.len() - 1], page_size);
-            let pages = self.cache.match_prefix(&hashes);
+            let mut pages = self.cache.match_prefix(&hashes);
+            pages.truncate(self.reusable_pages(seq.tokens.len(), pages.len()));
             let hit = &hashes[..pages.len()];
             self.cache.lock(hit).expect("just matched");
             seq.table = PageTable::from_shared(&mut self.pool, &pages).expect("cached pages");
@@ -444,6 +493,14 @@ impl State {
             seq.cached_pages = pages.len();
             if seq.prefix_hit == 0 {
                 seq.prefix_hit = seq.computed;
+            }
+            let window = self.window_pages;
+            match Self::take_window(&mut self.pool, &mut self.cache, window) {
+                Some(pages) => seq.window = pages,
+                None => {
+                    self.requeue(seq);
+                    break;
+                }
             }
             self.running.push(seq);
             let idx = self.running.len() - 1;
@@ -571,6 +628,11 @@ impl State {
     /// The page table of a running or held sequence.
     pub fn table(&self, id: SeqId) -> Option<&PageTable> {
         self.find(id).map(|s| &s.table)
+    }
+
+    /// The recent window's pages of a running or held sequence (empty without a window).
+    pub fn window(&self, id: SeqId) -> Option<&[PageId]> {
+        self.find(id).map(|s| s.window.as_slice())
     }
 }
 

@@ -1,8 +1,8 @@
 //! Running one sequence over the paged cache without the scheduler: evaluation, calibration and
 //! tests drive the three attention paths directly with this.
 
-use nibble_kvcache::{GlobalScales, PagePool, PageTable, PoolPlan};
-use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
+use nibble_kvcache::{GlobalScales, PageId, PagePool, PageTable, PoolPlan};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule, WindowLayout};
 
 use crate::backend::{Backend, PageEncoding, PagedSeq};
 use crate::error::{Error, Result};
@@ -21,10 +21,13 @@ pub struct KvConfig {
     pub hadamard: bool,
     /// How NVFP4 block scales are chosen on write (readers need not know).
     pub scale_rule: ScaleRule,
+    /// Tokens of each sequence's high-precision recent window, kept in BF16 besides the pages
+    /// (0: none; a multiple of `page_size`).
+    pub window: usize,
 }
 
 impl KvConfig {
-    /// `dtype` pages of 16 tokens, uncalibrated, no rotation, the default scale rule.
+    /// `dtype` pages of 16 tokens, uncalibrated, no rotation, the default scale rule and window.
     pub fn new(dtype: KvDtype) -> Self {
         Self {
             dtype,
@@ -32,7 +35,28 @@ impl KvConfig {
             scales: None,
             hadamard: false,
             scale_rule: ScaleRule::default(),
+            window: Self::default_window(dtype),
         }
+    }
+
+    /// The recent window a `dtype` cache gets unless told otherwise: 64 tokens for nvfp4, whose
+    /// error is mostly in the keys nearest the query (docs/ACCURACY.md), none for fp8 and bf16.
+    pub fn default_window(dtype: KvDtype) -> usize {
+        match dtype {
+            KvDtype::Nvfp4 => 64,
+            KvDtype::Fp8 | KvDtype::Bf16 => 0,
+        }
+    }
+
+    /// The same config with a window of `tokens` tokens (`None`: the dtype's default).
+    pub fn with_window(mut self, tokens: Option<usize>) -> Self {
+        self.window = tokens.unwrap_or(Self::default_window(self.dtype));
+        self
+    }
+
+    /// The window's geometry over `layout`'s pages, or an error naming what does not fit.
+    pub fn window_layout(&self, layout: &PageLayout) -> Result<WindowLayout> {
+        Ok(WindowLayout::new(layout, self.window).map_err(nibble_kvcache::Error::from)?)
     }
 
     /// How a pool of `layers` layers under this config encodes its pages.
@@ -41,6 +65,7 @@ impl KvConfig {
             scales: self.scales_for(layers)?,
             hadamard: self.hadamard,
             scale_rule: self.scale_rule,
+            window: self.window,
         })
     }
 
@@ -71,24 +96,30 @@ impl KvConfig {
     }
 }
 
-/// One sequence's pages, pool and page bytes.
+/// One sequence's pages, its window's pages, pool and page bytes.
 pub struct PagedSession<B: Backend> {
     pool: PagePool,
     pages: B::Pages,
     table: PageTable,
+    window: Vec<PageId>,
 }
 
 impl<B: Backend> PagedSession<B> {
     /// A session with room for `tokens` tokens of `model`.
     pub fn new(model: &Model<B>, kv: &KvConfig, tokens: usize) -> Result<Self> {
         let layout = kv.layout(model)?;
-        let plan = PoolPlan::for_pages(layout, tokens.div_ceil(kv.page_size).max(1))?;
+        let window = kv.window_layout(&layout)?;
+        let token_pages = tokens.div_ceil(kv.page_size).max(1);
+        let plan = PoolPlan::for_pages(layout, token_pages + window.pages())?;
+        let mut pool = PagePool::new(plan);
+        let window = pool.alloc(window.pages())?;
         Ok(Self {
-            pool: PagePool::new(plan),
             pages: model
                 .backend()
                 .new_pages(plan, kv.encoding(layout.layers())?)?,
+            pool,
             table: PageTable::new(),
+            window,
         })
     }
 
@@ -121,6 +152,7 @@ impl<B: Backend> PagedSession<B> {
                 pages: table.pages(),
                 stored,
                 slots: &slots,
+                window: &self.window,
             }],
         };
         let result = model.forward_batch(ws, &[tokens], &mut batch, which, logits);

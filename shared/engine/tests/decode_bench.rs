@@ -40,7 +40,7 @@ fn model(max_context: usize) -> Model<CpuBackend> {
 /// bench imports, then one `forward_batch` per token.
 fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<u32> {
     let be = model.backend();
-    let kv = KvConfig::new(dtype);
+    let kv = KvConfig::new(dtype).with_window(Some(0));
     let layout = kv.layout(model).unwrap();
     let scales = kv.scales_for(layout.layers()).unwrap();
     let sources = random_pages(layout, &scales, b.distinct_pages, b.seed).unwrap();
@@ -67,6 +67,7 @@ fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<
                 pages: table.pages(),
                 stored,
                 slots: &slots,
+                window: &[],
             }],
         };
         let last = [*tokens.last().unwrap()];

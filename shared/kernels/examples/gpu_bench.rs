@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
-use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
+use nibble_kernels::{WindowGeom, DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
 use nibble_kvcache::PoolPlan;
 use nibble_kvfmt::{layout::kv_bytes, KvDtype, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -319,6 +319,8 @@ fn decode_sweep(
                     max_context: ctx,
                     scales: (0.8, 1.3),
                     softmax_scale: 1.0 / (DIM as f32).sqrt(),
+                    window: WindowGeom::none(),
+                    window_table: None,
                 };
                 kernels.decode(
                     &pages,

@@ -16,9 +16,9 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaSlice;
-use nibble_engine::paged::{DecodeArgs, DecodeScratch};
+use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
-use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
+use nibble_kernels::{WindowGeom, DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
 use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -432,7 +432,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             layer: LAYER,
             q_heads: geo.q_heads,
             q: &q[i * qn..(i + 1) * qn],
-            pages,
+            seq: SeqPages { pages, window: &[] },
             context: *ctx,
         };
         scratch.decode(&store, args, &mut cpu_out[i * qn..(i + 1) * qn])?;
@@ -466,6 +466,8 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             max_context: *contexts[batch_seqs.clone()].iter().max().unwrap_or(&1),
             scales: g,
             softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
+            window: WindowGeom::none(),
+            window_table: None,
         };
         // Launched twice, the second time also writing the output's BF16 cast.
         let mut outputs = Vec::new();

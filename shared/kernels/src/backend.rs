@@ -35,10 +35,12 @@ use nibble_engine::backend::{AttentionArgs, Backend, PageEncoding, PagedSeq, Rop
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult, RopeStyle};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
-use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout, ScaleRule};
+use nibble_kvfmt::{e2m1, KvDtype, KvPart, PageLayout, ScaleRule, WindowLayout};
 
 use crate::libs::Search;
-use crate::{nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result};
+use crate::{
+    nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result, WindowGeom,
+};
 
 mod weights;
 
@@ -896,8 +898,10 @@ impl Backend for CudaBackend {
             scales,
             hadamard,
             scale_rule,
+            window,
         } = encoding;
         let layout = plan.layout;
+        let window = WindowLayout::new(&layout, window).map_err(nibble_kvcache::Error::from)?;
         let needs = crate::KvNeeds {
             head_dim: layout.head_dim(),
             page_size: layout.page_size(),
@@ -922,6 +926,7 @@ impl Backend for CudaBackend {
             layout,
             scales,
             scale_rule,
+            window,
             ws_k: stream.alloc_zeros(1).map_err(engine_err)?,
             ws_v: stream.alloc_zeros(1).map_err(engine_err)?,
             decode: DecodeWorkspace::new(&self.kernels).map_err(engine_err)?,
@@ -995,6 +1000,7 @@ pub struct CudaPages {
     layout: PageLayout,
     scales: GlobalScales,
     scale_rule: ScaleRule,
+    window: WindowLayout,
     ws_k: CudaSlice<u8>,
     ws_v: CudaSlice<u8>,
     decode: DecodeWorkspace,
@@ -1358,6 +1364,21 @@ impl CudaBackend {
             .collect();
         pool.check_slots(&all)
             .map_err(|e| Error::Unsupported(e.to_string()))?;
+        let wgeom = WindowGeom::new(&pages.window, &layout, layer);
+        for seq in seqs {
+            if seq.window.len() != pages.window.pages() {
+                return Err(Error::Shape {
+                    what: "window pages of a sequence",
+                    expected: pages.window.pages(),
+                    actual: seq.window.len(),
+                });
+            }
+            for page in seq.window {
+                if pool.refcount(*page).map_err(|e| Error::Unsupported(e.to_string()))? == 0 {
+                    return Err(Error::Unsupported(format!("window page {page} is not allocated")));
+                }
+            }
+        }
         for (seq, span) in seqs.iter().zip(step.spans) {
             if seq.slots.len() != span.len() {
                 return Err(Error::Shape {
@@ -1456,6 +1477,25 @@ impl CudaBackend {
                 &slots.as_view(),
                 g,
             )?;
+            if !pages.window.is_none() {
+                let table: Vec<u32> = seq.window.iter().map(|p| p.0).collect();
+                let table = stream.clone_htod(&table)?;
+                let lens = stream.clone_htod(&[(start + n) as u32])?;
+                // SAFETY: the window's pages were checked against the pool above; the length
+                // covers the n rows.
+                unsafe {
+                    self.kernels.store_window(
+                        &mut pages.bytes,
+                        wgeom,
+                        &table.as_view(),
+                        &k.as_view(),
+                        &v.as_view(),
+                        &lens.as_view(),
+                        n,
+                        d,
+                    )
+                }?;
+            }
         }
 
         // Decode: write every decode token's K/V, then one batched split-KV launch.
@@ -1475,12 +1515,21 @@ impl CudaBackend {
         // reused by the others; a step of other sequences (other slots) rebuilds it.
         let slots_now: Vec<u32> = decodes.iter().map(|(seq, _)| seq.slots[0].0).collect();
         let cached = &pages.decode_inputs;
+        let wp = pages.window.pages();
+        let table_end = 2 * count + count * max_pages;
         let reuse = layer > 0
             && cached.max_pages == max_pages
-            && cached.uploaded.host.len() == 2 * count + count * max_pages
+            && cached.uploaded.host.len() == table_end + count * wp
             && cached.uploaded.host[..count] == slots_now[..];
         if !reuse {
-            let mut inputs = vec![0u32; 2 * count + count * max_pages];
+            // [slots | context lengths | page table | window table]
+            let mut inputs = vec![0u32; table_end + count * wp];
+            for (i, (seq, _)) in decodes.iter().enumerate() {
+                let row = table_end + i * wp;
+                for (j, p) in seq.window.iter().enumerate() {
+                    inputs[row + j] = p.0;
+                }
+            }
             inputs[..count].copy_from_slice(&slots_now);
             for (i, (seq, _)) in decodes.iter().enumerate() {
                 let ctx = seq.stored + 1;
@@ -1499,7 +1548,8 @@ impl CudaBackend {
         let inputs = pages.decode_inputs.uploaded.view();
         let slots = inputs.slice(0..count);
         let context = inputs.slice(count..2 * count);
-        let table = inputs.slice(2 * count..);
+        let table = inputs.slice(2 * count..table_end);
+        let window_table = inputs.slice(table_end..);
 
         // A decode-only step has its rows in order: Q, K and V are read and the output written
         // in place. Otherwise the decode rows are gathered into buffers of their own.
@@ -1547,6 +1597,20 @@ impl CudaBackend {
             &slots,
             g,
         )?;
+        // SAFETY: the window pages were checked against the pool above; each context length
+        // is at least 1 (the new token).
+        unsafe {
+            self.kernels.store_window(
+                &mut pages.bytes,
+                wgeom,
+                &window_table,
+                &k,
+                &v,
+                &context,
+                1,
+                d,
+            )
+        }?;
         let batch = DecodeBatch {
             q,
             q_heads,
@@ -1556,6 +1620,8 @@ impl CudaBackend {
             max_context,
             scales: g,
             softmax_scale,
+            window: wgeom,
+            window_table: Some(window_table),
         };
         if gathered.is_none() {
             // When the decode rows are the whole output (a decode-only step), the decode also

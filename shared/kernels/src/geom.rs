@@ -1,7 +1,7 @@
 //! [`PageGeom`]: a `PageLayout` and a layer, as the kernels address pages.
 
 use cudarc::driver::DeviceRepr;
-use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule, WindowLayout};
 
 use crate::{Error, Result};
 
@@ -67,6 +67,53 @@ impl PageGeom {
             scale_bytes: layout.scale_bytes() as u32,
             layer: layer as u32,
         })
+    }
+}
+
+/// A sequence's recent window over its pages (kvfmt's `WindowLayout`) at one layer. Matches
+/// `WindowGeom` in `cu/common.cuh`. `tokens == 0`: no window.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowGeom {
+    pub page_bytes: u64,
+    pub tokens: u32,
+    pub units_per_page: u32,
+    pub unit_bytes: u32,
+    /// Window pages per sequence: the row length of a window table.
+    pub pages: u32,
+    pub kv_heads: u32,
+    pub layer: u32,
+}
+
+// SAFETY: #[repr(C)], plain integers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for WindowGeom {}
+
+impl WindowGeom {
+    /// No window.
+    pub fn none() -> Self {
+        Self {
+            page_bytes: 0,
+            tokens: 0,
+            units_per_page: 1,
+            unit_bytes: 0,
+            pages: 0,
+            kv_heads: 0,
+            layer: 0,
+        }
+    }
+
+    /// The geometry of `window` over `layout`'s pages at `layer` (checked by [`PageGeom::new`]).
+    pub fn new(window: &WindowLayout, layout: &PageLayout, layer: usize) -> Self {
+        let count = |n: usize| u32::try_from(n).expect("bounded by the page layout");
+        Self {
+            page_bytes: layout.page_bytes() as u64,
+            tokens: count(window.tokens()),
+            units_per_page: count(if window.is_none() { 1 } else { window.units_per_page() }),
+            unit_bytes: count(window.unit_bytes()),
+            pages: count(window.pages()),
+            kv_heads: count(layout.kv_heads()),
+            layer: count(layer),
+        }
     }
 }
 

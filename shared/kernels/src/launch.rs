@@ -11,7 +11,7 @@ use nibble_kvfmt::{KvDtype, ScaleRule};
 
 use crate::geom::{dtype_code, scale_rule_code};
 use crate::launcher::Launch;
-use crate::{nvrtc, Error, PageGeom, Result};
+use crate::{nvrtc, Error, PageGeom, Result, WindowGeom};
 
 /// `DecodeArgs` of `cu/decode.cu`.
 #[repr(C)]
@@ -24,6 +24,8 @@ pub(crate) struct DecodeArgs {
     tokens_per_split: u32,
     score_scale: f32,
     v_scale: f32,
+    window_s_mul: f32,
+    window_p_mul: f32,
 }
 
 // SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
@@ -83,6 +85,7 @@ pub struct Kernels {
     combine_groups: CudaFunction,
     pages_gather: CudaFunction,
     pages_scatter: CudaFunction,
+    window_store: CudaFunction,
 }
 
 /// The NVRTC target of a compute capability: the newest the kernels are written for, at most
@@ -188,6 +191,7 @@ impl Kernels {
             combine_groups: function("decode", "decode_combine_groups")?,
             pages_gather: function("pages", "pages_gather")?,
             pages_scatter: function("pages", "pages_scatter")?,
+            window_store: function("pages", "window_store")?,
             prefill: [
                 [
                     function("prefill", "prefill_fp8_d64")?,
@@ -416,6 +420,59 @@ impl Kernels {
         self.copy_pages(&self.pages_scatter, pool, staging, page_ids, page_bytes)
     }
 
+    /// Writes the BF16 K and V of `rows` new tokens into their sequences' recent windows
+    /// (`cu/pages.cu`'s `window_store`): row r is sequence `r / rows_per_seq`'s token at
+    /// position `lens[s] - rows_per_seq + r % rows_per_seq`; `table` holds `window.pages` page ids
+    /// per sequence. Nothing happens without a window.
+    ///
+    /// # Safety
+    ///
+    /// Every id in `table` is a page of `pages` (the pool the window geometry describes) and
+    /// every `lens[s] >= rows_per_seq`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn store_window(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        window: WindowGeom,
+        table: &CudaView<'_, u32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        lens: &CudaView<'_, u32>,
+        rows_per_seq: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        if window.tokens == 0 || rows_per_seq == 0 {
+            return Ok(());
+        }
+        let row = window.kv_heads as usize * head_dim;
+        let rows = k.len() / row.max(1);
+        check("window keys", rows * row, k.len())?;
+        check("window values", rows * row, v.len())?;
+        check("sequence lengths", rows / rows_per_seq, lens.len())?;
+        check("window table", lens.len() * window.pages as usize, table.len())?;
+        let (rows32, per, dim) = (rows as u32, rows_per_seq as u32, head_dim as u32);
+        let values = (rows * 2 * row) as u64;
+        let mut b = self.builder(&self.window_store);
+        b.arg(pages)
+            .arg(table)
+            .arg(k)
+            .arg(v)
+            .arg(lens)
+            .arg(&rows32)
+            .arg(&per)
+            .arg(&dim)
+            .arg(&window);
+        let cfg = LaunchConfig {
+            grid_dim: (values.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches window_store's signature; k, v, lens and table were checked against
+        // the rows; the page ids and lengths are the caller's contract.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Launches `pages_gather` or `pages_scatter` (both `(dst, src, ids, n, page_bytes)`), the
     /// sizes already checked.
     fn copy_pages(
@@ -583,6 +640,22 @@ impl Kernels {
             score_scale: (batch.softmax_scale * gk * fmt_factor(dtype) * std::f32::consts::LOG2_E)
                 .max(f32::MIN_POSITIVE),
             v_scale: gv * fmt_factor(dtype),
+            window_s_mul: 1.0 / (gk * fmt_factor(dtype)),
+            window_p_mul: 1.0 / (gv * fmt_factor(dtype)),
+        };
+        let window_table = match (&batch.window_table, batch.window.tokens) {
+            (_, 0) => &batch.page_table,
+            (Some(table), _) => {
+                check("window table", seqs * batch.window.pages as usize, table.len())?;
+                table
+            }
+            (None, _) => {
+                return Err(Error::Shape {
+                    what: "window table of a pool with a recent window",
+                    expected: seqs * batch.window.pages as usize,
+                    actual: 0,
+                })
+            }
         };
         let cfg = LaunchConfig {
             grid_dim: (plan.splits as u32, kv_heads as u32, seqs as u32),
@@ -600,10 +673,13 @@ impl Kernels {
             .arg(&mut *out)
             .arg(out_bf16.as_deref_mut())
             .arg(&geom)
-            .arg(&args);
-        // SAFETY: matches decode_*'s signature; q, out (and the cast, or null) and the page table
-        // were checked against the batch, the workspace was sized for the plan, and page ids
-        // come from the pool.
+            .arg(&args)
+            .arg(window_table)
+            .arg(&batch.window);
+        // SAFETY: matches decode_*'s signature; q, out (and the cast, or null), the page table
+        // and the window table were checked against the batch, the workspace was sized for the
+        // plan, and page ids come from the pool (the window table is not read without a
+        // window).
         unsafe { b.launch(cfg) }?;
         if plan.splits == 1 {
             return Ok(()); // the blocks wrote the output themselves
@@ -713,6 +789,10 @@ pub struct DecodeBatch<'a> {
     pub scales: (f32, f32),
     /// Normally 1 / sqrt(head_dim).
     pub softmax_scale: f32,
+    /// The recent window: its geometry (`tokens == 0`: none) and `[seq][window.pages]` page
+    /// ids; the last `window.tokens` tokens of each context are read from it in BF16.
+    pub window: WindowGeom,
+    pub window_table: Option<CudaView<'a, u32>>,
 }
 
 /// One sequence's prefill or extend step over the work-dtype workspace, on the device.

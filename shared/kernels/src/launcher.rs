@@ -153,6 +153,7 @@ value_params!(
     u64,
     f32,
     crate::PageGeom,
+    crate::WindowGeom,
     crate::launch::DecodeArgs,
     crate::launch::PrefillArgs
 );

@@ -29,7 +29,7 @@ pub mod nvrtc;
 pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrecision};
 pub use device::{Device, DeviceMemory, KvNeeds};
 pub use error::{Error, Result};
-pub use geom::PageGeom;
+pub use geom::{PageGeom, WindowGeom};
 pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};
 
 /// The element codecs and page addressing every kernel shares, prepended to each source.
@@ -76,5 +76,5 @@ pub const ENTRY_POINTS: [(&str, &[&str]); 4] = [
             "prefill_bf16_d128",
         ],
     ),
-    ("pages", &["pages_gather", "pages_scatter"]),
+    ("pages", &["pages_gather", "pages_scatter", "window_store"]),
 ];

@@ -8,7 +8,9 @@
 
 use std::fmt;
 
-use nibble_kvfmt::{bf16, check_global_scale, fp8, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule};
+use nibble_kvfmt::{
+    bf16, check_global_scale, fp8, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule, WindowLayout,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::pool::{PageId, PagePool, PoolPlan, SlotId};
@@ -59,6 +61,7 @@ impl GlobalScales {
 /// The bytes of every page, in host memory.
 pub struct HostPages {
     layout: PageLayout,
+    window: WindowLayout,
     scales: GlobalScales,
     rule: ScaleRule,
     storage: Vec<u8>,
@@ -79,10 +82,22 @@ impl HostPages {
         scales.validate(plan.layout.layers())?;
         Ok(Self {
             layout: plan.layout,
+            window: WindowLayout::none(&plan.layout),
             scales,
             rule,
             storage: vec![0u8; plan.pages * plan.layout.page_bytes()],
         })
+    }
+
+    /// The same store with a recent window of `tokens` tokens (0: none) for its sequences.
+    pub fn with_window(mut self, tokens: usize) -> Result<Self> {
+        self.window = WindowLayout::new(&self.layout, tokens)?;
+        Ok(self)
+    }
+
+    /// The recent window's geometry.
+    pub fn window(&self) -> &WindowLayout {
+        &self.window
     }
 
     /// How NVFP4 block scales are chosen on write.
@@ -194,6 +209,96 @@ impl HostPages {
                 KvDtype::Bf16 => bf16::encode_le(hx, &mut self.storage[data]),
             }
         }
+    }
+
+    /// Checks a sequence's window pages: as many as the window takes, each allocated.
+    fn check_window(&self, pool: &PagePool, pages: &[PageId]) -> Result<()> {
+        if pages.len() != self.window.pages() {
+            return Err(Error::BadLength {
+                what: "window pages",
+                expected: self.window.pages(),
+                actual: pages.len(),
+            });
+        }
+        for page in pages {
+            if pool.refcount(*page)? == 0 {
+                return Err(Error::NotAllocated(*page));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes one layer's K and V of the tokens at `positions` in BF16 into a sequence of `len`
+    /// tokens' window (`pages`), for those the window holds; the rest only live in their pages.
+    /// `k` and `v` are `[token][kv_head][head_dim]`. Without a window it does nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_window(
+        &mut self,
+        pool: &PagePool,
+        pages: &[PageId],
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        positions: std::ops::Range<usize>,
+        len: usize,
+    ) -> Result<()> {
+        if self.window.is_none() {
+            return Ok(());
+        }
+        self.check_window(pool, pages)?;
+        let layout = self.layout;
+        let (heads, dim) = (layout.kv_heads(), layout.head_dim());
+        let token_values = heads * dim;
+        for (what, buf) in [("K values", k), ("V values", v)] {
+            if buf.len() != positions.len() * token_values {
+                return Err(Error::BadLength {
+                    what,
+                    expected: positions.len() * token_values,
+                    actual: buf.len(),
+                });
+            }
+        }
+        if layer >= layout.layers() {
+            return Err(Error::LayerOutOfRange {
+                layer,
+                layers: layout.layers(),
+            });
+        }
+        let page_bytes = layout.page_bytes();
+        for (i, position) in positions.enumerate() {
+            if !self.window.holds(position, len) {
+                continue;
+            }
+            for (part, values) in [(KvPart::K, k), (KvPart::V, v)] {
+                let token = &values[i * token_values..(i + 1) * token_values];
+                for (head, x) in token.chunks_exact(dim).enumerate() {
+                    let (index, offset) = self.window.locate(layer, part, head, position);
+                    let at = pages[index].0 as usize * page_bytes + offset;
+                    bf16::encode_le(x, &mut self.storage[at..at + 2 * dim]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The BF16 bytes of the `head` vector of (layer, part) of the token at `position` in a
+    /// sequence's window (`pages`, checked by the caller's writes).
+    pub fn window_head(
+        &self,
+        pages: &[PageId],
+        layer: usize,
+        part: KvPart,
+        head: usize,
+        position: usize,
+    ) -> Result<&[u8]> {
+        let (index, offset) = self.window.locate(layer, part, head, position);
+        let page = *pages.get(index).ok_or(Error::BadLength {
+            what: "window pages",
+            expected: self.window.pages(),
+            actual: pages.len(),
+        })?;
+        let bytes = self.page(page)?;
+        Ok(&bytes[offset..offset + 2 * self.layout.head_dim()])
     }
 
     /// Dequantizes the `head` vector of (layer, part) at `slot` into `out` (`head_dim` values).

@@ -26,6 +26,9 @@ pub enum Error {
         value: usize,
         max: usize,
     },
+    /// A recent-window size that does not fit the page layout.
+    #[error("bad KV window: {0}")]
+    BadWindow(String),
     /// A dtype name is not one of bf16, fp8, nvfp4.
     #[error("unknown KV dtype {0:?}: expected one of bf16, fp8, nvfp4")]
     UnknownDtype(String),

@@ -7,7 +7,8 @@
 //!   a *dequantization multiplier*; [`fp8`]: E4M3 with one per-tensor scale.
 //! * [`KvDtype`] names the three cache dtypes; [`interchange`] is the flat file layout of
 //!   `nibble kv encode/decode`; [`layout`] is the page layout and the one byte-accounting function
-//!   the pool planner and the allocator share.
+//!   the pool planner and the allocator share; [`window`] is the BF16 ring of a sequence's
+//!   most recent tokens.
 //!
 //! Nothing here does I/O or allocates per value on the hot path. Checked entry points reject
 //! non-finite input with the position of the first bad value; `*_unchecked` fast paths assume
@@ -22,11 +23,13 @@ pub mod fp8;
 pub mod interchange;
 pub mod layout;
 pub mod nvfp4;
+pub mod window;
 
 pub use dtype::KvDtype;
 pub use error::{Error, Result};
 pub use layout::{KvPart, PageLayout};
 pub use nvfp4::ScaleRule;
+pub use window::WindowLayout;
 
 /// Returns the index of the first value that is NaN or infinite.
 pub fn first_non_finite(values: &[f32]) -> Option<usize> {

@@ -30,8 +30,9 @@ pub fn kv_dtype(value: i32, field: &'static str) -> Result<nibble_kvfmt::KvDtype
 }
 
 impl v1::KvFormat {
-    /// The wire description of a pool's format; `hadamard`: head vectors stored rotated.
-    pub fn new(layout: &PageLayout, scales: &GlobalScales, hadamard: bool) -> Self {
+    /// The wire description of a pool's format; `hadamard`: head vectors stored rotated;
+    /// `window`: tokens of each sequence's BF16 recent window.
+    pub fn new(layout: &PageLayout, scales: &GlobalScales, hadamard: bool, window: usize) -> Self {
         let count = |n: usize| u32::try_from(n).expect("PageLayout bounds every count to 4096");
         Self {
             dtype: v1::KvDtype::from(layout.dtype()) as i32,
@@ -42,6 +43,7 @@ impl v1::KvFormat {
             k_scales: scales.k.clone(),
             v_scales: scales.v.clone(),
             hadamard,
+            window: u32::try_from(window).expect("a window is at most the context"),
         }
     }
 
@@ -163,7 +165,7 @@ mod tests {
             let mut scales = GlobalScales::ones(30);
             scales.k[3] = 0.25;
             scales.v[29] = 4.0;
-            let wire = v1::KvFormat::new(&layout(dtype), &scales, false);
+            let wire = v1::KvFormat::new(&layout(dtype), &scales, false, 0);
             let (back, back_scales) = wire.to_domain().unwrap();
             assert_eq!(back, layout(dtype));
             assert_eq!(back_scales, scales);
@@ -175,7 +177,7 @@ mod tests {
         let scales = GlobalScales::ones(30);
         let prints: Vec<u64> = KvDtype::ALL
             .iter()
-            .map(|d| v1::KvFormat::new(&layout(*d), &scales, false).fingerprint())
+            .map(|d| v1::KvFormat::new(&layout(*d), &scales, false, 0).fingerprint())
             .collect();
         assert_ne!(prints[0], prints[1]);
         assert_ne!(prints[1], prints[2]);
@@ -184,7 +186,7 @@ mod tests {
 
     #[test]
     fn invalid_formats_name_the_field() {
-        let good = v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), false);
+        let good = v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), false, 0);
         let err = |f: v1::KvFormat| f.to_domain().unwrap_err().to_string();
 
         let unspecified = v1::KvFormat {

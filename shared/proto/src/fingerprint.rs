@@ -3,8 +3,8 @@
 //! Two workers may exchange pages only when their fingerprints are equal. The hash covers every
 //! field that changes how page bytes are read: dtype, page size, layers, KV heads, head dim, the
 //! bit patterns of every global scale (a different scale silently reinterprets every byte) and
-//! the Hadamard rotation (one byte appended only when it is on, so the fingerprints of unrotated
-//! formats are those of builds before the field existed). It is
+//! the Hadamard rotation and the recent window (each appended only when it is on, so the
+//! fingerprints of formats without them are those of builds before the fields existed). It is
 //! `xxh3_64` with a fixed seed over a canonical little-endian encoding, so it is the same in every
 //! process, on every machine, and independent of protobuf's encoding of the message.
 
@@ -33,6 +33,10 @@ impl KvFormat {
         if self.hadamard {
             bytes.push(1);
         }
+        if self.window > 0 {
+            bytes.push(b'w');
+            bytes.extend_from_slice(&self.window.to_le_bytes());
+        }
         xxh3_64_with_seed(&bytes, SEED)
     }
 }
@@ -52,6 +56,7 @@ mod tests {
             k_scales: vec![1.0, 1.0],
             v_scales: vec![1.0, 1.0],
             hadamard: false,
+            window: 0,
         }
     }
 
@@ -112,6 +117,13 @@ mod tests {
                 "hadamard",
                 KvFormat {
                     hadamard: true,
+                    ..base.clone()
+                },
+            ),
+            (
+                "window",
+                KvFormat {
+                    window: 64,
                     ..base.clone()
                 },
             ),

@@ -152,7 +152,7 @@ impl EngineHandle {
     {
         let layout = config.kv.layout(&model)?;
         let scales = config.kv.scales_for(layout.layers())?;
-        let kv_format = v1::KvFormat::new(&layout, &scales, config.kv.hadamard);
+        let kv_format = v1::KvFormat::new(&layout, &scales, config.kv.hadamard, config.kv.window);
         let (commands, rx) = mpsc::unbounded_channel();
         let (kv_events, _) = broadcast::channel(KV_EVENT_BUFFER);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();

@@ -64,6 +64,11 @@ pub struct WorkerArgs {
     /// Prefill and decode workers must agree: the rotation is part of the KV format.
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
+    /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
+    /// instead of their pages; a multiple of --page-size, 0 for none [default: 64 for an nvfp4
+    /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
+    #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
+    pub kv_window: Option<usize>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
     /// --kv-memory-fraction of the GPU's memory].
     #[arg(long, env = "NIBBLE_KV_BUDGET_MIB")]
@@ -244,6 +249,13 @@ fn kv_config(args: &WorkerArgs, layers: usize) -> Result<KvConfig> {
     kv.page_size = args.page_size;
     kv.scale_rule = args.scale_rule;
     kv.hadamard = args.hadamard;
+    kv = kv.with_window(args.kv_window);
+    if !kv.window.is_multiple_of(kv.page_size) {
+        return Err(Error::InvalidArgument(format!(
+            "--kv-window {}: not a multiple of the page size ({})",
+            kv.window, kv.page_size
+        )));
+    }
     if let Some(path) = &args.calibration {
         let fail = |why: String| {
             Error::InvalidArgument(format!("--calibration {}: {why}", path.display()))

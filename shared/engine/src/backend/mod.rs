@@ -73,6 +73,9 @@ pub struct PageEncoding {
     pub hadamard: bool,
     /// How NVFP4 block scales are chosen on write.
     pub scale_rule: ScaleRule,
+    /// Tokens of each sequence's high-precision recent window (0: none); see
+    /// [`nibble_kvfmt::window`].
+    pub window: usize,
 }
 
 /// Tensor storage and compute kernels.
@@ -243,7 +246,8 @@ pub trait Backend: Send + Sync + 'static {
     fn new_pages(&self, plan: PoolPlan, encoding: PageEncoding) -> Result<Self::Pages>;
 
     /// One layer of paged attention for a whole step: writes every new token's K/V into its
-    /// slot (quantized to the pool's dtype) and runs each sequence's attention path — initial
+    /// slot (quantized to the pool's dtype), and in BF16 into the sequence's recent window when
+    /// the pool has one, and runs each sequence's attention path — initial
     /// prefill when it has nothing stored, decode for one new token, extend otherwise — writing
     /// the rows `step.spans[i]` of `out`.
     fn paged_attention(
@@ -278,4 +282,6 @@ pub struct PagedSeq<'a> {
     pub stored: usize,
     /// The slots of the step's new tokens, in order.
     pub slots: &'a [SlotId],
+    /// Its recent window's pages (empty when the pool has no window).
+    pub window: &'a [PageId],
 }

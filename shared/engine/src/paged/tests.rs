@@ -156,7 +156,7 @@ fn prefill_attends_over_work_dtype_kv_and_writes_pages() {
             v: &v,
         };
         cache(&pool, &mut store, &mut ws)
-            .prefill(step, &slots, &mut out)
+            .prefill(step, &slots, &[], &mut out)
             .unwrap();
         let (kw, vw) = match dtype {
             KvDtype::Bf16 => (round_bf16(&k), round_bf16(&v)),
@@ -214,7 +214,7 @@ fn extend_gathers_the_prefix_into_the_workspace() {
             v: &v[..p * ks],
         };
         cache(&pool, &mut store, &mut ws)
-            .prefill(step, &first, &mut out)
+            .prefill(step, &first, &[], &mut out)
             .unwrap();
         let chunk: Vec<_> = table
             .append(&mut pool, n)
@@ -231,7 +231,7 @@ fn extend_gathers_the_prefix_into_the_workspace() {
             v: &v[p * ks..],
         };
         cache(&pool, &mut store, &mut ws)
-            .extend(step, table.pages(), p, &chunk, &mut out)
+            .extend(step, SeqPages { pages: table.pages(), window: &[] }, p, &chunk, &mut out)
             .unwrap();
         // Expected: prefix from the pages rounded to the work dtype, chunk rounded directly.
         let work = |x: &[f32], g: f32| match dtype {
@@ -285,7 +285,7 @@ fn decode_reads_pages_directly() {
             v: &v[..p * ks],
         };
         cache(&pool, &mut store, &mut ws)
-            .prefill(step, &first, &mut out)
+            .prefill(step, &first, &[], &mut out)
             .unwrap();
         for t in p..p + 3 {
             let slot = table.append(&mut pool, 1).unwrap()[0];
@@ -298,7 +298,7 @@ fn decode_reads_pages_directly() {
                 v: &v[t * ks..(t + 1) * ks],
             };
             cache(&pool, &mut store, &mut ws)
-                .decode(step, table.pages(), t + 1, slot, &mut out)
+                .decode(step, SeqPages { pages: table.pages(), window: &[] }, t + 1, slot, &mut out)
                 .unwrap();
             let kc = cached(&store, 1, table.pages(), t + 1, KvPart::K);
             let vc = cached(&store, 1, table.pages(), t + 1, KvPart::V);
@@ -338,7 +338,7 @@ fn shape_errors_name_the_buffer() {
         v: &kv,
     };
     let err = cache(&pool, &mut store, &mut ws)
-        .prefill(step, &slots, &mut out)
+        .prefill(step, &slots, &[], &mut out)
         .unwrap_err();
     assert_eq!(err.to_string(), "k: expected 64 values, got 63");
     let step = Step {
@@ -349,7 +349,7 @@ fn shape_errors_name_the_buffer() {
         v: &kv,
     };
     let err = cache(&pool, &mut store, &mut ws)
-        .prefill(step, &slots, &mut out)
+        .prefill(step, &slots, &[], &mut out)
         .unwrap_err();
     assert!(matches!(err, AttentionError::Heads { .. }));
 }

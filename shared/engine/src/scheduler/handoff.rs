@@ -17,7 +17,9 @@ use super::{FinishReason, SeqId, Sequence, State, SubmitError};
 pub struct Reservation {
     /// Leading prompt tokens already in this worker's cache: their pages need no transfer.
     pub cached_tokens: usize,
-    /// Every page of the prompt, in order: `pages[cached_tokens / page_size..]` await bytes.
+    /// Every page of the prompt, in order, then the recent window's pages (as many as the
+    /// sender's, the KV format being the same): `pages[cached_tokens / page_size..]` await
+    /// bytes.
     pub pages: Vec<PageId>,
 }
 
@@ -32,7 +34,7 @@ impl State {
             return Err(SubmitError::Duplicate(id));
         }
         let page_size = self.page_size();
-        let needed = prompt.len().div_ceil(page_size);
+        let needed = prompt.len().div_ceil(page_size) + self.window_pages;
         if needed > self.pool.total_pages() {
             return Err(SubmitError::TooLarge {
                 needed,
@@ -40,12 +42,20 @@ impl State {
             });
         }
         let hashes = hash_blocks(prompt, page_size);
+        // Every cached page can be reused: the window's bytes come from the sender whatever
+        // this worker holds.
         let cached = self.cache.match_prefix(&hashes);
         let hit = hashes[..cached.len()].to_vec();
         self.cache.lock(&hit).expect("just matched");
         let mut table = PageTable::from_shared(&mut self.pool, &cached).expect("cached pages");
         let rest = prompt.len() - table.len();
-        if Self::grow(&mut self.pool, &mut self.cache, &mut table, rest).is_none() {
+        let window = Self::take_window(&mut self.pool, &mut self.cache, self.window_pages);
+        let grown = window.is_some()
+            && Self::grow(&mut self.pool, &mut self.cache, &mut table, rest).is_some();
+        if !grown {
+            if let Some(window) = &window {
+                self.pool.release_all(window).expect("just allocated");
+            }
             table.release(&mut self.pool).expect("held pages");
             self.cache.unlock(&hit).expect("locked above");
             return Err(SubmitError::NoRoom {
@@ -53,9 +63,12 @@ impl State {
                 free: self.pool.free_pages(),
             });
         }
+        let window = window.expect("checked above");
+        let mut pages = table.pages().to_vec();
+        pages.extend_from_slice(&window);
         let reservation = Reservation {
             cached_tokens: cached.len() * page_size,
-            pages: table.pages().to_vec(),
+            pages,
         };
         self.held.insert(
             id,
@@ -67,6 +80,7 @@ impl State {
                 stop_tokens: Vec::new(),
                 computed: cached.len() * page_size,
                 table,
+                window,
                 locked: hit,
                 cached_pages: cached.len(),
                 hashes,

@@ -306,6 +306,7 @@ fn check_paged(
         scales,
         hadamard: false,
         scale_rule: ScaleRule::default(),
+        window: 0,
     };
     let mut pc = cpu.new_pages(plan, encoding.clone())?;
     let mut pg = gpu.new_pages(plan, encoding)?;
@@ -337,6 +338,7 @@ fn check_paged(
                 pages: ta.pages(),
                 stored: sa,
                 slots: &slots_a,
+                window: &[],
             });
         }
         if nb > 0 {
@@ -345,6 +347,7 @@ fn check_paged(
                 pages: tb.pages(),
                 stored: sb,
                 slots: &slots_b,
+                window: &[],
             });
         }
         let (qc, kc, vc) = (

@@ -25,6 +25,30 @@ struct PageGeom {
     u32 layer;
 };
 
+// A sequence's recent window (kvfmt's WindowLayout) at one layer: the BF16 K/V of its last
+// `tokens` tokens in a ring over `pages` pages of the pool, one (layer, slot) unit of
+// [K|V][kv_head][head_dim] BF16 per `unit_bytes`, `units_per_page` units per page. Matches
+// `nibble_kernels::WindowGeom` (#[repr(C)]). tokens == 0: no window.
+struct WindowGeom {
+    u64 page_bytes;
+    u32 tokens;
+    u32 units_per_page;
+    u32 unit_bytes;
+    u32 pages;  // window pages per sequence: a window table's row length
+    u32 kv_heads;
+    u32 layer;
+};
+
+// The BF16 head vector (part 0 = K, 1 = V) of the token at `pos` in the window whose page ids
+// are `row`.
+__device__ __forceinline__ u8* window_vector(u8* pages, const u32* row, const WindowGeom& w,
+                                             u32 part, u32 head, u32 pos, u32 head_dim) {
+    const u32 unit = w.layer * w.tokens + pos % w.tokens;
+    const u64 page = row[unit / w.units_per_page];
+    return pages + page * w.page_bytes + (u64)(unit % w.units_per_page) * w.unit_bytes +
+           (part * w.kv_heads + head) * 2u * head_dim;
+}
+
 // Programmatic dependent launch (src/launcher.rs; docs/ARCHITECTURE.md). On sm_90 and newer every
 // kernel is launched allowed to start while the kernel before it in the stream is finishing, so
 // its launch and block scheduling overlap that kernel's tail. Every kernel calls this first,

@@ -109,6 +109,8 @@ struct DecodeArgs {
     u32 tokens_per_split;  // a multiple of 16
     float score_scale;     // softmax scale * gK * (64 for nvfp4) * log2(e)
     float v_scale;         // with one split: gV * the format factor (2^7 nvfp4, 2^8 fp8, 1 bf16)
+    float window_s_mul;    // 1 / (gK * the format factor): BF16 window scores in page units
+    float window_p_mul;    // 1 / (gV * the format factor): window probabilities likewise
 };
 
 // This lane's byte offsets within a page, for a tile starting at token 0 of the page: K data of
@@ -217,10 +219,14 @@ __device__ __forceinline__ int k_dim(int s, int j) {
 // The running state of heads 2c, 2c+1 of the group: m, the max score so far in the mma's units
 // (score_scale, > 0, not applied); nm, -m * score_scale, the exponent's offset (0 while m is
 // -inf); l, this lane's share of the sum of 2^(s * score_scale + nm); o, the unnormalized output.
-template <int FMT, int D>
+// WIN: a tile of the recent window (BF16) in a pass over pages of another format: its scores
+// are multiplied by s_mul and its probabilities by p_mul before the V product, which puts both
+// in the units of the pages' format (score_scale and the final v_scale are that format's).
+template <int FMT, int D, bool WIN = false>
 __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb)[2], float* m,
                                             float* nm, float* l, float (*o)[4], u32 t0, u32 end,
-                                            float score_scale, u32 lg, u32 lc) {
+                                            float score_scale, u32 lg, u32 lc, float s_mul = 1.f,
+                                            float p_mul = 1.f) {
     typedef Fmt<FMT, D> F;
     // ---- scores: S^T = K . Q^T ----
     float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -262,6 +268,11 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
             const u32 a[4] = {r.k[0][2 * st], r.k[1][2 * st], r.k[0][2 * st + 1], r.k[1][2 * st + 1]};
             mma16816<FMT>(s, a, qb[st][0], qb[st][1]);
         }
+    }
+
+    if (WIN) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[i] *= s_mul;
     }
 
     // ---- online softmax (log2 units once scaled) for heads 2c, 2c+1 over tokens g, g+8; the
@@ -311,6 +322,10 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
     // ---- P^T as the B operand: this lane holds P[token g or g+8][heads 2c, 2c+1], the fragment
     // layout of the two 8x8 blocks of P; their transposes are P^T[head g][tokens 2c, 2c+1] and
     // [tokens 2c+8, 2c+9], which is what the mma's B wants ----
+    if (WIN) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) p[i] *= p_mul;
+    }
     const u32 pk0 = FMT == NIBBLE_BF16 ? pack_bf16(p[0], p[1]) : pack_f16(p[0], p[1]);
     const u32 pk1 = FMT == NIBBLE_BF16 ? pack_bf16(p[2], p[3]) : pack_f16(p[2], p[3]);
     const u32 pb0 = transpose_b16(pk0);
@@ -368,6 +383,37 @@ __device__ __forceinline__ void attend_tile(const Raw<FMT, D>& r, const u32 (*qb
     }
 }
 
+// Loads one 16-token tile of the recent window starting at position t0 (any position: the ring
+// is addressed token by token) in the BF16 tile layout of load_tile: K words of tokens g, g+8
+// (quarter c) and V words of tokens 2c, 2c+1, 2c+8, 2c+9 (eighth g); zeros past `end`.
+template <int D>
+__device__ __forceinline__ void load_window_tile(Raw<NIBBLE_BF16, D>& r, const u8* pages,
+                                                 const u32* row, const WindowGeom& w, u32 head,
+                                                 u32 t0, u32 end, u32 lg, u32 lc) {
+    typedef Fmt<NIBBLE_BF16, D> F;
+    u8* base = const_cast<u8*>(pages);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const u32 pos = t0 + lg + 8u * t;
+        if (pos < end) {
+            load_words<F::KW>(window_vector(base, row, w, 0, head, pos, D) + lc * (F::VB / 4), r.k[t]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < F::KW; ++j) r.k[t][j] = 0u;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const u32 pos = t0 + 2u * lc + (t & 1) + 8 * (t >> 1);
+        if (pos < end) {
+            load_words<F::VW>(window_vector(base, row, w, 1, head, pos, D) + lg * (F::VB / 8), r.v[t]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < F::VW; ++j) r.v[t][j] = 0u;
+        }
+    }
+}
+
 template <int FMT, int D>
 __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             const float* __restrict__ q,
@@ -377,7 +423,9 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             float* __restrict__ part_ml,
                                             float* __restrict__ out,
                                             u16* __restrict__ out_bf16, PageGeom geom,
-                                            DecodeArgs args) {
+                                            DecodeArgs args,
+                                            const u32* __restrict__ window_table,
+                                            WindowGeom wgeom) {
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_o[WARPS][8][D];
 
@@ -386,7 +434,10 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     const u32 lg = lane / 4, lc = lane % 4;
     const u32 ctx = context[seq];
     const u32 begin = split * args.tokens_per_split;
-    const u32 end = min(ctx, begin + args.tokens_per_split);
+    const u32 end_all = min(ctx, begin + args.tokens_per_split);
+    // Tokens from wstart on are read from the recent window, the others from their pages.
+    const u32 wstart = wgeom.tokens == 0 ? ctx : (ctx > wgeom.tokens ? ctx - wgeom.tokens : 0u);
+    const u32 end = min(end_all, wstart);
     const u32* table = page_table + (u64)seq * args.max_pages;
 
     // Q^T as the B operand of the score mma: head g of the group, this lane's dims, BF16-rounded
@@ -460,6 +511,34 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
         }
     }
 
+    // ---- the recent window's tokens of this split, in BF16 ----
+    const u32 wbegin = max(begin, wstart);
+    if (wbegin < end_all) {
+        u32 qw[D / 16][2];  // Q^T in the BF16 operand layout
+        {
+            const bool has = lg < args.group;
+            const float* qh = q + ((u64)seq * args.q_heads + kv_head * args.group + (has ? lg : 0)) *
+                                      D + lc * (D / 4);
+#pragma unroll
+            for (int st = 0; st < D / 16; ++st) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    float x0 = has ? bf16_decode(bf16_encode(qh[k_dim<NIBBLE_BF16>(st, 2 * j)])) : 0.f;
+                    float x1 =
+                        has ? bf16_decode(bf16_encode(qh[k_dim<NIBBLE_BF16>(st, 2 * j + 1)])) : 0.f;
+                    qw[st][j] = pack_bf16(x0, x1);
+                }
+            }
+        }
+        const u32* wrow = window_table + (u64)seq * wgeom.pages;
+        for (u32 w0 = wbegin + warp * TILE; w0 < end_all; w0 += stride) {
+            Raw<NIBBLE_BF16, D> win;
+            load_window_tile<D>(win, pages, wrow, wgeom, kv_head, w0, end_all, lg, lc);
+            attend_tile<NIBBLE_BF16, D, true>(win, qw, m, nm, l, o, w0, end_all, args.score_scale,
+                                              lg, lc, args.window_s_mul, args.window_p_mul);
+        }
+    }
+
     // ---- merge the warps, write this split's partial result (or, alone, the output) ----
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -517,10 +596,11 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
         NAME(const u8* __restrict__ pages, const float* __restrict__ q,                          \
              const u32* __restrict__ page_table, const u32* __restrict__ context,                \
              float* __restrict__ part_o, float* __restrict__ part_ml, float* __restrict__ out,  \
-             u16* __restrict__ out_bf16, PageGeom geom, DecodeArgs args) {                       \
+             u16* __restrict__ out_bf16, PageGeom geom, DecodeArgs args,                         \
+             const u32* __restrict__ window_table, WindowGeom wgeom) {                           \
         grid_dependency_sync();                                                                  \
         decode_body<FMT, D>(pages, q, page_table, context, part_o, part_ml, out, out_bf16, geom, \
-                            args);                                                               \
+                            args, window_table, wgeom);                                          \
     }
 
 // Blocks per SM the register allocation must allow: 4 (16 warps) where it fits without

@@ -16,7 +16,7 @@ use crate::backend::{PageEncoding, PagedSeq};
 use crate::error::{Error, Result};
 use crate::hadamard;
 use crate::kv::StepTokens;
-use crate::paged::{DecodeArgs, DecodeScratch, PagedCache, Step, Workspace};
+use crate::paged::{DecodeArgs, DecodeScratch, PagedCache, SeqPages, Step, Workspace};
 
 /// Host page bytes plus the reusable buffers of the attention paths.
 #[derive(Debug)]
@@ -33,6 +33,7 @@ impl CpuPages {
             scales,
             hadamard,
             scale_rule,
+            window,
         } = encoding;
         let head_dim = plan.layout.head_dim();
         if hadamard && !hadamard::supported(head_dim) {
@@ -42,7 +43,7 @@ impl CpuPages {
         }
         Ok(Self {
             ws: Workspace::new(plan.layout.dtype()),
-            store: HostPages::new(plan, scales, scale_rule)?,
+            store: HostPages::new(plan, scales, scale_rule)?.with_window(window)?,
             hadamard,
             rotated: Default::default(),
         })
@@ -112,8 +113,16 @@ impl CpuPages {
                 v: &v[span.start * kv_row..span.end * kv_row],
             };
             let slots: Vec<_> = seq.slots.iter().copied().map(Some).collect();
+            let pages = SeqPages {
+                pages: seq.pages,
+                window: seq.window,
+            };
             if is_decode(seq) {
                 self.store.write_kv(pool, layer, s.k, s.v, &slots)?;
+                let last = seq.stored..seq.stored + 1;
+                let len = seq.stored + 1;
+                self.store
+                    .write_window(pool, seq.window, layer, s.k, s.v, last, len)?;
                 continue;
             }
             let mut cache = PagedCache {
@@ -122,9 +131,9 @@ impl CpuPages {
                 ws: &mut self.ws,
             };
             if seq.stored == 0 {
-                cache.prefill(s, &slots, o)?;
+                cache.prefill(s, &slots, seq.window, o)?;
             } else {
-                cache.extend(s, seq.pages, seq.stored, &slots, o)?;
+                cache.extend(s, pages, seq.stored, &slots, o)?;
             }
         }
         // Decode attention, one sequence per task.
@@ -143,7 +152,10 @@ impl CpuPages {
                     layer,
                     q_heads: geometry.num_heads,
                     q: &q[span.start * q_row..span.end * q_row],
-                    pages: seq.pages,
+                    seq: SeqPages {
+                        pages: seq.pages,
+                        window: seq.window,
+                    },
                     context: seq.stored + 1,
                 };
                 scratch.decode(store, args, o)
