@@ -373,7 +373,15 @@ impl PagedCache<'_> {
         attend_workspace(ws, &layout, heads, g, prefix, out);
         store.write_kv(pool, step.layer, step.k, step.v, slots)?;
         let positions = prefix..prefix + n;
-        store.write_window(pool, seq.window, step.layer, step.k, step.v, positions, prefix + n)?;
+        store.write_window(
+            pool,
+            seq.window,
+            step.layer,
+            step.k,
+            step.v,
+            positions,
+            prefix + n,
+        )?;
         Ok(())
     }
 

@@ -246,7 +246,11 @@ impl State {
 
     /// Allocates a sequence's window pages, evicting cached blocks if needed; false when the pool
     /// cannot supply them (nothing is then held).
-    fn take_window(pool: &mut PagePool, cache: &mut RadixCache, pages: usize) -> Option<Vec<PageId>> {
+    fn take_window(
+        pool: &mut PagePool,
+        cache: &mut RadixCache,
+        pages: usize,
+    ) -> Option<Vec<PageId>> {
         if pages == 0 {
             return Some(Vec::new());
         }

@@ -15,7 +15,8 @@
 //! Inputs are random, never zero; small shapes rotate over disjoint page sets so repeated runs do
 //! not read from L2; times are CUDA events around each call, after warm-up, median of many.
 //! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16] [--shapes 8x32768,1x4096]`
-//! (`--dtypes` runs only those decode sweeps, without prefill; `--shapes` only those batch x
+//! (`--dtypes` runs only those decode sweeps; `--kv-window 64` has every decode also read its
+//! last 64 tokens from a BF16 recent window, without prefill; `--shapes` only those batch x
 //! context shapes of them). `--profile` runs a few calls of batch 32 x 32K (or `--shapes`) per
 //! dtype (FP8 and NVFP4, or `--dtypes`) and nothing else, for `ncu`. A sequence's pages lie at
 //! random places in the pool, as a serving pool's free list hands them out; `--pages-in-order`
@@ -25,9 +26,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
-use nibble_kernels::{WindowGeom, DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
+use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch, WindowGeom};
 use nibble_kvcache::PoolPlan;
-use nibble_kvfmt::{layout::kv_bytes, KvDtype, PageLayout, ScaleRule};
+use nibble_kvfmt::{bf16, layout::kv_bytes, KvDtype, PageLayout, ScaleRule, WindowLayout};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use serde_json::json;
 
@@ -51,6 +52,17 @@ const CONTEXTS: [usize; 3] = [4096, 32768, 131072];
 const DECODE_REPS: usize = 5;
 /// Device memory left free for the workspace, tables and the driver.
 const HEADROOM: usize = 6 << 30;
+
+/// `--kv-window W`: decode also reads each sequence's last W tokens from a BF16 window (0, the
+/// default: none).
+fn kv_window() -> usize {
+    std::env::args()
+        .skip_while(|a| a != "--kv-window")
+        .nth(1)
+        .map_or(0, |w| {
+            w.parse().expect("--kv-window takes a number of tokens")
+        })
+}
 
 /// `--shapes BxC,...`: the decode shapes (batch x context) to run, of those the sweep has.
 fn shapes() -> Result<Option<Vec<(usize, usize)>>> {
@@ -272,6 +284,24 @@ fn decode_sweep(
         json!({"bench": "pool", "dtype": dtype.to_string(), "pages": plan.pages,
                 "page_bytes": layout.page_bytes(), "page_tokens": page(), "bytes": plan.bytes}),
     );
+    // `--kv-window W`: every sequence also reads its last W tokens from a BF16 window. The
+    // windows take the last pages of `order` (filled with BF16 values), out of the rotation.
+    let window = WindowLayout::new(&layout, kv_window())?;
+    let wgeom = match window.is_none() {
+        true => WindowGeom::none(),
+        false => WindowGeom::new(&window, &layout, 0),
+    };
+    let reserved = BATCHES[BATCHES.len() - 1] * window.pages();
+    let usable = plan.pages - reserved;
+    if reserved > 0 {
+        let values: Vec<u8> = (0..layout.page_bytes() / 2)
+            .flat_map(|_| bf16::encode(rng.gen_range(-2.0f32..2.0)).to_le_bytes())
+            .collect();
+        for &p in &order[usable..] {
+            let at = p as usize * layout.page_bytes();
+            stream.memcpy_htod(&values, &mut pages.slice_mut(at..at + values.len()))?;
+        }
+    }
     let mut ws = DecodeWorkspace::new(kernels)?;
     let per_token = kv_bytes(1, KV_HEADS, DIM, 1, dtype).per_token;
     for &ctx in &CONTEXTS {
@@ -286,7 +316,7 @@ fn decode_sweep(
             }
             let pps = ctx / page();
             let need = batch * pps;
-            if need > plan.pages {
+            if need > usable {
                 emit(
                     json!({"bench": "decode", "dtype": dtype.to_string(), "batch": batch,
                             "context": ctx, "skipped": format!(
@@ -294,7 +324,8 @@ fn decode_sweep(
                 );
                 continue;
             }
-            let sets = (plan.pages / need).min(4);
+            let sets = (usable / need).min(4);
+            let wtable = stream.clone_htod(&order[usable..usable + batch * window.pages()])?;
             let tables: Vec<CudaSlice<u32>> = (0..sets)
                 .map(|s| stream.clone_htod(&order[s * need..(s + 1) * need]))
                 .collect::<std::result::Result<_, _>>()?;
@@ -319,8 +350,8 @@ fn decode_sweep(
                     max_context: ctx,
                     scales: (0.8, 1.3),
                     softmax_scale: 1.0 / (DIM as f32).sqrt(),
-                    window: WindowGeom::none(),
-                    window_table: None,
+                    window: wgeom,
+                    window_table: Some(wtable.as_view()),
                 };
                 kernels.decode(
                     &pages,
@@ -340,7 +371,7 @@ fn decode_sweep(
             let host_out = stream.clone_dtoh(&out)?;
             emit(
                 json!({"bench": "decode", "dtype": dtype.to_string(), "batch": batch,
-                        "context": ctx, "ms": ms, "min_ms": times[0],
+                        "context": ctx, "kv_window": window.tokens(), "ms": ms, "min_ms": times[0],
                         "max_ms": times[times.len() - 1], "runs": times.len(),
                         "reps": DECODE_REPS, "isolated_ms": median(&isolated),
                         "rotation_sets": sets, "kv_bytes": bytes,

@@ -1374,8 +1374,14 @@ impl CudaBackend {
                 });
             }
             for page in seq.window {
-                if pool.refcount(*page).map_err(|e| Error::Unsupported(e.to_string()))? == 0 {
-                    return Err(Error::Unsupported(format!("window page {page} is not allocated")));
+                if pool
+                    .refcount(*page)
+                    .map_err(|e| Error::Unsupported(e.to_string()))?
+                    == 0
+                {
+                    return Err(Error::Unsupported(format!(
+                        "window page {page} is not allocated"
+                    )));
                 }
             }
         }

@@ -108,7 +108,11 @@ impl WindowGeom {
         Self {
             page_bytes: layout.page_bytes() as u64,
             tokens: count(window.tokens()),
-            units_per_page: count(if window.is_none() { 1 } else { window.units_per_page() }),
+            units_per_page: count(if window.is_none() {
+                1
+            } else {
+                window.units_per_page()
+            }),
             unit_bytes: count(window.unit_bytes()),
             pages: count(window.pages()),
             kv_heads: count(layout.kv_heads()),

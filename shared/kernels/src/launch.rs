@@ -449,7 +449,11 @@ impl Kernels {
         check("window keys", rows * row, k.len())?;
         check("window values", rows * row, v.len())?;
         check("sequence lengths", rows / rows_per_seq, lens.len())?;
-        check("window table", lens.len() * window.pages as usize, table.len())?;
+        check(
+            "window table",
+            lens.len() * window.pages as usize,
+            table.len(),
+        )?;
         let (rows32, per, dim) = (rows as u32, rows_per_seq as u32, head_dim as u32);
         let values = (rows * 2 * row) as u64;
         let mut b = self.builder(&self.window_store);
@@ -646,7 +650,11 @@ impl Kernels {
         let window_table = match (&batch.window_table, batch.window.tokens) {
             (_, 0) => &batch.page_table,
             (Some(table), _) => {
-                check("window table", seqs * batch.window.pages as usize, table.len())?;
+                check(
+                    "window table",
+                    seqs * batch.window.pages as usize,
+                    table.len(),
+                )?;
                 table
             }
             (None, _) => {

@@ -96,7 +96,13 @@ impl WindowLayout {
 
     /// Where the BF16 head vector of (layer, part, head) of the token at `position` lives: the
     /// index into the sequence's window pages and the byte offset within that page.
-    pub fn locate(&self, layer: usize, part: KvPart, head: usize, position: usize) -> (usize, usize) {
+    pub fn locate(
+        &self,
+        layer: usize,
+        part: KvPart,
+        head: usize,
+        position: usize,
+    ) -> (usize, usize) {
         debug_assert!(self.tokens > 0 && layer < self.layers && head < self.kv_heads);
         let unit = layer * self.tokens + position % self.tokens;
         let upp = self.units_per_page();

@@ -231,7 +231,16 @@ fn extend_gathers_the_prefix_into_the_workspace() {
             v: &v[p * ks..],
         };
         cache(&pool, &mut store, &mut ws)
-            .extend(step, SeqPages { pages: table.pages(), window: &[] }, p, &chunk, &mut out)
+            .extend(
+                step,
+                SeqPages {
+                    pages: table.pages(),
+                    window: &[],
+                },
+                p,
+                &chunk,
+                &mut out,
+            )
             .unwrap();
         // Expected: prefix from the pages rounded to the work dtype, chunk rounded directly.
         let work = |x: &[f32], g: f32| match dtype {
@@ -298,7 +307,16 @@ fn decode_reads_pages_directly() {
                 v: &v[t * ks..(t + 1) * ks],
             };
             cache(&pool, &mut store, &mut ws)
-                .decode(step, SeqPages { pages: table.pages(), window: &[] }, t + 1, slot, &mut out)
+                .decode(
+                    step,
+                    SeqPages {
+                        pages: table.pages(),
+                        window: &[],
+                    },
+                    t + 1,
+                    slot,
+                    &mut out,
+                )
                 .unwrap();
             let kc = cached(&store, 1, table.pages(), t + 1, KvPart::K);
             let vc = cached(&store, 1, table.pages(), t + 1, KvPart::V);
@@ -352,4 +370,94 @@ fn shape_errors_name_the_buffer() {
         .prefill(step, &slots, &[], &mut out)
         .unwrap_err();
     assert!(matches!(err, AttentionError::Heads { .. }));
+}
+
+/// With a recent window, decode reads the last `W` tokens as BF16 of what was written and older
+/// ones from their NVFP4 pages; prefill and decode both keep the window filled.
+#[test]
+fn decode_reads_the_recent_window_in_bf16_and_older_tokens_from_pages() {
+    const W: usize = 16;
+    let mut rng = StdRng::seed_from_u64(11);
+    let layout = PageLayout::new(LAYERS, KV_HEADS, DIM, PAGE, KvDtype::Nvfp4).unwrap();
+    let plan = PoolPlan::for_pages(layout, 16).unwrap();
+    let mut pool = PagePool::new(plan);
+    let mut store = HostPages::new(plan, GlobalScales::ones(LAYERS), ScaleRule::Mse)
+        .unwrap()
+        .with_window(W)
+        .unwrap();
+    let window = pool.alloc(store.window().pages()).unwrap();
+    let mut ws = Workspace::new(KvDtype::Nvfp4);
+    let p = 21;
+    let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
+    let k = random(&mut rng, (p + 4) * ks);
+    let v = random(&mut rng, (p + 4) * ks);
+    let q: Vec<f32> = random(&mut rng, (p + 4) * qs)
+        .iter()
+        .map(|x| x / 3.0)
+        .collect();
+    let mut table = PageTable::new();
+    let first: Vec<_> = table
+        .append(&mut pool, p)
+        .unwrap()
+        .into_iter()
+        .map(Some)
+        .collect();
+    let mut out = vec![0.0f32; p * qs];
+    let step = Step {
+        layer: 0,
+        q_heads: Q_HEADS,
+        q: &q[..p * qs],
+        k: &k[..p * ks],
+        v: &v[..p * ks],
+    };
+    cache(&pool, &mut store, &mut ws)
+        .prefill(step, &first, &window, &mut out)
+        .unwrap();
+    for t in p..p + 4 {
+        let slot = table.append(&mut pool, 1).unwrap()[0];
+        let mut out = vec![0.0f32; qs];
+        let step = Step {
+            layer: 0,
+            q_heads: Q_HEADS,
+            q: &q[t * qs..(t + 1) * qs],
+            k: &k[t * ks..(t + 1) * ks],
+            v: &v[t * ks..(t + 1) * ks],
+        };
+        let seq = SeqPages {
+            pages: table.pages(),
+            window: &window,
+        };
+        cache(&pool, &mut store, &mut ws)
+            .decode(step, seq, t + 1, slot, &mut out)
+            .unwrap();
+        // What decode must have read: pages for positions before t + 1 - W, BF16 after.
+        let mut kc = cached(&store, 0, table.pages(), t + 1, KvPart::K);
+        let mut vc = cached(&store, 0, table.pages(), t + 1, KvPart::V);
+        for j in t + 1 - W..=t {
+            for (c, x) in [(&mut kc, &k), (&mut vc, &v)] {
+                for i in j * ks..(j + 1) * ks {
+                    c[i] = bf16::round(x[i]);
+                }
+            }
+        }
+        let expected = reference(&round_bf16(&q[t * qs..(t + 1) * qs]), &kc, &vc, t);
+        assert_close(&out, &expected, 1e-5, "nvfp4 with a window");
+        // Closer to f32 attention than without the window.
+        let exact = reference(
+            &q[t * qs..(t + 1) * qs],
+            &k[..(t + 1) * ks],
+            &v[..(t + 1) * ks],
+            t,
+        );
+        let pages_only = reference(
+            &round_bf16(&q[t * qs..(t + 1) * qs]),
+            &cached(&store, 0, table.pages(), t + 1, KvPart::K),
+            &cached(&store, 0, table.pages(), t + 1, KvPart::V),
+            t,
+        );
+        assert!(
+            cosine(&out, &exact) > cosine(&pages_only, &exact),
+            "token {t}"
+        );
+    }
 }

@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 
 use nibble_kvcache::PoolPlan;
-use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_kvfmt::{KvDtype, PageLayout, WindowLayout};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::*;
@@ -9,9 +9,18 @@ use super::*;
 const PAGE: usize = 4;
 
 fn state(pages: usize, config: SchedulerConfig) -> State {
-    let layout = PageLayout::new(1, 1, 16, PAGE, KvDtype::Nvfp4).unwrap();
-    let pool = PagePool::new(PoolPlan::for_pages(layout, pages).unwrap());
+    let pool = PagePool::new(PoolPlan::for_pages(layout(), pages).unwrap());
     State::new(config, pool, RadixCache::default())
+}
+
+fn layout() -> PageLayout {
+    PageLayout::new(1, 1, 16, PAGE, KvDtype::Nvfp4).unwrap()
+}
+
+/// A state whose sequences keep a recent window of `tokens` (one page per window token here: a
+/// 72-byte page holds one 64-byte unit).
+fn windowed(pages: usize, config: SchedulerConfig, tokens: usize) -> State {
+    state(pages, config).with_window(&WindowLayout::new(&layout(), tokens).unwrap())
 }
 
 fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
@@ -364,14 +373,18 @@ fn submissions_are_validated_and_the_queue_is_bounded() {
 #[test]
 fn randomized_load_finishes_everything_without_leaks() {
     let mut rng = StdRng::seed_from_u64(9);
-    for round in 0..20 {
+    for round in 0..40 {
         let config = SchedulerConfig {
             max_batch_tokens: rng.gen_range(4..40),
             max_running: rng.gen_range(1..6),
             max_waiting: 64,
             max_context: 64,
         };
-        let mut s = state(rng.gen_range(12..30), config);
+        // Every other round with a recent window of one page: 4 pages per running sequence.
+        let mut s = match round % 2 {
+            0 => state(rng.gen_range(12..30), config),
+            _ => windowed(rng.gen_range(24..40), config, PAGE),
+        };
         let mut prompts = HashMap::new();
         let shared: Vec<u32> = (0..rng.gen_range(0..12)).collect();
         for id in 0..rng.gen_range(1..20u64) {
@@ -456,4 +469,71 @@ fn prefill_only_holds_pages_and_reservations_activate() {
         Ok(Some(FinishReason::Stop))
     );
     assert_no_leak(&mut s);
+}
+
+#[test]
+fn a_window_takes_pages_and_the_cached_prefix_stops_before_it() {
+    let mut s = windowed(32, SchedulerConfig::default(), 4);
+    assert_eq!(s.window_pages(), 4);
+    let prompt: Vec<u32> = (0..21).collect();
+    s.submit(request(1, prompt.clone(), 2)).unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(batch.items[0].positions, 0..21);
+    assert_eq!(s.window(SeqId(1)).unwrap().len(), 4);
+    // 6 pages of tokens and 4 of window.
+    assert_eq!(s.pool.free_pages(), 32 - 6 - 4);
+    drain(&mut s);
+    // The same prompt again: 5 full pages are cached, but the last 4 tokens before the final one
+    // (positions 16..20) must be computed again for the window, so only 4 pages (16 tokens) are
+    // reused, not 5.
+    s.submit(request(2, prompt.clone(), 2)).unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(batch.items[0].positions, 16..21);
+    assert_eq!(batch.items[0].path, Path::Extend);
+    assert_eq!(s.prefix_hit(SeqId(2)), Some(16));
+    drain(&mut s);
+    // A prompt no longer than the window reuses nothing.
+    s.submit(request(3, (0..5).collect(), 1)).unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(batch.items[0].positions, 0..5);
+    drain(&mut s);
+    // A request needing more pages than the pool has beside its window is refused at once.
+    let err = s.submit(request(4, (0..100).collect(), 13)).unwrap_err();
+    assert_eq!(
+        err,
+        SubmitError::TooLarge {
+            needed: 33,
+            total: 32
+        }
+    );
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn reservations_list_the_window_pages_after_the_prompt() {
+    let mut s = windowed(32, SchedulerConfig::default(), 4);
+    let prompt: Vec<u32> = (0..10).collect();
+    let r = s.reserve(SeqId(1), &prompt).unwrap();
+    assert_eq!(r.cached_tokens, 0);
+    assert_eq!(
+        r.pages.len(),
+        3 + 4,
+        "three prompt pages, then four window pages"
+    );
+    assert_eq!(&r.pages[3..], s.window(SeqId(1)).unwrap());
+    assert_eq!(s.pool.free_pages(), 32 - 7);
+    assert!(s.release_held(SeqId(1)));
+    assert_eq!(s.pool.free_pages(), 32);
+    // No room for the window: nothing is held.
+    let mut tight = windowed(5, SchedulerConfig::default(), 4);
+    let err = tight.reserve(SeqId(2), &prompt).unwrap_err();
+    assert!(matches!(err, SubmitError::TooLarge { .. }), "{err}");
+    let mut tight = windowed(8, SchedulerConfig::default(), 4);
+    tight.submit(request(3, (0..4).collect(), 8)).unwrap();
+    step(&mut tight);
+    let err = tight.reserve(SeqId(4), &prompt).unwrap_err();
+    assert!(matches!(err, SubmitError::NoRoom { .. }), "{err}");
+    assert_eq!(tight.held(), 0);
+    drain(&mut tight);
+    assert_no_leak(&mut tight);
 }

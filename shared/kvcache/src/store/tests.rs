@@ -1,4 +1,4 @@
-use nibble_kvfmt::{interchange, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule};
+use nibble_kvfmt::{bf16, interchange, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule};
 
 use super::*;
 
@@ -127,4 +127,81 @@ fn scales_are_validated() {
     let err = HostPages::new(plan, scales, ScaleRule::Mse).unwrap_err();
     assert!(err.to_string().contains("V scale of layer 1"), "{err}");
     assert!(HostPages::new(plan, GlobalScales::ones(3), ScaleRule::Mse).is_err());
+}
+
+#[test]
+fn the_window_holds_the_last_tokens_in_bf16() {
+    // 2 layers x 2 heads x 32 dims, pages of 4 tokens: a window of 4 tokens.
+    let plan = PoolPlan::for_pages(layout(KvDtype::Nvfp4), 8).unwrap();
+    let mut pool = PagePool::new(plan);
+    let mut store = HostPages::new(plan, GlobalScales::ones(2), ScaleRule::Mse)
+        .unwrap()
+        .with_window(4)
+        .unwrap();
+    let window = *store.window();
+    let pages = pool.alloc(window.pages()).unwrap();
+    // Six tokens written one step at a time, as decode does: the window keeps tokens 2..6.
+    let token = |t: usize, part: f32| -> Vec<f32> {
+        (0..64)
+            .map(|i| part * (t as f32 + i as f32 / 64.0))
+            .collect()
+    };
+    for t in 0..6 {
+        let (k, v) = (token(t, 1.0), token(t, -1.0));
+        store
+            .write_window(&pool, &pages, 1, &k, &v, t..t + 1, t + 1)
+            .unwrap();
+    }
+    let mut out = vec![0.0f32; 32];
+    for t in 2..6 {
+        assert!(window.holds(t, 6));
+        let bytes = store.window_head(&pages, 1, KvPart::V, 1, t).unwrap();
+        bf16::decode_le(bytes, &mut out);
+        let expected: Vec<f32> = token(t, -1.0)[32..]
+            .iter()
+            .map(|x| bf16::round(*x))
+            .collect();
+        assert_eq!(out, expected, "token {t}");
+    }
+    // A prefill of 6 tokens writes only the last 4: the same bytes.
+    let mut again = HostPages::new(plan, GlobalScales::ones(2), ScaleRule::Mse)
+        .unwrap()
+        .with_window(4)
+        .unwrap();
+    let k: Vec<f32> = (0..6).flat_map(|t| token(t, 1.0)).collect();
+    let v: Vec<f32> = (0..6).flat_map(|t| token(t, -1.0)).collect();
+    again
+        .write_window(&pool, &pages, 1, &k, &v, 0..6, 6)
+        .unwrap();
+    for p in &pages {
+        assert_eq!(again.page(*p).unwrap(), store.page(*p).unwrap());
+    }
+    // Window pages must be the window's count and allocated; nothing is written otherwise.
+    let err = store
+        .write_window(&pool, &pages[..0], 1, &k[..64], &v[..64], 6..7, 7)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::BadLength {
+                what: "window pages",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    pool.release_all(&pages).unwrap();
+    let err = store
+        .write_window(&pool, &pages, 1, &k[..64], &v[..64], 6..7, 7)
+        .unwrap_err();
+    assert!(matches!(err, Error::NotAllocated(_)), "{err}");
+    // Not a multiple of the page size.
+    let err = HostPages::new(plan, GlobalScales::ones(2), ScaleRule::Mse)
+        .unwrap()
+        .with_window(6)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("not a multiple of the page size"),
+        "{err}"
+    );
 }

@@ -6,6 +6,8 @@
 //!   the work scale, or BF16);
 //! * decode attention over NVFP4, FP8 and BF16 pages: within a relative L2 error of the CPU
 //!   reference (`nibble_engine::paged::DecodeScratch`) on the same pages;
+//! * the recent window: BF16 bytes identical to `HostPages::write_window`, and decode over NVFP4
+//!   pages plus the window within the relative L2 error of the CPU reference ([`window`]);
 //! * prefill and extend attention over the FP8 and BF16 workspaces: within a relative L2 error of
 //!   the CPU backend's causal attention (`CpuBackend::attention`) on the same decoded workspace.
 //!
@@ -14,11 +16,13 @@
 
 use std::process::ExitCode;
 
+mod window;
+
 use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaSlice;
 use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
-use nibble_kernels::{WindowGeom, DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch};
+use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch, WindowGeom};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
 use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -95,6 +99,7 @@ fn run() -> Result<usize> {
         for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
             failures += check_dtype(&kernels, geometry, dtype)?;
         }
+        failures += window::check_window(&kernels, geometry)?;
         for work in [KvDtype::Fp8, KvDtype::Bf16] {
             for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17)] {
                 failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;

@@ -1,0 +1,215 @@
+//! The recent window on the GPU: `window_store` writes the bytes `HostPages::write_window` writes
+//! (a prefill's many rows and a decode step's one row per sequence), and decode over NVFP4 pages
+//! plus a BF16 window matches the CPU reference within the decode tolerance, for contexts
+//! shorter than the window, equal to it, and longer (the window's first token anywhere in a
+//! 16-token tile).
+
+use super::*;
+
+const WINDOW: usize = 64;
+
+pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
+    let stream = kernels.stream();
+    let dtype = KvDtype::Nvfp4;
+    let mut rng = StdRng::seed_from_u64(0x3d0 ^ geo.head_dim as u64);
+    let layout = PageLayout::new(geo.layers, geo.kv_heads, geo.head_dim, PAGE, dtype)?;
+    let contexts = [1usize, 40, 64, 65, 77, 333, 2100];
+    let scales = GlobalScales {
+        k: vec![1.0, 0.37],
+        v: vec![1.0, 1.9],
+    };
+    let probe = HostPages::new(
+        PoolPlan::for_pages(layout, 1)?,
+        scales.clone(),
+        ScaleRule::Mse,
+    )?
+    .with_window(WINDOW)?;
+    let wp = probe.window().pages();
+    let token_pages: usize = contexts.iter().map(|c| c.div_ceil(PAGE)).sum();
+    let plan = PoolPlan::for_pages(layout, token_pages + contexts.len() * wp)?;
+    let mut pool = PagePool::new(plan);
+    let mut store = HostPages::new(plan, scales.clone(), ScaleRule::Mse)?.with_window(WINDOW)?;
+    let geom = PageGeom::new(&layout, LAYER)?;
+    let wgeom = WindowGeom::new(store.window(), &layout, LAYER);
+    let name = format!("D={} H={}", geo.head_dim, geo.kv_heads);
+    let mut failures = 0;
+    let per_token = geo.kv_heads * geo.head_dim;
+
+    // Every sequence's pages and window, written on the CPU: its tokens quantized into pages,
+    // its last WINDOW tokens in BF16.
+    let mut seqs = Vec::new();
+    for &ctx in &contexts {
+        let mut pages = pool.alloc(ctx.div_ceil(PAGE))?;
+        pages.shuffle(&mut rng);
+        let window = pool.alloc(wp)?;
+        let (k, v) = (
+            values(&mut rng, ctx * per_token),
+            values(&mut rng, ctx * per_token),
+        );
+        let slots: Vec<Option<SlotId>> = (0..ctx)
+            .map(|t| Some(SlotId::new(pages[t / PAGE], t % PAGE, PAGE)))
+            .collect();
+        store.write_kv(&pool, LAYER, &k, &v, &slots)?;
+        store.write_window(&pool, &window, LAYER, &k, &v, 0..ctx, ctx)?;
+        seqs.push((ctx, pages, window, k, v));
+    }
+    let host = |store: &HostPages| -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(plan.bytes);
+        for p in 0..plan.pages {
+            bytes.extend_from_slice(store.page(PageId(p as u32))?);
+        }
+        Ok(bytes)
+    };
+    let cpu_bytes = host(&store)?;
+
+    // window_store: the pages as the CPU wrote them but with zeroed windows, then each
+    // sequence's window written on the GPU, as a prefill (all rows) and as decode steps (the
+    // last three tokens, one row per sequence per step).
+    let mut zeroed = cpu_bytes.clone();
+    for (_, _, window, _, _) in &seqs {
+        for p in window {
+            let at = p.0 as usize * layout.page_bytes();
+            zeroed[at..at + layout.page_bytes()].fill(0);
+        }
+    }
+    let mut dev = stream.clone_htod(&zeroed)?;
+    let mut tables = Vec::new();
+    for (ctx, _, window, k, v) in &seqs {
+        let table: Vec<u32> = window.iter().map(|p| p.0).collect();
+        tables.extend_from_slice(&table);
+        let prefill = ctx.saturating_sub(3).max(1);
+        let (dk, dv) = (
+            stream.clone_htod(&k[..prefill * per_token])?,
+            stream.clone_htod(&v[..prefill * per_token])?,
+        );
+        let (dt, dl) = (
+            stream.clone_htod(&table)?,
+            stream.clone_htod(&[prefill as u32])?,
+        );
+        // SAFETY: the table holds this pool's window pages; the length covers the rows.
+        unsafe {
+            kernels.store_window(
+                &mut dev,
+                wgeom,
+                &dt.as_view(),
+                &dk.as_view(),
+                &dv.as_view(),
+                &dl.as_view(),
+                prefill,
+                geo.head_dim,
+            )
+        }?;
+        for t in prefill..*ctx {
+            let row = t * per_token..(t + 1) * per_token;
+            let (dk, dv) = (
+                stream.clone_htod(&k[row.clone()])?,
+                stream.clone_htod(&v[row])?,
+            );
+            let dl = stream.clone_htod(&[t as u32 + 1])?;
+            // SAFETY: as above, one row of length t + 1.
+            unsafe {
+                kernels.store_window(
+                    &mut dev,
+                    wgeom,
+                    &dt.as_view(),
+                    &dk.as_view(),
+                    &dv.as_view(),
+                    &dl.as_view(),
+                    1,
+                    geo.head_dim,
+                )
+            }?;
+        }
+    }
+    let gpu_bytes = stream.clone_dtoh(&dev)?;
+    let diff = cpu_bytes
+        .iter()
+        .zip(&gpu_bytes)
+        .filter(|(a, b)| a != b)
+        .count();
+    failures += report(
+        &format!("window store {name}"),
+        diff == 0,
+        &format!("{diff} of {} pool bytes differ", cpu_bytes.len()),
+    );
+
+    // Decode of every sequence in one launch, and of the longest alone (several splits).
+    let qn = geo.q_heads * geo.head_dim;
+    let q: Vec<f32> = (0..contexts.len() * qn)
+        .map(|_| rng.gen_range(-3.0f32..3.0))
+        .collect();
+    let mut cpu_out = vec![0.0f32; q.len()];
+    let mut scratch = DecodeScratch::default();
+    for (i, (ctx, pages, window, _, _)) in seqs.iter().enumerate() {
+        let args = DecodeArgs {
+            layer: LAYER,
+            q_heads: geo.q_heads,
+            q: &q[i * qn..(i + 1) * qn],
+            seq: SeqPages { pages, window },
+            context: *ctx,
+        };
+        scratch.decode(&store, args, &mut cpu_out[i * qn..(i + 1) * qn])?;
+    }
+    let dev_pages = stream.clone_htod(&cpu_bytes)?;
+    let max_pages = seqs.iter().map(|s| s.1.len()).max().unwrap_or(1);
+    let mut table = vec![0u32; seqs.len() * max_pages];
+    for (i, (_, pages, _, _, _)) in seqs.iter().enumerate() {
+        for (j, p) in pages.iter().enumerate() {
+            table[i * max_pages + j] = p.0;
+        }
+    }
+    let mut ws = DecodeWorkspace::new(kernels)?;
+    let n = seqs.len();
+    for batch_seqs in [0..n, n - 1..n] {
+        let first = batch_seqs.start;
+        let ctx32: Vec<u32> = contexts[batch_seqs.clone()]
+            .iter()
+            .map(|c| *c as u32)
+            .collect();
+        let (dq, dtable, dctx, dwin) = (
+            stream.clone_htod(&q[first * qn..batch_seqs.end * qn])?,
+            stream.clone_htod(&table[first * max_pages..batch_seqs.end * max_pages])?,
+            stream.clone_htod(&ctx32)?,
+            stream.clone_htod(&tables[first * wp..batch_seqs.end * wp])?,
+        );
+        let batch = DecodeBatch {
+            q: dq.as_view(),
+            q_heads: geo.q_heads,
+            page_table: dtable.as_view(),
+            max_pages,
+            context: dctx.as_view(),
+            max_context: *contexts[batch_seqs.clone()].iter().max().unwrap_or(&1),
+            scales: (scales.k[LAYER], scales.v[LAYER]),
+            softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
+            window: wgeom,
+            window_table: Some(dwin.as_view()),
+        };
+        let mut dout = stream.clone_htod(&vec![f32::NAN; batch_seqs.len() * qn])?;
+        kernels.decode(
+            &dev_pages,
+            geom,
+            dtype,
+            &batch,
+            &mut ws,
+            &mut dout.as_view_mut(),
+            None,
+        )?;
+        let gpu_out = stream.clone_dtoh(&dout)?;
+        for (i, ctx) in contexts[batch_seqs.clone()].iter().enumerate() {
+            let c = &cpu_out[(first + i) * qn..(first + i + 1) * qn];
+            let (rel, max_abs, finite) = compare(c, &gpu_out[i * qn..(i + 1) * qn]);
+            failures += report(
+                &format!(
+                    "decode with a window {name} of {}: context {ctx}",
+                    batch_seqs.len()
+                ),
+                finite && rel <= tolerance(KvDtype::Bf16),
+                &format!(
+                    "relative L2 error {rel:.2e} (limit {:.0e}), max abs error {max_abs:.2e}",
+                    tolerance(KvDtype::Bf16)
+                ),
+            );
+        }
+    }
+    Ok(failures)
+}
