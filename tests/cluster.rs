@@ -140,18 +140,28 @@ async fn tokens_through_the_cluster_match_one_engine_for_every_kv_dtype() {
         let log = cluster.prefills[0].log();
         let pushes = pushes(&log);
         assert!(!pushes.is_empty(), "{dtype}: no transfer logged:\n{log}");
-        // The cold prompt's 120 tokens: 7 full pages of 16 and one partial page.
-        assert_eq!(pushes[0].0, 8, "{dtype}: {pushes:?}");
-        moved.push((dtype, pushes[0].1));
+        // The cold prompt's 120 tokens: 7 full pages of 16 and one partial page, then the
+        // recent window's pages (nvfp4's default window of 64 tokens: 15 pages of SmolLM2).
+        let window = match dtype {
+            KvDtype::Nvfp4 => 15,
+            KvDtype::Fp8 | KvDtype::Bf16 => 0,
+        };
+        assert_eq!(pushes[0].0, 8 + window, "{dtype}: {pushes:?}");
+        moved.push((dtype, pushes[0].1 / pushes[0].0));
     }
+    // Bytes per page moved.
     let bytes = |d: KvDtype| moved.iter().find(|(m, _)| *m == d).unwrap().1;
     let (bf16, fp8, nvfp4) = (
         bytes(KvDtype::Bf16),
         bytes(KvDtype::Fp8),
         bytes(KvDtype::Nvfp4),
     );
-    assert_eq!(nvfp4 * 16, fp8 * 9, "nvfp4 moves 0.5625x fp8: {moved:?}");
-    assert_eq!(fp8 * 2, bf16, "fp8 moves half of bf16: {moved:?}");
+    assert_eq!(
+        nvfp4 * 16,
+        fp8 * 9,
+        "nvfp4 pages are 0.5625x fp8's: {moved:?}"
+    );
+    assert_eq!(fp8 * 2, bf16, "fp8 pages are half of bf16's: {moved:?}");
 }
 
 /// Cancelling frees the request's pages on both workers; invalid requests are refused naming

@@ -130,6 +130,12 @@ pub struct LayoutArgs {
     /// KV dtype: nvfp4, fp8 or bf16.
     #[arg(long, env = "NIBBLE_KV_DTYPE", value_parser = parse_dtype)]
     pub dtype: KvDtype,
+    /// Tokens of each sequence's BF16 recent window [default: 64 for nvfp4, 0 otherwise].
+    #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
+    pub kv_window: Option<usize>,
+    /// Also report one sequence of this many tokens: its pages, bytes and tokens per GiB.
+    #[arg(long, value_name = "TOKENS")]
+    pub context: Option<usize>,
 }
 
 pub(crate) fn parse_dtype(s: &str) -> Result<KvDtype, nibble_kvfmt::Error> {

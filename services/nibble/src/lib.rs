@@ -51,6 +51,8 @@ pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
                 args.head_dim,
                 args.page_size,
                 args.dtype,
+                args.kv_window,
+                args.context,
             )?;
             report.write_json(stdout)
         }
