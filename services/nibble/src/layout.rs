@@ -196,7 +196,8 @@ mod tests {
 
     #[test]
     fn bad_geometry_is_named() {
-        let err = LayoutReport::new(30, 0, 64, 16, KvDtype::Nvfp4).expect_err("no heads");
+        let err =
+            LayoutReport::new(30, 0, 64, 16, KvDtype::Nvfp4, None, None).expect_err("no heads");
         assert_eq!(
             err.to_string(),
             "kv heads must be between 1 and 4096, got 0"
