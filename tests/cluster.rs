@@ -103,14 +103,15 @@ fn pushes(log: &str) -> Vec<(u64, u64)> {
 }
 
 /// For bf16, fp8 and nvfp4: the tokens through router → prefill → transfer → decode equal one
-/// engine's, cold and then with the prefix cached on both workers; and the bytes moved for the
-/// same prompt are in the ratio of the formats (nvfp4 = 0.5625 × fp8 = 0.28125 × bf16).
+/// engine's, cold and then with the prefix cached on both workers (prompts of 300 and 420
+/// tokens: more than one prompt block of 256); and the pages moved for the same prompt are in
+/// the ratio of the formats (nvfp4 = 0.5625 × fp8 = 0.28125 × bf16).
 #[tokio::test(flavor = "multi_thread")]
 async fn tokens_through_the_cluster_match_one_engine_for_every_kv_dtype() {
     let _serial = SERIAL.lock().await;
-    let cold = austen_tokens(120);
+    let cold = austen_tokens(300);
     let mut warm = cold.clone();
-    warm.extend(austen_tokens(200)[120..].iter());
+    warm.extend(austen_tokens(420)[300..].iter());
     let mut moved = Vec::new();
     for dtype in KvDtype::ALL {
         let expected = reference(dtype, &[cold.clone(), warm.clone()], NEW_TOKENS);
@@ -133,20 +134,20 @@ async fn tokens_through_the_cluster_match_one_engine_for_every_kv_dtype() {
             again.usage.unwrap().cached_tokens
         };
         assert!(
-            usage_of_warm >= 192,
+            usage_of_warm >= 288,
             "{dtype}: {usage_of_warm} cached tokens"
         );
         cluster.assert_pages_back().await;
         let log = cluster.prefills[0].log();
         let pushes = pushes(&log);
         assert!(!pushes.is_empty(), "{dtype}: no transfer logged:\n{log}");
-        // The cold prompt's 120 tokens: 7 full pages of 16 and one partial page, then the
+        // The cold prompt's 300 tokens: 18 full pages of 16 and one partial page, then the
         // recent window's pages (nvfp4's default window of 64 tokens: 15 pages of SmolLM2).
         let window = match dtype {
             KvDtype::Nvfp4 => 15,
             KvDtype::Fp8 | KvDtype::Bf16 => 0,
         };
-        assert_eq!(pushes[0].0, 8 + window, "{dtype}: {pushes:?}");
+        assert_eq!(pushes[0].0, 19 + window, "{dtype}: {pushes:?}");
         moved.push((dtype, pushes[0].1 / pushes[0].0));
     }
     // Bytes per page moved.

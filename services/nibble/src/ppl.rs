@@ -120,6 +120,7 @@ fn path_name(path: EvalPath) -> &'static str {
     match path {
         EvalPath::Prefill => "prefill",
         EvalPath::Extend => "extend",
+        EvalPath::Blocks => "blocks",
         EvalPath::Decode => "decode",
     }
 }

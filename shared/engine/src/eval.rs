@@ -85,6 +85,10 @@ pub enum EvalPath {
     Prefill,
     /// Chunks of [`EXTEND_CHUNK`] tokens: the first an initial prefill, the rest through extend.
     Extend,
+    /// The serving engine's prompt blocks (`SchedulerConfig::default().prefill_block`, 256
+    /// tokens): the first an initial prefill, the rest through extend. What a prompt longer than
+    /// one block gets from `nibble up`.
+    Blocks,
     /// The first token prefilled, every later one teacher-forced through decode, so attention
     /// reads the quantized pages.
     Decode,
@@ -101,8 +105,9 @@ impl std::str::FromStr for EvalPath {
             "prefill" => Ok(EvalPath::Prefill),
             "extend" => Ok(EvalPath::Extend),
             "decode" => Ok(EvalPath::Decode),
+            "blocks" => Ok(EvalPath::Blocks),
             _ => Err(Error::InvalidInput(format!(
-                "unknown path {s:?}: expected prefill, extend or decode"
+                "unknown path {s:?}: expected prefill, extend, blocks or decode"
             ))),
         }
     }
@@ -127,6 +132,7 @@ pub fn score_window_paged<B: Backend>(
     let step = match path {
         EvalPath::Prefill => tokens.len(),
         EvalPath::Extend => EXTEND_CHUNK,
+        EvalPath::Blocks => crate::scheduler::SchedulerConfig::default().prefill_block,
         EvalPath::Decode => 1,
     };
     for part in tokens.chunks(step) {

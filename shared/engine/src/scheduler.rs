@@ -36,6 +36,13 @@ pub struct SchedulerConfig {
     pub max_waiting: usize,
     /// Longest sequence (prompt + output) the model accepts.
     pub max_context: usize,
+    /// Prompts are computed in blocks of this many tokens from position 0 (a multiple of the
+    /// page size; rounded down to one, and to what the step budget leaves beside a decode of
+    /// every running sequence): a step's chunk of a prompt is one whole block (or the prompt's
+    /// last, partial one), and a cached prefix is reused only up to a block boundary. A prompt's
+    /// K/V and first token then do not depend on what the cache held, how the budget fell or
+    /// which worker prefilled it (docs/ARCHITECTURE.md, "Prompt blocks").
+    pub prefill_block: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -45,7 +52,19 @@ impl Default for SchedulerConfig {
             max_running: 64,
             max_waiting: 256,
             max_context: 8192,
+            prefill_block: 256,
         }
+    }
+}
+
+impl SchedulerConfig {
+    /// The prompt block `State` uses with pages of `page_size` tokens: `prefill_block` rounded
+    /// down to whole pages, at most what `max_batch_tokens` leaves beside one decode token of
+    /// each of `max_running` sequences (so a block always fits a step), at least one page.
+    pub fn block(&self, page_size: usize) -> usize {
+        let room = self.max_batch_tokens.saturating_sub(self.max_running);
+        let block = self.prefill_block.min(room) / page_size * page_size;
+        block.max(page_size)
     }
 }
 
@@ -151,6 +170,9 @@ struct Sequence {
     stop_tokens: Vec<u32>,
     /// Tokens whose K/V are in `table`.
     computed: usize,
+    /// Tokens this life computes as prompt blocks (its tokens when admitted): pages only of those
+    /// go to the prefix cache, never pages of tokens decoded one at a time.
+    prefilled: usize,
     table: PageTable,
     /// Its recent window's pages while it holds any (see [`State::with_window`]).
     window: Vec<PageId>,
@@ -200,11 +222,15 @@ pub struct State {
     /// Tokens of every sequence's recent window, and the pages one takes.
     window_tokens: usize,
     window_pages: usize,
+    /// Tokens per prompt block (`SchedulerConfig::block`).
+    block: usize,
 }
 
 impl State {
     pub fn new(config: SchedulerConfig, pool: PagePool, cache: RadixCache) -> Self {
+        let block = config.block(pool.layout().page_size());
         Self {
+            block,
             config,
             pool,
             cache,
@@ -232,16 +258,24 @@ impl State {
         self.window_pages
     }
 
-    /// Cached pages of `tokens` a sequence may start from: at most `matched`, and never any that
-    /// holds one of the last `window_tokens` tokens (nor the last token, which must be computed
-    /// for its logits).
+    /// Cached pages of `tokens` a sequence may start from: at most `matched`, ending on a prompt
+    /// block boundary, and never any that holds one of the last `window_tokens` tokens (nor the
+    /// last token, which must be computed for its logits).
     fn reusable_pages(&self, tokens: usize, matched: usize) -> usize {
-        let keep = if self.window_tokens == 0 {
-            tokens.saturating_sub(1)
-        } else {
-            tokens.saturating_sub(1 + self.window_tokens)
-        };
-        matched.min(keep / self.page_size())
+        let keep = tokens.saturating_sub(1 + self.window_tokens);
+        let reused = (matched * self.page_size()).min(keep) / self.block * self.block;
+        reused / self.page_size()
+    }
+
+    /// Tokens per prompt block.
+    pub fn prefill_block(&self) -> usize {
+        self.block
+    }
+
+    /// The next chunk of a prompt computed from `start` with `remaining` tokens left: up to the
+    /// next block boundary.
+    fn block_chunk(&self, start: usize, remaining: usize) -> usize {
+        (self.block - start % self.block).min(remaining)
     }
 
     /// Allocates a sequence's window pages, evicting cached blocks if needed; false when the pool
@@ -310,6 +344,7 @@ impl State {
             max_tokens: request.max_tokens,
             stop_tokens: request.stop_tokens,
             computed: 0,
+            prefilled: 0,
             table: PageTable::new(),
             window: Vec::new(),
             locked: Vec::new(),
@@ -362,7 +397,11 @@ impl State {
     /// every filled page cost ~17 us per sequence and step at 32K context).
     fn cache_full_pages(&mut self, seq: &mut Sequence) {
         let page_size = self.page_size();
-        let full = seq.computed / page_size;
+        // A prompt's last block of one token runs through the decode path: its page is not what
+        // a longer prompt's block computes, so it is not offered either.
+        let last = seq.prefilled % self.block == 1 && seq.prefilled > 1;
+        let prefilled = seq.prefilled - usize::from(last);
+        let full = seq.computed.min(prefilled) / page_size;
         if full <= seq.cached_pages {
             return;
         }
@@ -399,6 +438,7 @@ impl State {
     fn requeue(&mut self, mut seq: Sequence) {
         self.release(&mut seq);
         seq.computed = 0;
+        seq.prefilled = 0;
         seq.cached_pages = 0;
         self.waiting.push_front(seq);
     }
@@ -468,10 +508,14 @@ impl State {
             }
             let seq = &self.running[idx];
             let remaining = seq.tokens.len() - seq.computed;
-            if remaining <= 1 && seq.computed > 0 {
-                continue; // decoding, handled above
+            if seq.computed >= seq.prefilled || (remaining <= 1 && seq.computed > 0) {
+                continue; // decoding (or the prompt's last token, as one), handled above
             }
-            if let Some(item) = self.chunk(idx, remaining.min(budget)) {
+            let n = self.block_chunk(seq.computed, remaining);
+            if n > budget {
+                continue; // a block is never split: it waits for a step with room
+            }
+            if let Some(item) = self.chunk(idx, n) {
                 budget -= item.tokens.len();
                 items.push(item);
             } else {
@@ -483,6 +527,11 @@ impl State {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            if self.block_chunk(0, seq.tokens.len()).min(self.block) > budget {
+                // Even an uncached start needs a whole first block.
+                self.waiting.push_front(seq);
+                break;
+            }
             // Reuse the longest cached prefix, keeping at least one token to compute so the step
             // produces logits.
             let hashes = hash_blocks(&seq.tokens[..seq.tokens.len() - 1], page_size);
@@ -494,6 +543,7 @@ impl State {
             seq.locked = hit.to_vec();
             seq.hashes = hashes;
             seq.computed = pages.len() * page_size;
+            seq.prefilled = seq.tokens.len();
             seq.cached_pages = pages.len();
             if seq.prefix_hit == 0 {
                 seq.prefix_hit = seq.computed;
@@ -508,8 +558,14 @@ impl State {
             }
             self.running.push(seq);
             let idx = self.running.len() - 1;
-            let remaining = self.running[idx].tokens.len() - self.running[idx].computed;
-            match self.chunk(idx, remaining.min(budget)) {
+            let (computed, len) = (self.running[idx].computed, self.running[idx].tokens.len());
+            let n = self.block_chunk(computed, len - computed);
+            let chunk = if n <= budget {
+                self.chunk(idx, n)
+            } else {
+                None
+            };
+            match chunk {
                 Some(item) => {
                     budget -= item.tokens.len();
                     items.push(item);

@@ -319,3 +319,55 @@ fn greedy_tokens_from_the_backend_match_the_sampler() {
     assert_eq!(greedy, sampled);
     assert_eq!(greedy, mixed);
 }
+
+/// The Austen fixture's first `n` tokens.
+fn austen(s: &Setup, n: usize) -> Vec<u32> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/austen_pride_and_prejudice_8000_20000.txt"
+    );
+    let tokens = prompt(s, &std::fs::read_to_string(path).unwrap());
+    tokens[..n].to_vec()
+}
+
+/// A request's greedy tokens do not depend on what the cache held or how its prompt was split
+/// into steps: prompts run in whole blocks (256 tokens) and a cached prefix is reused only up to
+/// a block boundary, so every attention path sees each key the same way.
+#[test]
+fn greedy_tokens_do_not_depend_on_the_cache_or_the_chunking() {
+    let s = setup();
+    let long = austen(&s, 700);
+    let greedy = || SamplingParams::greedy(8);
+    for dtype in [KvDtype::Nvfp4, KvDtype::Fp8] {
+        // Cold, in an engine of its own.
+        let mut e = engine(&s, dtype, 256, SchedulerConfig::default());
+        e.submit(SeqId(1), long.clone(), greedy()).unwrap();
+        let cold = run(&mut e).remove(&SeqId(1)).unwrap();
+        assert_eq!(cold.usage.cached_tokens, 0);
+        // The same engine again: its cache holds the whole prompt; 512 tokens (two blocks; the
+        // last 64 are left for the recent window) are reused.
+        e.submit(SeqId(2), long.clone(), greedy()).unwrap();
+        let warm = run(&mut e).remove(&SeqId(2)).unwrap();
+        assert_eq!(warm.usage.cached_tokens, 512, "{dtype}");
+        assert_eq!(warm.tokens, cold.tokens, "{dtype}: warm against cold");
+        // A fresh engine that first ran a 400-token prefix of it (one block is reusable), with
+        // a smaller step budget, and the prompt in a batch with another request.
+        let small = SchedulerConfig {
+            max_batch_tokens: 320,
+            ..SchedulerConfig::default()
+        };
+        let mut e = engine(&s, dtype, 256, small);
+        e.submit(SeqId(3), long[..400].to_vec(), greedy()).unwrap();
+        run(&mut e);
+        e.submit(SeqId(4), long.clone(), greedy()).unwrap();
+        e.submit(SeqId(5), austen(&s, 300), greedy()).unwrap();
+        let mut both = run(&mut e);
+        let partly = both.remove(&SeqId(4)).unwrap();
+        assert_eq!(partly.usage.cached_tokens, 256, "{dtype}");
+        assert_eq!(
+            partly.tokens, cold.tokens,
+            "{dtype}: partly cached against cold"
+        );
+        all_pages_back(&mut e);
+    }
+}

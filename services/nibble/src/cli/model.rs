@@ -229,8 +229,9 @@ pub struct PplArgs {
     /// Consecutive, non-overlapping windows from the start of the text.
     #[arg(long, value_name = "K", default_value_t = 1, value_parser = parse_positive)]
     pub windows: usize,
-    /// Attention path: prefill (one initial prefill), extend (64-token chunks) or decode (one
-    /// token at a time, attention reading the quantized pages).
+    /// Attention path: prefill (one initial prefill), extend (64-token chunks), blocks (the
+    /// serving engine's 256-token prompt blocks) or decode (one token at a time, attention
+    /// reading the quantized pages).
     #[arg(long, value_name = "PATH", default_value = "decode", value_parser = parse_path)]
     pub path: EvalPath,
     /// Print one JSON object instead of a table.
@@ -268,7 +269,7 @@ fn parse_eval_dtype(s: &str) -> Result<EvalDtype, String> {
 
 fn parse_path(s: &str) -> Result<EvalPath, String> {
     s.parse::<EvalPath>()
-        .map_err(|_| format!("unknown path {s:?}: expected prefill, extend or decode"))
+        .map_err(|_| format!("unknown path {s:?}: expected prefill, extend, blocks or decode"))
 }
 
 fn parse_positive(s: &str) -> Result<usize, String> {

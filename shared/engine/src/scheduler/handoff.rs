@@ -79,6 +79,7 @@ impl State {
                 max_tokens: 0,
                 stop_tokens: Vec::new(),
                 computed: cached.len() * page_size,
+                prefilled: prompt.len(),
                 table,
                 window,
                 locked: hit,

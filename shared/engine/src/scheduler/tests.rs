@@ -8,9 +8,27 @@ use super::*;
 
 const PAGE: usize = 4;
 
+/// A state whose prompt blocks are 64 tokens (16 pages: the tests' prompts are one block)
+/// unless `config` asks for others.
 fn state(pages: usize, config: SchedulerConfig) -> State {
     let pool = PagePool::new(PoolPlan::for_pages(layout(), pages).unwrap());
+    let prefill_block = match config.prefill_block {
+        256 => 64,
+        b => b,
+    };
+    let config = SchedulerConfig {
+        prefill_block,
+        ..config
+    };
     State::new(config, pool, RadixCache::default())
+}
+
+/// Prompt blocks of one page: every page boundary a chunk boundary and a reusable prefix.
+fn paged_blocks() -> SchedulerConfig {
+    SchedulerConfig {
+        prefill_block: PAGE,
+        ..SchedulerConfig::default()
+    }
 }
 
 fn layout() -> PageLayout {
@@ -119,8 +137,9 @@ fn one_request_prefills_then_decodes() {
         Outcome::Finished(Some(_), FinishReason::Length)
     ));
     assert_eq!(s.running(), 0);
-    // Pages of the prompt and output (12 computed tokens = 3 full pages) stay cached.
-    assert_eq!(s.cache.len(), 3);
+    // The prompt's full pages stay cached (2 of its 10 tokens' 3 pages); the page its decoded
+    // tokens filled is never offered.
+    assert_eq!(s.cache.len(), 2);
     assert_no_leak(&mut s);
 }
 
@@ -152,7 +171,7 @@ fn long_prompts_are_chunked_within_the_budget() {
 
 #[test]
 fn a_cached_prefix_is_reused() {
-    let mut s = state(16, SchedulerConfig::default());
+    let mut s = state(16, paged_blocks());
     let prompt: Vec<u32> = (0..13).collect();
     s.submit(request(1, prompt.clone(), 1)).unwrap();
     drain(&mut s);
@@ -177,21 +196,20 @@ fn a_cached_prefix_is_reused() {
 }
 
 #[test]
-fn pages_filled_while_decoding_are_cached_as_one_chain() {
-    // A 6-token prompt decodes 15 tokens across several page boundaries; each filled page is
-    // offered on its own. The cache then holds the whole chain of the computed tokens, in order
-    // (each block's parent the one before), and a second request with the same text reuses it.
-    let mut s = state(32, SchedulerConfig::default());
-    let prompt: Vec<u32> = (0..6).collect();
+fn a_prompts_pages_are_cached_as_one_chain_and_decoded_ones_never() {
+    // A 22-token prompt (5 full pages, offered as they fill over 6 one-page blocks) decodes 15
+    // tokens across several page boundaries. The cache then holds the prompt's chain, in order
+    // (each block's parent the one before), and none of the pages decoding filled: decode
+    // computes a token otherwise than a prompt block does, and a later prompt that reused such a
+    // page would not get the tokens it gets cold. The same text again reuses the prompt's pages.
+    let mut s = state(32, paged_blocks());
+    let prompt: Vec<u32> = (0..22).collect();
     s.submit(request(1, prompt.clone(), 15)).unwrap();
     let out = drain(&mut s);
-    let mut text = prompt.clone();
-    text.extend(&out[&SeqId(1)]);
-    let computed = text.len() - 1; // the last token was sampled, never computed
-    let chain = hash_blocks(&text[..computed], PAGE);
+    let chain = hash_blocks(&prompt, PAGE);
     assert_eq!(chain.len(), 5);
     let blocks = s.cache.snapshot().blocks;
-    assert_eq!(blocks.len(), chain.len());
+    assert_eq!(blocks.len(), chain.len(), "the prompt's pages only");
     for (i, hash) in chain.iter().enumerate() {
         let parent = i.checked_sub(1).map(|p| chain[p]);
         assert!(
@@ -199,6 +217,8 @@ fn pages_filled_while_decoding_are_cached_as_one_chain() {
             "block {i} and its parent"
         );
     }
+    let mut text = prompt.clone();
+    text.extend(&out[&SeqId(1)]);
     s.submit(request(2, text.clone(), 1)).unwrap();
     let (batch, _) = step(&mut s);
     assert_eq!(
@@ -211,43 +231,18 @@ fn pages_filled_while_decoding_are_cached_as_one_chain() {
 }
 
 #[test]
-fn a_block_computed_again_does_not_pin_a_second_page() {
-    // Request 1 decodes a prompt into blocks P, A, B (cached when it ends). Request 2 has the same
-    // prompt (P is a hit), computes A again with the same tokens, then samples other tokens
-    // (B'), and needs a fourth page: the pool's last. Had the cache kept its old copy of A, that
-    // copy would be pinned as B''s parent while request 2 holds its own, and request 2 could
-    // never get its fourth page: with nobody else to preempt, it would stall forever.
-    let mut s = state(4, SchedulerConfig::default());
-    let prompt: Vec<u32> = (0..5).collect();
-    s.submit(request(1, prompt.clone(), 8)).unwrap();
+fn cached_blocks_are_evicted_for_a_decode_that_needs_their_pages() {
+    // Request 1's prompt leaves blocks P, A, B cached in a pool of 4 pages. Request 2 shares P
+    // and then decodes into three pages of its own: A and B must be evicted for them, with
+    // nobody to preempt.
+    let mut s = state(4, paged_blocks());
+    let prompt: Vec<u32> = (0..12).collect();
+    s.submit(request(1, prompt.clone(), 1)).unwrap();
     drain(&mut s);
     assert_eq!(s.cache.len(), 3, "P, A, B");
-    s.submit(request(2, prompt.clone(), 9)).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..20 {
-        let batch = s.schedule();
-        if batch.is_empty() {
-            break;
-        }
-        if out.is_empty() {
-            assert_eq!(s.prefix_hit(SeqId(2)), Some(PAGE), "P is a hit");
-        }
-        let mut sampled = Vec::new();
-        for item in batch.items.iter().filter(|i| i.sample) {
-            let tokens = s.tokens(item.seq).unwrap();
-            // Tokens from position 8 on differ from request 1's: block B' is not B.
-            let other = if tokens.len() >= 8 { 1000 } else { 0 };
-            sampled.push((item.seq, next_token(tokens) + other));
-        }
-        for (_, outcome) in s.complete(&batch, &sampled) {
-            if let Outcome::Token(t) | Outcome::Finished(Some(t), _) = outcome {
-                out.push(t);
-            }
-        }
-        s.pool.check_invariants().unwrap();
-    }
-    assert_eq!(out.len(), 9, "request 2 ran to its end");
-    assert_eq!(s.running() + s.waiting(), 0);
+    s.submit(request(2, prompt[..5].to_vec(), 10)).unwrap();
+    let out = drain(&mut s);
+    assert_eq!(out[&SeqId(2)].len(), 10, "request 2 ran to its end");
     assert_eq!(s.preemptions(), 0);
     assert_no_leak(&mut s);
 }
@@ -379,6 +374,8 @@ fn randomized_load_finishes_everything_without_leaks() {
             max_running: rng.gen_range(1..6),
             max_waiting: 64,
             max_context: 64,
+            // One page or two; whole blocks must still fit a step's budget, or wait.
+            prefill_block: PAGE * rng.gen_range(1..3),
         };
         // Every other round with a recent window of one page: 4 pages per running sequence.
         let mut s = match round % 2 {
@@ -473,15 +470,19 @@ fn prefill_only_holds_pages_and_reservations_activate() {
 
 #[test]
 fn a_window_takes_pages_and_the_cached_prefix_stops_before_it() {
-    let mut s = windowed(32, SchedulerConfig::default(), 4);
+    let blocks = SchedulerConfig {
+        prefill_block: 16,
+        ..SchedulerConfig::default()
+    };
+    let mut s = windowed(32, blocks, 4);
     assert_eq!(s.window_pages(), 4);
     let prompt: Vec<u32> = (0..21).collect();
     s.submit(request(1, prompt.clone(), 2)).unwrap();
     let (batch, _) = step(&mut s);
-    assert_eq!(batch.items[0].positions, 0..21);
+    assert_eq!(batch.items[0].positions, 0..16);
     assert_eq!(s.window(SeqId(1)).unwrap().len(), 4);
-    // 6 pages of tokens and 4 of window.
-    assert_eq!(s.pool.free_pages(), 32 - 6 - 4);
+    // 4 pages of tokens and 4 of window.
+    assert_eq!(s.pool.free_pages(), 32 - 4 - 4);
     drain(&mut s);
     // The same prompt again: 5 full pages are cached, but the last 4 tokens before the final one
     // (positions 16..20) must be computed again for the window, so only 4 pages (16 tokens) are
@@ -536,4 +537,41 @@ fn reservations_list_the_window_pages_after_the_prompt() {
     assert_eq!(tight.held(), 0);
     drain(&mut tight);
     assert_no_leak(&mut tight);
+}
+
+#[test]
+fn prompts_run_in_whole_blocks_and_reuse_stops_at_a_block_boundary() {
+    // Blocks of 8 tokens (two pages) and a step budget of 12: a 21-token prompt runs as 0..8,
+    // 8..16, 16..21, never a split block.
+    let config = SchedulerConfig {
+        max_batch_tokens: 12,
+        max_running: 2,
+        prefill_block: 8,
+        ..SchedulerConfig::default()
+    };
+    let mut s = state(32, config);
+    assert_eq!(s.prefill_block(), 8);
+    let prompt: Vec<u32> = (0..21).collect();
+    let mut chunks = Vec::new();
+    for id in [1, 2] {
+        s.submit(request(id, prompt.clone(), 6)).unwrap();
+        while s.running() + s.waiting() > 0 {
+            let (batch, _) = step(&mut s);
+            for item in batch.items.iter().filter(|i| i.path != Path::Decode) {
+                assert!(item.tokens.len() <= 8, "{item:?}");
+                chunks.push(item.positions.clone());
+            }
+        }
+    }
+    // Request 2 finds request 1's five full pages but reuses only the two whole blocks (16
+    // tokens), then computes the last block as request 1 did.
+    assert_eq!(chunks, vec![0..8, 8..16, 16..21, 16..21]);
+    // Two prompts at once: the second's first block waits while the first's takes the budget.
+    s.submit(request(3, (100..121).collect(), 1)).unwrap();
+    s.submit(request(4, (200..221).collect(), 1)).unwrap();
+    let (batch, _) = step(&mut s);
+    let sizes: Vec<usize> = batch.items.iter().map(|i| i.tokens.len()).collect();
+    assert_eq!(sizes, vec![8], "8 + 8 would pass the budget of 12");
+    drain(&mut s);
+    assert_no_leak(&mut s);
 }
