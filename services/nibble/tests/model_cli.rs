@@ -464,6 +464,25 @@ fn bad_flags_and_files_are_one_line_errors() {
             "--hadamard: applies to a quantized cache",
         ),
         (
+            eval(&["--kv-dtype", "f32", "--kv-window", "64", "--window", "64"]),
+            "--kv-window: applies to a quantized cache",
+        ),
+        (
+            eval(&["--kv-dtype", "nvfp4", "--kv-window", "40", "--window", "64"]),
+            "--kv-window: 40 tokens is not a multiple of the page size (16)",
+        ),
+        (
+            eval(&[
+                "--kv-dtype",
+                "nvfp4",
+                "--kv-window",
+                "65536",
+                "--window",
+                "64",
+            ]),
+            "--kv-window: 65536 tokens is larger than the model's context (8192)",
+        ),
+        (
             eval(&[
                 "--kv-dtype",
                 "nvfp4",

@@ -371,3 +371,38 @@ fn greedy_tokens_do_not_depend_on_the_cache_or_the_chunking() {
         all_pages_back(&mut e);
     }
 }
+
+/// A window the context or the pool cannot hold is refused when the engine starts.
+#[test]
+fn a_window_that_does_not_fit_is_refused() {
+    let s = setup();
+    let kv = KvConfig::new(KvDtype::Nvfp4).with_window(Some(16384));
+    let page_bytes = kv.layout(&s.model).unwrap().page_bytes();
+    let config = |kv: KvConfig, pages: usize| EngineConfig {
+        kv,
+        kv_budget_bytes: pages * page_bytes,
+        scheduler: SchedulerConfig::default(),
+    };
+    let err = Engine::new(s.model.clone(), Arc::clone(&s.tokenizer), config(kv, 2048))
+        .err()
+        .expect("too large a window");
+    assert!(
+        err.to_string()
+            .contains("a KV window of 16384 tokens is larger than the context of 8192 tokens"),
+        "{err}"
+    );
+    let kv = KvConfig::new(KvDtype::Nvfp4);
+    let err = Engine::new(s.model.clone(), Arc::clone(&s.tokenizer), config(kv, 15))
+        .err()
+        .expect("no room beside the window");
+    assert!(err.to_string().contains("window (15 pages)"), "{err}");
+    let kv = KvConfig::new(KvDtype::Nvfp4).with_window(Some(24));
+    let err = Engine::new(s.model.clone(), Arc::clone(&s.tokenizer), config(kv, 64))
+        .err()
+        .expect("not whole pages");
+    assert!(
+        err.to_string()
+            .contains("not a multiple of the page size (16)"),
+        "{err}"
+    );
+}

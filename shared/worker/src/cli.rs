@@ -506,6 +506,16 @@ mod tests {
         assert_eq!((kv.dtype, kv.page_size), (KvDtype::Nvfp4, 16));
         assert_eq!(kv.scale_rule, ScaleRule::Mse);
         assert!(kv.scales.is_none() && !kv.hadamard);
+        assert_eq!(kv.window, 64, "nvfp4's default window");
+        let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap(), 2).unwrap();
+        assert_eq!(fp8.window, 0);
+        let kv = kv_config(&args(&["--kv-window", "32"]).unwrap(), 2).unwrap();
+        assert_eq!(kv.window, 32);
+        let err = kv_config(&args(&["--kv-window", "40"]).unwrap(), 2).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--kv-window 40: not a multiple of the page size (16)"
+        );
 
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("calibration.json");
