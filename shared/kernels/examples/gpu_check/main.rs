@@ -129,6 +129,20 @@ fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
     x
 }
 
+/// Every page's bytes of `store`, in page order: the pool as the GPU holds it.
+fn pool_bytes(store: &HostPages, pages: usize) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    for p in 0..pages {
+        bytes.extend_from_slice(store.page(PageId(p as u32))?);
+    }
+    Ok(bytes)
+}
+
+/// Bytes that differ between two buffers of the same length.
+fn differing(a: &[u8], b: &[u8]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count()
+}
+
 /// Relative L2 error of `gpu` against `cpu`, its largest absolute error, and whether `gpu` is
 /// finite.
 fn compare(cpu: &[f32], gpu: &[f32]) -> (f64, f64, bool) {
@@ -331,11 +345,8 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             let (dk, dv, ds) = (dk.as_view(), dv.as_view(), ds.as_view());
             kernels.quantize(&mut dev, geom, dtype, rule, &dk, &dv, &ds, g)?;
             let gpu = stream.clone_dtoh(&dev)?;
-            let mut cpu = Vec::with_capacity(plan.bytes);
-            for p in 0..plan.pages {
-                cpu.extend_from_slice(other.page(PageId(p as u32))?);
-            }
-            let diff = cpu.iter().zip(&gpu).filter(|(a, b)| a != b).count();
+            let cpu = pool_bytes(&other, plan.pages)?;
+            let diff = differing(&cpu, &gpu);
             failures += report(
                 &format!("quantize {name} scale rule {rule}, {tokens} tokens"),
                 diff == 0,
@@ -343,15 +354,8 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             );
         }
     }
-    let mut cpu_bytes = Vec::with_capacity(plan.bytes);
-    for p in 0..plan.pages {
-        cpu_bytes.extend_from_slice(store.page(PageId(p as u32))?);
-    }
-    let diff = cpu_bytes
-        .iter()
-        .zip(&gpu_bytes)
-        .filter(|(a, b)| a != b)
-        .count();
+    let cpu_bytes = pool_bytes(&store, plan.pages)?;
+    let diff = differing(&cpu_bytes, &gpu_bytes);
     failures += report(
         &format!("quantize {name}"),
         diff == 0,

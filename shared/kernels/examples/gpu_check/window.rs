@@ -53,14 +53,7 @@ pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
         store.write_window(&pool, &window, LAYER, &k, &v, 0..ctx, ctx)?;
         seqs.push((ctx, pages, window, k, v));
     }
-    let host = |store: &HostPages| -> Result<Vec<u8>> {
-        let mut bytes = Vec::with_capacity(plan.bytes);
-        for p in 0..plan.pages {
-            bytes.extend_from_slice(store.page(PageId(p as u32))?);
-        }
-        Ok(bytes)
-    };
-    let cpu_bytes = host(&store)?;
+    let cpu_bytes = pool_bytes(&store, plan.pages)?;
 
     // window_store: the pages as the CPU wrote them but with zeroed windows, then each
     // sequence's window written on the GPU, as a prefill (all rows) and as decode steps (the
@@ -78,35 +71,16 @@ pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
         let table: Vec<u32> = window.iter().map(|p| p.0).collect();
         tables.extend_from_slice(&table);
         let prefill = ctx.saturating_sub(3).max(1);
-        let (dk, dv) = (
-            stream.clone_htod(&k[..prefill * per_token])?,
-            stream.clone_htod(&v[..prefill * per_token])?,
-        );
-        let (dt, dl) = (
-            stream.clone_htod(&table)?,
-            stream.clone_htod(&[prefill as u32])?,
-        );
-        // SAFETY: the table holds this pool's window pages; the length covers the rows.
-        unsafe {
-            kernels.store_window(
-                &mut dev,
-                wgeom,
-                &dt.as_view(),
-                &dk.as_view(),
-                &dv.as_view(),
-                &dl.as_view(),
-                prefill,
-                geo.head_dim,
-            )
-        }?;
-        for t in prefill..*ctx {
-            let row = t * per_token..(t + 1) * per_token;
+        let dt = stream.clone_htod(&table)?;
+        // Rows `rows` of the sequence, as a step of it ending at token `rows.end` writes them.
+        let mut store = |rows: std::ops::Range<usize>| -> Result<()> {
+            let values = rows.start * per_token..rows.end * per_token;
             let (dk, dv) = (
-                stream.clone_htod(&k[row.clone()])?,
-                stream.clone_htod(&v[row])?,
+                stream.clone_htod(&k[values.clone()])?,
+                stream.clone_htod(&v[values])?,
             );
-            let dl = stream.clone_htod(&[t as u32 + 1])?;
-            // SAFETY: as above, one row of length t + 1.
+            let dl = stream.clone_htod(&[rows.end as u32])?;
+            // SAFETY: the table holds this pool's window pages; the length covers the rows.
             unsafe {
                 kernels.store_window(
                     &mut dev,
@@ -115,18 +89,18 @@ pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
                     &dk.as_view(),
                     &dv.as_view(),
                     &dl.as_view(),
-                    1,
+                    rows.len(),
                     geo.head_dim,
                 )
             }?;
+            Ok(())
+        };
+        store(0..prefill)?;
+        for t in prefill..*ctx {
+            store(t..t + 1)?;
         }
     }
-    let gpu_bytes = stream.clone_dtoh(&dev)?;
-    let diff = cpu_bytes
-        .iter()
-        .zip(&gpu_bytes)
-        .filter(|(a, b)| a != b)
-        .count();
+    let diff = differing(&cpu_bytes, &stream.clone_dtoh(&dev)?);
     failures += report(
         &format!("window store {name}"),
         diff == 0,
