@@ -167,15 +167,30 @@ impl DecodeBench {
         self.context + self.warmup + self.steps
     }
 
-    /// Pages of `layout` one sequence of the main run and one of the baseline run hold at most.
+    /// Pages of `layout` one sequence of the main run and one of the baseline run hold at most,
+    /// its recent window's (the dtype's default) included.
     fn pages_per_seq(&self, layout: &PageLayout) -> (usize, usize) {
         let p = layout.page_size();
         let decoded = self.warmup + self.steps;
+        let window = KvConfig::new(layout.dtype())
+            .window_layout(layout)
+            .map_or(0, |w| w.pages());
         (
-            self.max_tokens_held().div_ceil(p),
+            self.max_tokens_held().div_ceil(p) + window,
             self.baseline_context
-                .map_or(0, |c| (c + decoded).div_ceil(p)),
+                .map_or(0, |c| (c + decoded).div_ceil(p) + window),
         )
+    }
+
+    /// Which of the source pages (`distinct_pages` random pages, then one page of BF16 values for
+    /// every recent window) page `page` of sequence `seq`'s reservation gets: its prompt has
+    /// `prompt_pages` pages, and the window's follow them.
+    fn source_of(&self, seq: usize, page: usize, prompt_pages: usize) -> usize {
+        if page < prompt_pages {
+            self.source_page(seq, page)
+        } else {
+            self.distinct_pages
+        }
     }
 
     /// Pool bytes that run `batch` sequences (and the baseline of as many).
@@ -246,8 +261,7 @@ impl DecodeBench {
         if batches.first() == Some(&0) {
             return Err(BenchError::Config("a batch of 0 sequences".into()));
         }
-        // Random pages stand in for a prefill worker's: no recent window to hand over.
-        let kv = KvConfig::new(dtype).with_window(Some(0));
+        let kv = KvConfig::new(dtype);
         let layout = kv.layout(model)?;
         let fits = |b: &usize| self.pool_bytes(&layout, *b) <= budget_bytes;
         let mut outcomes = Vec::new();
@@ -265,7 +279,8 @@ impl DecodeBench {
             };
             let mut engine = Engine::new(model.clone(), Arc::clone(tokenizer), config)?;
             let scales = kv.scales_for(layout.layers())?;
-            let pages = random_pages(layout, &scales, self.distinct_pages, self.seed)?;
+            let mut pages = random_pages(layout, &scales, self.distinct_pages, self.seed)?;
+            pages.push(window_page(&layout, self.seed));
             let mut ids = 0;
             for &batch in batches.iter().filter(|b| fits(b)) {
                 let (main, fill, tokens) =
@@ -330,15 +345,17 @@ impl DecodeBench {
             let (prompt, first) = self.sequence(vocab, i, context);
             let reservation = engine.reserve(SeqId(base + i as u64), &prompt)?;
             let cached = reservation.cached_tokens / page_size;
+            let prompt_pages = prompt.len().div_ceil(page_size);
             fill.cached_pages += cached;
             for (j, &page) in reservation.pages.iter().enumerate().skip(cached) {
-                let bytes = &pages[self.source_page(i, j)];
+                let bytes = &pages[self.source_of(i, j, prompt_pages)];
                 engine.import_page(page, bytes)?;
                 fill.pages += 1;
                 fill.bytes += bytes.len();
             }
             if let Some(&page) = reservation.pages.get(cached..).and_then(<[_]>::last) {
-                landed.push((page, self.source_page(i, reservation.pages.len() - 1)));
+                let last = reservation.pages.len() - 1;
+                landed.push((page, self.source_of(i, last, prompt_pages)));
             }
             firsts.push(first);
         }
@@ -470,5 +487,14 @@ pub fn random_pages(
     }
     ids.iter()
         .map(|&p| Ok(host.page(p).map_err(Error::from)?.to_vec()))
+        .collect()
+}
+
+/// One page of `layout`'s size holding BF16 values in [-2, 2): what a recent window's pages hold
+/// (every 16-bit word a finite BF16, whatever the window's unit layout).
+pub fn window_page(layout: &PageLayout, seed: u64) -> Vec<u8> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5A5A_5A5A_5A5A_5A5A);
+    (0..layout.page_bytes() / 2)
+        .flat_map(|_| nibble_kvfmt::bf16::encode(rng.gen_range(-2.0f32..2.0)).to_le_bytes())
         .collect()
 }

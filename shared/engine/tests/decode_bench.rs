@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use nibble_engine::decode_bench::{random_pages, DecodeBench, Outcome, Run};
+use nibble_engine::decode_bench::{random_pages, window_page, DecodeBench, Outcome, Run};
 use nibble_engine::eval::argmax;
 use nibble_engine::synthetic::{random_model, tiny_llama, tokenizer};
 use nibble_engine::{Backend, CpuBackend, KvConfig, Logits, Model, PagedBatch, PagedSeq};
@@ -40,15 +40,23 @@ fn model(max_context: usize) -> Model<CpuBackend> {
 /// bench imports, then one `forward_batch` per token.
 fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<u32> {
     let be = model.backend();
-    let kv = KvConfig::new(dtype).with_window(Some(0));
+    let kv = KvConfig::new(dtype);
     let layout = kv.layout(model).unwrap();
     let scales = kv.scales_for(layout.layers()).unwrap();
     let sources = random_pages(layout, &scales, b.distinct_pages, b.seed).unwrap();
-    let plan = PoolPlan::for_pages(layout, b.max_tokens_held().div_ceil(16)).unwrap();
+    let window_pages = kv.window_layout(&layout).unwrap().pages();
+    let plan =
+        PoolPlan::for_pages(layout, b.max_tokens_held().div_ceil(16) + window_pages).unwrap();
     let mut pool = PagePool::new(plan);
     let mut pages = be
         .new_pages(plan, kv.encoding(layout.layers()).unwrap())
         .unwrap();
+    // The recent window (nvfp4's) holds the bench's BF16 page, as its hand-off imports it.
+    let window = pool.alloc(window_pages).unwrap();
+    for &page in &window {
+        be.write_page(&mut pages, &pool, page, &window_page(&layout, b.seed))
+            .unwrap();
+    }
     let mut table = PageTable::new();
     let (_, first) = b.sequence(model.config().vocab_size, 0, CONTEXT);
     table.append(&mut pool, CONTEXT).unwrap();
@@ -67,7 +75,7 @@ fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<
                 pages: table.pages(),
                 stored,
                 slots: &slots,
-                window: &[],
+                window: &window,
             }],
         };
         let last = [*tokens.last().unwrap()];
@@ -130,8 +138,9 @@ fn decode_bench_measures_every_batch_that_fits() {
                 assert!(t.iter().all(|&x| x < vocab), "{t:?}");
             }
             // Sequences of a smaller batch come back from the prefix cache, the rest are
-            // imported: 16 pages per 256-token prompt.
-            assert_eq!(r.fill.pages + r.fill.cached_pages, 16 * r.batch);
+            // imported: 16 pages per 256-token prompt, and every sequence's window pages.
+            let window = KvConfig::new(dtype).window_layout(&layout).unwrap().pages();
+            assert_eq!(r.fill.pages + r.fill.cached_pages, (16 + window) * r.batch);
             assert_eq!(r.fill.bytes, r.fill.pages * layout.page_bytes());
         }
         assert_eq!(runs[0].fill.cached_pages, 0);
