@@ -264,6 +264,51 @@ fn extend_gathers_the_prefix_into_the_workspace() {
     }
 }
 
+/// What a test prefills into.
+struct Cache<'a> {
+    pool: &'a mut PagePool,
+    store: &'a mut HostPages,
+    ws: &'a mut Workspace,
+}
+
+/// Random Q, K and V for `p + extra` tokens, the first `p` prefilled at `layer` into a new page
+/// table (and the window `window`, when the store has one).
+fn prefill_random(
+    rng: &mut StdRng,
+    c: Cache<'_>,
+    layer: usize,
+    p: usize,
+    extra: usize,
+    window: &[PageId],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, PageTable) {
+    let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
+    let k = random(rng, (p + extra) * ks);
+    let v = random(rng, (p + extra) * ks);
+    let q: Vec<f32> = random(rng, (p + extra) * qs)
+        .iter()
+        .map(|x| x / 3.0)
+        .collect();
+    let mut table = PageTable::new();
+    let first: Vec<_> = table
+        .append(c.pool, p)
+        .unwrap()
+        .into_iter()
+        .map(Some)
+        .collect();
+    let mut out = vec![0.0f32; p * qs];
+    let step = Step {
+        layer,
+        q_heads: Q_HEADS,
+        q: &q[..p * qs],
+        k: &k[..p * ks],
+        v: &v[..p * ks],
+    };
+    cache(c.pool, c.store, c.ws)
+        .prefill(step, &first, window, &mut out)
+        .unwrap();
+    (q, k, v, table)
+}
+
 #[test]
 fn decode_reads_pages_directly() {
     for dtype in KvDtype::ALL {
@@ -272,30 +317,12 @@ fn decode_reads_pages_directly() {
         let mut ws = Workspace::new(dtype);
         let p = 23;
         let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
-        let k = random(&mut rng, (p + 3) * ks);
-        let v = random(&mut rng, (p + 3) * ks);
-        let q: Vec<f32> = random(&mut rng, (p + 3) * qs)
-            .iter()
-            .map(|x| x / 3.0)
-            .collect();
-        let mut table = PageTable::new();
-        let first: Vec<_> = table
-            .append(&mut pool, p)
-            .unwrap()
-            .into_iter()
-            .map(Some)
-            .collect();
-        let mut out = vec![0.0f32; p * qs];
-        let step = Step {
-            layer: 1,
-            q_heads: Q_HEADS,
-            q: &q[..p * qs],
-            k: &k[..p * ks],
-            v: &v[..p * ks],
+        let cache_of = Cache {
+            pool: &mut pool,
+            store: &mut store,
+            ws: &mut ws,
         };
-        cache(&pool, &mut store, &mut ws)
-            .prefill(step, &first, &[], &mut out)
-            .unwrap();
+        let (q, k, v, mut table) = prefill_random(&mut rng, cache_of, 1, p, 3, &[]);
         for t in p..p + 3 {
             let slot = table.append(&mut pool, 1).unwrap()[0];
             let mut out = vec![0.0f32; qs];
@@ -389,30 +416,12 @@ fn decode_reads_the_recent_window_in_bf16_and_older_tokens_from_pages() {
     let mut ws = Workspace::new(KvDtype::Nvfp4);
     let p = 21;
     let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
-    let k = random(&mut rng, (p + 4) * ks);
-    let v = random(&mut rng, (p + 4) * ks);
-    let q: Vec<f32> = random(&mut rng, (p + 4) * qs)
-        .iter()
-        .map(|x| x / 3.0)
-        .collect();
-    let mut table = PageTable::new();
-    let first: Vec<_> = table
-        .append(&mut pool, p)
-        .unwrap()
-        .into_iter()
-        .map(Some)
-        .collect();
-    let mut out = vec![0.0f32; p * qs];
-    let step = Step {
-        layer: 0,
-        q_heads: Q_HEADS,
-        q: &q[..p * qs],
-        k: &k[..p * ks],
-        v: &v[..p * ks],
+    let cache_of = Cache {
+        pool: &mut pool,
+        store: &mut store,
+        ws: &mut ws,
     };
-    cache(&pool, &mut store, &mut ws)
-        .prefill(step, &first, &window, &mut out)
-        .unwrap();
+    let (q, k, v, mut table) = prefill_random(&mut rng, cache_of, 0, p, 4, &window);
     for t in p..p + 4 {
         let slot = table.append(&mut pool, 1).unwrap()[0];
         let mut out = vec![0.0f32; qs];
