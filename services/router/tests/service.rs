@@ -45,19 +45,18 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
     let received = holder.state.counters().totals().pages_received;
     assert_eq!(received, pushed, "one decode worker got every page");
 
-    // Wait until the holder's KV events have reached the router's index.
+    // Wait until the holder's KV events have reached the router's index, and its load report
+    // shows the finished request's pages back (its recent window's 15 pages, held until then,
+    // would weigh more in the router's page-pressure cost than the cached prefix saves).
     let full_pages = prompt().len() / page_size as usize;
     for _ in 0..200 {
-        let blocks = router
-            .shared
-            .router()
-            .workers()
-            .iter()
-            .filter(|w| w.info.role == Role::Decode)
-            .map(|w| w.blocks)
-            .max()
-            .unwrap_or(0);
-        if blocks >= full_pages {
+        let workers = router.shared.router().workers();
+        let decodes = workers.iter().filter(|w| w.info.role == Role::Decode);
+        let blocks = decodes.clone().map(|w| w.blocks).max().unwrap_or(0);
+        let all_back = decodes
+            .clone()
+            .all(|w| w.load.available_pages == w.load.total_pages);
+        if blocks >= full_pages && all_back {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
