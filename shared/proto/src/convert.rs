@@ -47,6 +47,38 @@ impl v1::KvFormat {
         }
     }
 
+    /// The format in words, for errors that name what a peer must match: the dtype, page size,
+    /// geometry, recent window, rotation and whether the global scales are calibrated.
+    pub fn describe(&self) -> String {
+        let dtype = kv_dtype(self.dtype, "kv_format.dtype").map_or_else(
+            |_| format!("dtype {}", self.dtype),
+            |d| d.name().to_string(),
+        );
+        let calibrated = self
+            .k_scales
+            .iter()
+            .chain(&self.v_scales)
+            .any(|g| *g != 1.0);
+        format!(
+            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}",
+            self.page_size,
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.window,
+            if self.hadamard {
+                "Hadamard"
+            } else {
+                "no Hadamard"
+            },
+            if calibrated {
+                "calibrated scales"
+            } else {
+                "scales 1.0"
+            },
+        )
+    }
+
     /// The validated page layout and global scales this message describes.
     pub fn to_domain(&self) -> Result<(PageLayout, GlobalScales), ConvertError> {
         let dtype = kv_dtype(self.dtype, "kv_format.dtype")?;
@@ -187,6 +219,12 @@ mod tests {
     #[test]
     fn invalid_formats_name_the_field() {
         let good = v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), false, 0);
+        assert_eq!(
+            v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), true, 64)
+                .describe(),
+            "nvfp4, 16-token pages, 30 layers x 3 KV heads x 64, recent window 64, Hadamard, \
+             scales 1.0"
+        );
         let err = |f: v1::KvFormat| f.to_domain().unwrap_err().to_string();
 
         let unspecified = v1::KvFormat {

@@ -20,8 +20,16 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
     /// A peer's KV format differs from ours: its pages would be misread.
-    #[error("KV-format fingerprint {theirs:016x} differs from this worker's {ours:016x}")]
-    FingerprintMismatch { ours: u64, theirs: u64 },
+    #[error(
+        "KV-format fingerprint {theirs:016x} differs from this worker's {ours:016x} ({format}): \
+         peers must run the same --kv-dtype, --page-size, --kv-window, --hadamard and --calibration"
+    )]
+    FingerprintMismatch {
+        ours: u64,
+        theirs: u64,
+        /// This worker's format, described.
+        format: String,
+    },
     /// No pending reservation has this id.
     #[error("no pending reservation {0}")]
     UnknownReservation(u64),

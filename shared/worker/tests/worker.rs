@@ -378,6 +378,13 @@ async fn mismatched_formats_and_unknown_reservations_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    // The refusal says what this worker runs and which flags a peer must match.
+    assert!(
+        err.message().contains("nvfp4, 16-token pages")
+            && err.message().contains("recent window 64")
+            && err.message().contains("--kv-window"),
+        "{err}"
+    );
     let reservation = client
         .reserve(v1::ReserveRequest {
             request_id: "r".into(),

@@ -158,11 +158,16 @@ impl WorkerState {
     }
 
     fn check_fingerprint(&self, theirs: u64) -> Result<()> {
-        let ours = self.engine.info().fingerprint;
+        let info = self.engine.info();
+        let ours = info.fingerprint;
         if theirs == ours {
             Ok(())
         } else {
-            Err(Error::FingerprintMismatch { ours, theirs })
+            Err(Error::FingerprintMismatch {
+                ours,
+                theirs,
+                format: info.kv_format.describe(),
+            })
         }
     }
 
