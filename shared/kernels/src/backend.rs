@@ -1366,24 +1366,8 @@ impl CudaBackend {
             .map_err(|e| Error::Unsupported(e.to_string()))?;
         let wgeom = WindowGeom::new(&pages.window, &layout, layer);
         for seq in seqs {
-            if seq.window.len() != pages.window.pages() {
-                return Err(Error::Shape {
-                    what: "window pages of a sequence",
-                    expected: pages.window.pages(),
-                    actual: seq.window.len(),
-                });
-            }
-            for page in seq.window {
-                if pool
-                    .refcount(*page)
-                    .map_err(|e| Error::Unsupported(e.to_string()))?
-                    == 0
-                {
-                    return Err(Error::Unsupported(format!(
-                        "window page {page} is not allocated"
-                    )));
-                }
-            }
+            pool.check_window(&pages.window, seq.window)
+                .map_err(|e| Error::Unsupported(e.to_string()))?;
         }
         for (seq, span) in seqs.iter().zip(step.spans) {
             if seq.slots.len() != span.len() {
@@ -1530,14 +1514,12 @@ impl CudaBackend {
         if !reuse {
             // [slots | context lengths | page table | window table]
             let mut inputs = vec![0u32; table_end + count * wp];
-            for (i, (seq, _)) in decodes.iter().enumerate() {
-                let row = table_end + i * wp;
-                for (j, p) in seq.window.iter().enumerate() {
-                    inputs[row + j] = p.0;
-                }
-            }
             inputs[..count].copy_from_slice(&slots_now);
             for (i, (seq, _)) in decodes.iter().enumerate() {
+                let window = table_end + i * wp;
+                for (j, p) in seq.window.iter().enumerate() {
+                    inputs[window + j] = p.0;
+                }
                 let ctx = seq.stored + 1;
                 inputs[count + i] = ctx as u32;
                 let row = 2 * count + i * max_pages;

@@ -11,7 +11,7 @@
 
 use std::fmt;
 
-use nibble_kvfmt::PageLayout;
+use nibble_kvfmt::{PageLayout, WindowLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -206,6 +206,23 @@ impl PagePool {
     /// Releases one reference on each page; stops at the first error.
     pub fn release_all(&mut self, pages: &[PageId]) -> Result<()> {
         pages.iter().try_for_each(|p| self.release(*p).map(|_| ()))
+    }
+
+    /// Checks a sequence's recent-window pages: as many as `window` takes, each allocated.
+    pub fn check_window(&self, window: &WindowLayout, pages: &[PageId]) -> Result<()> {
+        if pages.len() != window.pages() {
+            return Err(Error::BadLength {
+                what: "window pages",
+                expected: window.pages(),
+                actual: pages.len(),
+            });
+        }
+        for page in pages {
+            if self.refcount(*page)? == 0 {
+                return Err(Error::NotAllocated(*page));
+            }
+        }
+        Ok(())
     }
 
     /// Checks that every non-padding slot is in range, in an allocated page, and unique.

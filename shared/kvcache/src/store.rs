@@ -211,23 +211,6 @@ impl HostPages {
         }
     }
 
-    /// Checks a sequence's window pages: as many as the window takes, each allocated.
-    fn check_window(&self, pool: &PagePool, pages: &[PageId]) -> Result<()> {
-        if pages.len() != self.window.pages() {
-            return Err(Error::BadLength {
-                what: "window pages",
-                expected: self.window.pages(),
-                actual: pages.len(),
-            });
-        }
-        for page in pages {
-            if pool.refcount(*page)? == 0 {
-                return Err(Error::NotAllocated(*page));
-            }
-        }
-        Ok(())
-    }
-
     /// Writes one layer's K and V of the tokens at `positions` in BF16 into a sequence of `len`
     /// tokens' window (`pages`), for those the window holds; the rest only live in their pages.
     /// `k` and `v` are `[token][kv_head][head_dim]`. Without a window it does nothing.
@@ -245,7 +228,7 @@ impl HostPages {
         if self.window.is_none() {
             return Ok(());
         }
-        self.check_window(pool, pages)?;
+        pool.check_window(&self.window, pages)?;
         let layout = self.layout;
         let (heads, dim) = (layout.kv_heads(), layout.head_dim());
         let token_values = heads * dim;

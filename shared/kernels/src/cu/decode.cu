@@ -414,6 +414,26 @@ __device__ __forceinline__ void load_window_tile(Raw<NIBBLE_BF16, D>& r, const u
     }
 }
 
+// Q^T as the B operand of the score mma for FMT's K layout: head g of the group, this lane's
+// dims, BF16-rounded (the precision decode takes Q in), then f16 (exact for |q| in
+// [2^-14, 65504]) or bf16.
+template <int FMT, int D>
+__device__ __forceinline__ void load_q(const float* __restrict__ q, u32 seq, u32 kv_head,
+                                       const DecodeArgs& args, u32 lg, u32 lc, u32 (*qb)[2]) {
+    const bool has = lg < args.group;
+    const float* qh =
+        q + ((u64)seq * args.q_heads + kv_head * args.group + (has ? lg : 0)) * D + lc * (D / 4);
+#pragma unroll
+    for (int st = 0; st < D / 16; ++st) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float x0 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j)])) : 0.f;
+            float x1 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j + 1)])) : 0.f;
+            qb[st][j] = FMT == NIBBLE_BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
+        }
+    }
+}
+
 template <int FMT, int D>
 __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
                                             const float* __restrict__ q,
@@ -440,23 +460,8 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     const u32 end = min(end_all, wstart);
     const u32* table = page_table + (u64)seq * args.max_pages;
 
-    // Q^T as the B operand of the score mma: head g of the group, this lane's dims, BF16-rounded
-    // (the precision decode takes Q in), then f16 (exact for |q| in [2^-14, 65504]) or bf16.
-    u32 qb[D / 16][2];
-    {
-        const bool has = lg < args.group;
-        const float* qh = q + ((u64)seq * args.q_heads + kv_head * args.group + (has ? lg : 0)) * D +
-                          lc * (D / 4);
-#pragma unroll
-        for (int st = 0; st < D / 16; ++st) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                float x0 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j)])) : 0.f;
-                float x1 = has ? bf16_decode(bf16_encode(qh[k_dim<FMT>(st, 2 * j + 1)])) : 0.f;
-                qb[st][j] = FMT == NIBBLE_BF16 ? pack_bf16(x0, x1) : pack_f16(x0, x1);
-            }
-        }
-    }
+    u32 qb[D / 16][2];  // Q^T in the pages' operand layout
+    load_q<FMT, D>(q, seq, kv_head, args, lg, lc, qb);
 
     float m[2] = {__int_as_float(0xff800000), __int_as_float(0xff800000)};
     float nm[2] = {0.f, 0.f};
@@ -515,21 +520,7 @@ __device__ __forceinline__ void decode_body(const u8* __restrict__ pages,
     const u32 wbegin = max(begin, wstart);
     if (wbegin < end_all) {
         u32 qw[D / 16][2];  // Q^T in the BF16 operand layout
-        {
-            const bool has = lg < args.group;
-            const float* qh = q + ((u64)seq * args.q_heads + kv_head * args.group + (has ? lg : 0)) *
-                                      D + lc * (D / 4);
-#pragma unroll
-            for (int st = 0; st < D / 16; ++st) {
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    float x0 = has ? bf16_decode(bf16_encode(qh[k_dim<NIBBLE_BF16>(st, 2 * j)])) : 0.f;
-                    float x1 =
-                        has ? bf16_decode(bf16_encode(qh[k_dim<NIBBLE_BF16>(st, 2 * j + 1)])) : 0.f;
-                    qw[st][j] = pack_bf16(x0, x1);
-                }
-            }
-        }
+        load_q<NIBBLE_BF16, D>(q, seq, kv_head, args, lg, lc, qw);
         const u32* wrow = window_table + (u64)seq * wgeom.pages;
         for (u32 w0 = wbegin + warp * TILE; w0 < end_all; w0 += stride) {
             Raw<NIBBLE_BF16, D> win;
