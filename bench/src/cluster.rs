@@ -85,6 +85,7 @@ impl LocalCluster {
                 scale_rule: Default::default(),
                 calibration: None,
                 hadamard: false,
+                no_smooth_k: false,
                 kv_window: None,
                 kv_budget_mib: Some(setup.kv_budget_mib),
                 kv_memory_fraction: nibble_worker::cli::DEFAULT_KV_MEMORY_FRACTION,

@@ -71,6 +71,10 @@ pub struct UpArgs {
     /// quantizing (power-of-two head dims; the CPU backend only).
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
+    /// Do not smooth the workers' K per channel (smoothed by default when --calibration
+    /// measured K's channels).
+    #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
+    pub no_smooth_k: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16 by both workers; a multiple
     /// of --page-size, 0 for none [default: 64 for an nvfp4 cache, 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
@@ -267,6 +271,7 @@ pub async fn up_until(
             scale_rule: args.scale_rule,
             calibration: args.calibration.clone(),
             hadamard: args.hadamard,
+            no_smooth_k: args.no_smooth_k,
             kv_window: args.kv_window,
             kv_budget_mib: args.kv_budget_mib,
             kv_memory_fraction: match role {

@@ -79,10 +79,6 @@ impl Opened {
     /// The KV config of a `dtype` cache with these flags, its calibration file read and checked
     /// against this model.
     pub fn kv_config(&self, dtype: KvDtype, quant: &QuantArgs) -> Result<KvConfig> {
-        let scales = match &quant.calibration {
-            Some(path) => Some(read_calibration(path, self.config.num_layers)?.scales(dtype)),
-            None => None,
-        };
         if quant.hadamard && !nibble_engine::hadamard::supported(self.config.head_dim) {
             return Err(Error::Flag {
                 flag: "--hadamard",
@@ -111,14 +107,20 @@ impl Opened {
                 ),
             });
         }
-        Ok(KvConfig {
-            dtype,
+        let kv = KvConfig {
             page_size: quant.page_size,
-            scales,
             hadamard: quant.hadamard,
             scale_rule: quant.scale_rule,
             window,
-        })
+            ..KvConfig::new(dtype)
+        };
+        match &quant.calibration {
+            Some(path) => {
+                let calibration = read_calibration(path, self.config.num_layers)?;
+                Ok(kv.with_calibration(&calibration, !quant.no_smooth_k))
+            }
+            None => Ok(kv),
+        }
     }
 
     /// Loads the weights on `--device`'s backend; returns the model and its tokenizer. Run
@@ -141,26 +143,33 @@ impl Opened {
                 reason: format!("cuda: {e}"),
             })?;
         let model = match cuda {
-            Some(backend) => LoadedModel::Cuda(self.load_on(backend)?),
+            Some(backend) => LoadedModel::Cuda(self.load_on(backend, kv)?),
             None => {
                 let backend = CpuBackend::new(self.threads).map_err(|source| Error::Model {
                     path: self.path.clone(),
                     source,
                 })?;
-                LoadedModel::Cpu(self.load_on(backend)?)
+                LoadedModel::Cpu(self.load_on(backend, kv)?)
             }
         };
         Ok((model, self.tokenizer))
     }
 
-    fn load_on<B: Backend>(&self, backend: B) -> Result<Model<B>> {
+    /// The model on `backend`, prepared for `kv`'s K smoothing.
+    fn load_on<B: Backend>(&self, backend: B, kv: Option<&KvConfig>) -> Result<Model<B>> {
         let bar = Bar::new("loading weights", 0, Unit::Steps);
-        self.source
+        let failed = |source| Error::Model {
+            path: self.path.clone(),
+            source,
+        };
+        let model = self
+            .source
             .load_model_observed(Arc::new(backend), &|done, total| bar.track(done, total))
-            .map_err(|source| Error::Model {
-                path: self.path.clone(),
-                source,
-            })
+            .map_err(failed)?;
+        match kv.and_then(|kv| kv.k_smoothing.as_ref()) {
+            Some(smoothing) => model.with_k_smoothing(Some(smoothing)).map_err(failed),
+            None => Ok(model),
+        }
     }
 }
 

@@ -40,6 +40,9 @@ pub struct Settings {
     pub calibrated: bool,
     pub calibration: Option<PathBuf>,
     pub hadamard: bool,
+    /// Whether K was smoothed per channel (a calibration with channels, without
+    /// `--no-smooth-k`).
+    pub smooth_k: bool,
     /// How NVFP4 block scales were chosen on write (`amax` or `mse`; null for other caches).
     pub scale_rule: Option<&'static str>,
     /// Tokens of the BF16 recent window (null for the f32 reference).
@@ -180,8 +183,10 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
     let (model, _) = opened.load(kv.as_ref())?;
     let mut windows = Vec::with_capacity(args.windows);
     crate::with_model!(model, |model| {
+        // The reference runs the model as its file has it, K unsmoothed.
+        let plain = model.with_k_smoothing(None)?;
         for (index, window) in tokens[..needed].chunks_exact(args.window).enumerate() {
-            let reference = eval::score_window(&model, window)?;
+            let reference = eval::score_window(&plain, window)?;
             let report = match &kv {
                 Some(kv) => {
                     let scored = eval::score_window_paged(&model, kv, args.path, window)?;
@@ -205,6 +210,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             calibrated: args.quant.calibration.is_some(),
             calibration: args.quant.calibration.clone(),
             hadamard: args.quant.hadamard,
+            smooth_k: kv.as_ref().is_some_and(|kv| kv.k_smoothing.is_some()),
             scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
             kv_window: kv.as_ref().map(|kv| kv.window),
         },
@@ -218,7 +224,7 @@ fn table(report: &PplReport) -> String {
     let s = &report.settings;
     let mut text =
         format!(
-        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
+        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
         s.model.display(),
         s.kv_dtype,
         s.path,
@@ -226,6 +232,7 @@ fn table(report: &PplReport) -> String {
         s.window,
         if s.calibrated { " · calibrated" } else { "" },
         if s.hadamard { " · hadamard" } else { "" },
+        if s.smooth_k { " · K smoothed" } else { "" },
         s.scale_rule.map(|r| format!(" · scales {r}")).unwrap_or_default(),
         s.kv_window
             .filter(|w| *w > 0)

@@ -304,6 +304,15 @@ fn calibration_file_feeds_eval() {
         assert!(amax.iter().all(|a| f(a) > 0.0), "{key}");
     }
     assert_eq!(cal["nvfp4"]["k"].as_array().expect("scales").len(), 30);
+    // Every layer's 3 KV heads x 64 K channels, whose largest is the layer's K amax.
+    let channels = cal["k_channel_amax"].as_array().expect("per layer");
+    assert_eq!(channels.len(), 30);
+    for (layer, c) in channels.iter().enumerate() {
+        let c = c.as_array().expect("channels");
+        assert_eq!(c.len(), 192, "layer {layer}");
+        let max = c.iter().map(f).fold(0.0, f64::max);
+        assert_eq!(max, f(&cal["k_amax"][layer]), "layer {layer}");
+    }
 
     // Calibrated nvfp4 prefill runs over the FP8 work dtype: it must stay as close to the
     // reference as uncalibrated (no saturation at the nvfp4 global scale).
@@ -326,6 +335,40 @@ fn calibration_file_feeds_eval() {
         assert!((ratio - 1.0).abs() < 0.15, "{path}: {w}");
         assert!(f(&w["top1_agreement"]) >= 0.7, "{path}: {w}");
     }
+
+    // The file's channels smooth K unless told not to: as close to the reference, and not the
+    // same cache.
+    let smoothed = ppl(&[
+        "--kv-dtype",
+        "nvfp4",
+        "--calibration",
+        cal_arg,
+        "--window",
+        "64",
+        "--path",
+        "decode",
+    ]);
+    let plain = ppl(&[
+        "--kv-dtype",
+        "nvfp4",
+        "--calibration",
+        cal_arg,
+        "--no-smooth-k",
+        "--window",
+        "64",
+        "--path",
+        "decode",
+    ]);
+    assert_eq!(smoothed["settings"]["smooth_k"], true);
+    assert_eq!(plain["settings"]["smooth_k"], false);
+    let w = &plain["windows"][0];
+    let ratio = f(&w["perplexity"]) / f(&w["reference_perplexity"]);
+    assert!((ratio - 1.0).abs() < 0.15, "unsmoothed: {w}");
+    assert_ne!(w["perplexity"], smoothed["windows"][0]["perplexity"]);
+    assert_eq!(
+        w["reference_perplexity"], smoothed["windows"][0]["reference_perplexity"],
+        "the reference is the model's own"
+    );
 }
 
 /// Asserts a failed run: status 2, nothing on stdout, one `error:` line mentioning `needle`.

@@ -212,6 +212,8 @@ impl<B: Backend> Engine<B> {
         let pages = model
             .backend()
             .new_pages(plan, config.kv.encoding(layout.layers())?)?;
+        // The cache holds K as the config smooths it: the model must smooth alike.
+        let model = model.with_k_smoothing(config.kv.k_smoothing.as_ref())?;
         let ws = model.workspace();
         let state = State::new(scheduler, PagePool::new(plan), RadixCache::default());
         Ok(Self {

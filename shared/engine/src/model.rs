@@ -7,6 +7,7 @@
 //! between steps, so a decode step allocates nothing once warm.
 
 use crate::backend::{AttnGeometry, Backend, RopeArgs};
+use crate::calibrate::KSmoothing;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
@@ -73,6 +74,8 @@ pub struct Model<B: Backend> {
     backend: Arc<B>,
     weights: Arc<Weights<B>>,
     rope: Arc<RopeTables<B>>,
+    /// Per layer, the Q and K channel multipliers of K smoothing (`[1, q_dim]`, `[1, kv_dim]`).
+    smoothing: Option<Arc<Vec<[B::Tensor; 2]>>>,
 }
 
 impl<B: Backend> Clone for Model<B> {
@@ -82,6 +85,7 @@ impl<B: Backend> Clone for Model<B> {
             backend: Arc::clone(&self.backend),
             weights: Arc::clone(&self.weights),
             rope: Arc::clone(&self.rope),
+            smoothing: self.smoothing.clone(),
         }
     }
 }
@@ -124,6 +128,49 @@ impl<B: Backend> Model<B> {
             backend,
             weights: Arc::new(weights),
             rope,
+            smoothing: None,
+        })
+    }
+
+    /// This model with K smoothed by `smoothing` (`None`: not smoothed): every layer's K
+    /// channels multiplied after RoPE, and its queries' by the reciprocals, so attention
+    /// scores are unchanged and the cache holds the smoothed K. Shares the weights.
+    pub fn with_k_smoothing(&self, smoothing: Option<&KSmoothing>) -> Result<Self> {
+        let c = &self.config;
+        let smoothing = match smoothing {
+            None => None,
+            Some(s) => {
+                if s.k.len() != c.num_layers || s.k.iter().any(|k| k.len() != c.kv_dim()) {
+                    return Err(Error::InvalidInput(format!(
+                        "K smoothing has {} layers of {} channels; the model has {} of {}",
+                        s.k.len(),
+                        s.k.first().map_or(0, Vec::len),
+                        c.num_layers,
+                        c.kv_dim()
+                    )));
+                }
+                if let Some(bad) = s.k.iter().flatten().find(|x| !(x.is_finite() && **x > 0.0)) {
+                    return Err(Error::InvalidInput(format!(
+                        "K smoothing multiplier {bad} is not a finite positive number"
+                    )));
+                }
+                let be = &*self.backend;
+                let layers =
+                    s.k.iter()
+                        .zip(s.q(c.num_heads, c.head_dim))
+                        .map(|(k, q)| {
+                            Ok([
+                                be.upload_vec(1, c.q_dim(), q)?,
+                                be.upload_vec(1, c.kv_dim(), k.clone())?,
+                            ])
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                Some(Arc::new(layers))
+            }
+        };
+        Ok(Self {
+            smoothing,
+            ..self.clone()
         })
     }
 
@@ -284,6 +331,11 @@ impl<B: Backend> Model<B> {
                 std::mem::swap(&mut ws.k, &mut ws.proj);
             }
             be.rope_qk(&mut ws.q, &mut ws.k, &ws.positions, &rope);
+            if let Some(smoothing) = &self.smoothing {
+                let [sq, sk] = &smoothing[layer];
+                be.mul_cols(&mut ws.q, sq);
+                be.mul_cols(&mut ws.k, sk);
+            }
             be.resize(&mut ws.attn, rows, c.q_dim());
             let step = StepTokens {
                 q: &ws.q,

@@ -5,6 +5,7 @@ use nibble_kvcache::{GlobalScales, PageId, PagePool, PageTable, PoolPlan};
 use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule, WindowLayout};
 
 use crate::backend::{Backend, PageEncoding, PagedSeq};
+use crate::calibrate::{Calibration, KSmoothing};
 use crate::error::{Error, Result};
 use crate::kv::PagedBatch;
 use crate::model::{Logits, Model, Workspace};
@@ -15,8 +16,12 @@ pub struct KvConfig {
     pub dtype: KvDtype,
     /// Tokens per page.
     pub page_size: usize,
-    /// Per-(layer, K|V) dequantization multipliers; 1.0 everywhere when `None` (uncalibrated).
+    /// Per-(layer, K|V) dequantization multipliers; the dtype's uncalibrated ones
+    /// ([`GlobalScales::uncalibrated`]) when `None`.
     pub scales: Option<GlobalScales>,
+    /// Per-channel K smoothing the model applies before K reaches the cache (the model is
+    /// prepared with [`Model::with_k_smoothing`]); `scales` must then be of the smoothed K.
+    pub k_smoothing: Option<KSmoothing>,
     /// Store head vectors rotated by the normalized Hadamard matrix.
     pub hadamard: bool,
     /// How NVFP4 block scales are chosen on write (readers need not know).
@@ -33,6 +38,7 @@ impl KvConfig {
             dtype,
             page_size: 16,
             scales: None,
+            k_smoothing: None,
             hadamard: false,
             scale_rule: ScaleRule::default(),
             window: Self::default_window(dtype),
@@ -46,6 +52,18 @@ impl KvConfig {
             KvDtype::Nvfp4 => 64,
             KvDtype::Fp8 | KvDtype::Bf16 => 0,
         }
+    }
+
+    /// The same config with `calibration`'s global scales, and with K smoothed by its channel
+    /// amax when `smooth_k` and the calibration measured them (a file written before `nibble
+    /// calibrate` measured channels cannot smooth); the scales are then those of the smoothed K.
+    pub fn with_calibration(mut self, calibration: &Calibration, smooth_k: bool) -> Self {
+        self.k_smoothing = calibration.smoothing().filter(|_| smooth_k);
+        self.scales = Some(match &self.k_smoothing {
+            Some(smoothing) => calibration.smoothed(smoothing).scales(self.dtype),
+            None => calibration.scales(self.dtype),
+        });
+        self
     }
 
     /// The same config with a window of `tokens` tokens (`None`: the dtype's default).
@@ -91,7 +109,7 @@ impl KvConfig {
                 s.k.len(),
                 s.v.len()
             ))),
-            None => Ok(GlobalScales::ones(layers)),
+            None => Ok(GlobalScales::uncalibrated(self.dtype, layers)),
         }
     }
 }

@@ -51,7 +51,7 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 24] = [
+pub const OPS_ENTRY_POINTS: [&str; 25] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
@@ -69,6 +69,7 @@ pub const OPS_ENTRY_POINTS: [&str; 24] = [
     "gemm_bf16_skinny16_x3",
     "add_f32",
     "add_bias_f32",
+    "mul_cols_f32",
     "silu_mul_f32",
     "rms_norm_f32",
     "add_rms_norm_f32",
@@ -172,6 +173,7 @@ struct Ops {
     rows: [[CudaFunction; 3]; 4],
     add: CudaFunction,
     add_bias: CudaFunction,
+    mul_cols: CudaFunction,
     silu_mul: CudaFunction,
     rms_norm: CudaFunction,
     add_rms_norm: CudaFunction,
@@ -307,6 +309,7 @@ impl CudaBackend {
             ],
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
+            mul_cols: f("mul_cols_f32")?,
             silu_mul: f("silu_mul_f32")?,
             rms_norm: f("rms_norm_f32")?,
             add_rms_norm: f("add_rms_norm_f32")?,
@@ -751,6 +754,20 @@ impl Backend for CudaBackend {
         b.arg(x.f32_mut()).arg(bias.f32()).arg(&n).arg(&cols);
         // SAFETY: matches add_bias_f32; x holds n values, bias cols.
         launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add_bias");
+    }
+
+    fn mul_cols(&self, x: &mut CudaTensor, scale: &CudaTensor) {
+        assert_eq!(scale.len(), x.cols, "mul_cols: scale width");
+        let n = x.len() as u64;
+        if n == 0 {
+            return;
+        }
+        self.bind();
+        let cols = x.cols as u32;
+        let mut b = self.kernels.builder(&self.ops.mul_cols);
+        b.arg(x.f32_mut()).arg(scale.f32()).arg(&n).arg(&cols);
+        // SAFETY: matches mul_cols_f32; x holds n values, scale cols.
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "mul_cols");
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) {

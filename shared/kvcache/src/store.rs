@@ -32,6 +32,24 @@ impl GlobalScales {
         }
     }
 
+    /// The scales of a `dtype` cache without a calibration: those that give every dtype FP8's
+    /// range at scale 1 (an amax of 448). That is 1.0 for fp8 and bf16, and 1/6 for nvfp4,
+    /// whose global scale maps a layer's amax onto 6 · 448 (largest E2M1 value times largest
+    /// block scale). So an uncalibrated nvfp4 cache's FP8 work dtype has scale 1, exactly an
+    /// uncalibrated fp8 cache's, and a prompt prefilled in one go sees the same keys under
+    /// either cache; and a block's scale code is its amax itself rather than amax / 6, which
+    /// keeps blocks of small values out of E4M3's subnormals six times longer.
+    pub fn uncalibrated(dtype: KvDtype, layers: usize) -> Self {
+        let g = match dtype {
+            KvDtype::Nvfp4 => 1.0 / nibble_kvfmt::e2m1::MAX,
+            KvDtype::Fp8 | KvDtype::Bf16 => 1.0,
+        };
+        Self {
+            k: vec![g; layers],
+            v: vec![g; layers],
+        }
+    }
+
     /// The scale of (layer, part).
     pub fn get(&self, layer: usize, part: KvPart) -> f32 {
         match part {

@@ -44,6 +44,15 @@ impl v1::KvFormat {
             v_scales: scales.v.clone(),
             hadamard,
             window: u32::try_from(window).expect("a window is at most the context"),
+            k_smoothing: 0,
+        }
+    }
+
+    /// The same format with K smoothed by multipliers of this digest (`None`: not smoothed).
+    pub fn with_k_smoothing(self, digest: Option<u64>) -> Self {
+        Self {
+            k_smoothing: digest.unwrap_or(0),
+            ..self
         }
     }
 
@@ -54,13 +63,16 @@ impl v1::KvFormat {
             |_| format!("dtype {}", self.dtype),
             |d| d.name().to_string(),
         );
+        let uncalibrated = kv_dtype(self.dtype, "kv_format.dtype")
+            .map(|d| GlobalScales::uncalibrated(d, 1).k[0])
+            .unwrap_or(1.0);
         let calibrated = self
             .k_scales
             .iter()
             .chain(&self.v_scales)
-            .any(|g| *g != 1.0);
+            .any(|g| *g != uncalibrated);
         format!(
-            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}",
+            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}{}",
             self.page_size,
             self.layers,
             self.kv_heads,
@@ -74,7 +86,12 @@ impl v1::KvFormat {
             if calibrated {
                 "calibrated scales"
             } else {
-                "scales 1.0"
+                "uncalibrated scales"
+            },
+            if self.k_smoothing != 0 {
+                ", K smoothed"
+            } else {
+                ""
             },
         )
     }
@@ -220,11 +237,26 @@ mod tests {
     fn invalid_formats_name_the_field() {
         let good = v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), false, 0);
         assert_eq!(
-            v1::KvFormat::new(&layout(KvDtype::Nvfp4), &GlobalScales::ones(30), true, 64)
-                .describe(),
+            v1::KvFormat::new(
+                &layout(KvDtype::Nvfp4),
+                &GlobalScales::uncalibrated(KvDtype::Nvfp4, 30),
+                true,
+                64
+            )
+            .describe(),
             "nvfp4, 16-token pages, 30 layers x 3 KV heads x 64, recent window 64, Hadamard, \
-             scales 1.0"
+             uncalibrated scales"
         );
+        assert_eq!(
+            good.clone().with_k_smoothing(Some(7)).describe(),
+            "nvfp4, 16-token pages, 30 layers x 3 KV heads x 64, recent window 0, no Hadamard, \
+             calibrated scales, K smoothed"
+        );
+        assert_ne!(
+            good.clone().with_k_smoothing(Some(7)).fingerprint(),
+            good.fingerprint()
+        );
+        assert_eq!(good.clone().with_k_smoothing(None), good);
         let err = |f: v1::KvFormat| f.to_domain().unwrap_err().to_string();
 
         let unspecified = v1::KvFormat {

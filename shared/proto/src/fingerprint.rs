@@ -3,7 +3,8 @@
 //! Two workers may exchange pages only when their fingerprints are equal. The hash covers every
 //! field that changes how page bytes are read: dtype, page size, layers, KV heads, head dim, the
 //! bit patterns of every global scale (a different scale silently reinterprets every byte) and
-//! the Hadamard rotation and the recent window (each appended only when it is on, so the
+//! the Hadamard rotation, the recent window and the K smoothing's digest (each appended only
+//! when it is on, so the
 //! fingerprints of formats without them are those of builds before the fields existed). It is
 //! `xxh3_64` with a fixed seed over a canonical little-endian encoding, so it is the same in every
 //! process, on every machine, and independent of protobuf's encoding of the message.
@@ -37,6 +38,10 @@ impl KvFormat {
             bytes.push(b'w');
             bytes.extend_from_slice(&self.window.to_le_bytes());
         }
+        if self.k_smoothing != 0 {
+            bytes.push(b's');
+            bytes.extend_from_slice(&self.k_smoothing.to_le_bytes());
+        }
         xxh3_64_with_seed(&bytes, SEED)
     }
 }
@@ -57,6 +62,7 @@ mod tests {
             v_scales: vec![1.0, 1.0],
             hadamard: false,
             window: 0,
+            k_smoothing: 0,
         }
     }
 

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
 
+use nibble_engine::calibrate::KSmoothing;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
 use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
@@ -152,7 +153,8 @@ impl EngineHandle {
     {
         let layout = config.kv.layout(&model)?;
         let scales = config.kv.scales_for(layout.layers())?;
-        let kv_format = v1::KvFormat::new(&layout, &scales, config.kv.hadamard, config.kv.window);
+        let kv_format = v1::KvFormat::new(&layout, &scales, config.kv.hadamard, config.kv.window)
+            .with_k_smoothing(config.kv.k_smoothing.as_ref().map(KSmoothing::digest));
         let (commands, rx) = mpsc::unbounded_channel();
         let (kv_events, _) = broadcast::channel(KV_EVENT_BUFFER);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();

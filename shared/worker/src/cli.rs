@@ -64,6 +64,11 @@ pub struct WorkerArgs {
     /// Prefill and decode workers must agree: the rotation is part of the KV format.
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
+    /// Do not smooth K per channel with the calibration's channel amax (smoothed by default
+    /// when --calibration measured channels). Prefill and decode workers must agree: the
+    /// smoothing is part of the KV format.
+    #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
+    pub no_smooth_k: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
     /// instead of their pages; a multiple of --page-size, 0 for none [default: 64 for an nvfp4
     /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
@@ -262,7 +267,7 @@ fn kv_config(args: &WorkerArgs, layers: usize) -> Result<KvConfig> {
         };
         let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
         let calibration = Calibration::from_json(&text, layers).map_err(|e| fail(e.to_string()))?;
-        kv.scales = Some(calibration.scales(args.kv_dtype));
+        kv = kv.with_calibration(&calibration, !args.no_smooth_k);
     }
     Ok(kv)
 }
@@ -524,6 +529,7 @@ mod tests {
             tokens: 8,
             k_amax: vec![12.0, 24.0],
             v_amax: vec![3.0, 6.0],
+            k_channel_amax: Vec::new(),
         };
         std::fs::write(&file, calibration.to_json().unwrap()).unwrap();
         let path = file.to_str().unwrap();

@@ -51,10 +51,16 @@ impl ModelArgs {
 /// How quantized K/V is stored, beyond its dtype.
 #[derive(Debug, Clone, Args)]
 pub struct QuantArgs {
-    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales; without it
-    /// every scale is 1.0.
+    /// Calibration JSON (from `nibble calibrate`): per-layer K/V global scales and K's channel
+    /// amax; without it every scale is the dtype's uncalibrated one and K is not smoothed.
     #[arg(long, value_name = "FILE", env = "NIBBLE_CALIBRATION")]
     pub calibration: Option<PathBuf>,
+    /// Do not smooth K per channel. With a --calibration that measured K's channels (every
+    /// file `nibble calibrate` writes), K's channels are scaled to one amax before they are
+    /// cached and Q's by the reciprocals, so attention scores are unchanged and NVFP4's shared
+    /// block scales fit every channel (docs/ACCURACY.md).
+    #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
+    pub no_smooth_k: bool,
     /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing.
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,

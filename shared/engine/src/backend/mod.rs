@@ -232,6 +232,9 @@ pub trait Backend: Send + Sync + 'static {
         self.rope(k, positions, rope);
     }
 
+    /// `x[r][c] *= scale[c]` for every row `r`: a per-channel multiplier (K smoothing).
+    fn mul_cols(&self, x: &mut Self::Tensor, scale: &Self::Tensor);
+
     /// `gate = silu(gate) * up`, elementwise, same shapes.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor);
 

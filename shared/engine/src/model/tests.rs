@@ -283,3 +283,43 @@ fn loading_errors_name_the_problem() {
         .unwrap();
     assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
 }
+
+#[test]
+fn k_smoothing_leaves_attention_scores_unchanged() {
+    // Multipliers from 1/3 to 3 on every K channel (and the reciprocals on the queries that
+    // read it; not powers of two, so the products round): with an f32 cache the logits are
+    // those of the unsmoothed model.
+    let kv_dim = KV_HEADS * HEAD_DIM;
+    let smoothing = KSmoothing {
+        k: (0..LAYERS)
+            .map(|l| {
+                (0..kv_dim)
+                    .map(|c| 3f32.powf(((c + l) % 5) as f32 / 2.0 - 1.0))
+                    .collect()
+            })
+            .collect(),
+    };
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let model = load(arch);
+        let toks = tokens(70);
+        let plain = prefill_all(&model, &toks);
+        let smoothed = model.with_k_smoothing(Some(&smoothing)).unwrap();
+        let out = prefill_all(&smoothed, &toks);
+        assert_close(&out, &plain, arch);
+        assert_ne!(out, plain, "{arch}: the smoothing ran");
+        // `None` takes it off again.
+        let off = smoothed.with_k_smoothing(None).unwrap();
+        assert_eq!(prefill_all(&off, &toks), plain, "{arch}");
+    }
+
+    let model = load("llama");
+    let short = KSmoothing {
+        k: vec![vec![1.0; kv_dim]; LAYERS - 1],
+    };
+    let err = model.with_k_smoothing(Some(&short)).err().unwrap();
+    assert!(err.to_string().contains("model has 2 of 16"), "{err}");
+    let mut zero = smoothing.clone();
+    zero.k[1][3] = 0.0;
+    let err = model.with_k_smoothing(Some(&zero)).err().unwrap();
+    assert!(err.to_string().contains("multiplier 0 is not"), "{err}");
+}

@@ -1,6 +1,6 @@
 //! Whole-model parity of the CUDA backend against the CPU backend: the same GGUF model on both,
 //! greedy decoding of `--tokens` tokens (64 by default) after a prompt, for each paged KV dtype
-//! (bf16, fp8, nvfp4) and for the contiguous f32 cache.
+//! (bf16, fp8, nvfp4, and nvfp4 with K smoothed) and for the contiguous f32 cache.
 //!
 //! Each backend follows its own greedy path; the check is that the token sequences are identical.
 //! The prompt runs as two chunks (initial prefill, then extend) and the generated tokens as
@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use nibble_engine::calibrate::KSmoothing;
 use nibble_engine::gguf::GgufFile;
 use nibble_engine::{
     Backend, CpuBackend, KvConfig, Logits, Model, PagedSession, SeqInput, Tokenizer,
@@ -229,18 +230,38 @@ fn run() -> Result<bool> {
     );
     let mut ok = ops_ok;
     let mut cpu_bf16 = None;
-    // (name, cache, first-step logit tolerance)
+    // K smoothing (`--smooth-k`) by multipliers from 1/3 to 3, on both backends.
+    let smoothing = KSmoothing {
+        k: (0..c.num_layers)
+            .map(|l| {
+                (0..c.kv_dim())
+                    .map(|i| 3f32.powf(((i + l) % 5) as f32 / 2.0 - 1.0))
+                    .collect()
+            })
+            .collect(),
+    };
+    let smoothed = (
+        gpu_model.with_k_smoothing(Some(&smoothing))?,
+        cpu_model.with_k_smoothing(Some(&smoothing))?,
+    );
+    // (name, cache, first-step logit tolerance, K smoothed)
     let modes = [
-        ("bf16", Some(KvDtype::Bf16), 0.05),
-        ("fp8", Some(KvDtype::Fp8), 0.5),
-        ("nvfp4", Some(KvDtype::Nvfp4), 0.5),
-        ("f32-contiguous", None, 1e-3),
+        ("bf16", Some(KvDtype::Bf16), 0.05, false),
+        ("fp8", Some(KvDtype::Fp8), 0.5, false),
+        ("nvfp4", Some(KvDtype::Nvfp4), 0.5, false),
+        ("nvfp4-k-smoothed", Some(KvDtype::Nvfp4), 0.5, true),
+        ("f32-contiguous", None, 1e-3, false),
     ];
-    for (name, dtype, tol) in modes {
+    for (name, dtype, tol, smooth) in modes {
         let tol = args.logit_tol.unwrap_or(tol);
-        let g = generate(&gpu_model, dtype, &prompt, args.tokens, None)
+        let (gm, cm) = if smooth {
+            (&smoothed.0, &smoothed.1)
+        } else {
+            (&gpu_model, &cpu_model)
+        };
+        let g = generate(gm, dtype, &prompt, args.tokens, None)
             .with_context(|| format!("CUDA run, {name}"))?;
-        let cpu_run = generate(&cpu_model, dtype, &prompt, args.tokens, None)
+        let cpu_run = generate(cm, dtype, &prompt, args.tokens, None)
             .with_context(|| format!("CPU run, {name}"))?;
         let max_abs = cpu_run
             .first_logits
@@ -294,6 +315,7 @@ fn run() -> Result<bool> {
         }
     }
     // The BF16-weight backend, on the same device once the f32 model is gone.
+    drop(smoothed);
     drop(gpu_model);
     drop(gpu);
     let cpu_run = cpu_bf16.context("the bf16 cache mode did not run")?;

@@ -130,6 +130,9 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         cpu.add_bias(&mut a, &wc);
         gpu.add_bias(&mut b, &wg);
         ok &= report("add_bias", &down(cpu, &a), &down(gpu, &b), 0.0);
+        cpu.mul_cols(&mut a, &wc);
+        gpu.mul_cols(&mut b, &wg);
+        ok &= report("mul_cols", &down(cpu, &a), &down(gpu, &b), 0.0);
         cpu.silu_mul(&mut a, &yc);
         gpu.silu_mul(&mut b, &yg);
         ok &= report("silu_mul", &down(cpu, &a), &down(gpu, &b), 1e-6);

@@ -307,6 +307,14 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const float* __re
     if (i < n) x[i] = x[i] + b[i % cols];
 }
 
+// x[r][c] *= s[c] (K smoothing: per-channel multipliers of Q and K)
+extern "C" __global__ void mul_cols_f32(float* __restrict__ x, const float* __restrict__ s, u64 n,
+                                        u32 cols) {
+    grid_dependency_sync();
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * s[i % cols];
+}
+
 // gate = silu(gate) * up
 // gate = silu(gate) * up; with g_bf16 (else null) also its BF16 cast, the input of the BF16
 // down projection (as f32_to_bf16 would make it, without the launch).

@@ -290,6 +290,15 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn mul_cols(&self, x: &mut CpuTensor, scale: &CpuTensor) {
+        assert_eq!(scale.data.len(), x.cols, "mul_cols: scale width");
+        for row in x.data.chunks_exact_mut(x.cols) {
+            for (x, s) in row.iter_mut().zip(&scale.data) {
+                *x *= s;
+            }
+        }
+    }
+
     fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
         simd::add(&mut x.data, &y.data);
