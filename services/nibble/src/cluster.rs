@@ -63,12 +63,12 @@ pub struct UpArgs {
     #[arg(long, value_name = "RULE", env = "NIBBLE_KV_SCALE_RULE", default_value = "mse",
           value_parser = nibble_kvfmt::ScaleRule::parse)]
     pub scale_rule: nibble_kvfmt::ScaleRule,
-    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales for both
-    /// workers; without it every scale is 1.0.
+    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales and K's
+    /// channel amax for both workers; without it every scale is the dtype's uncalibrated one.
     #[arg(long, value_name = "FILE", env = "NIBBLE_CALIBRATION")]
     pub calibration: Option<PathBuf>,
     /// Rotate both workers' K/V head vectors (and Q) by the normalized Hadamard matrix before
-    /// quantizing (power-of-two head dims; the CPU backend only).
+    /// quantizing (power-of-two head dims).
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
     /// Do not smooth the workers' K per channel (smoothed by default when --calibration

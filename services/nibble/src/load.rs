@@ -131,7 +131,6 @@ impl Opened {
         let needs = KvNeeds {
             head_dim: self.config.head_dim,
             page_size: kv.map_or(16, |kv| kv.page_size),
-            hadamard: kv.is_some_and(|kv| kv.hadamard),
         };
         let cuda = self
             .device

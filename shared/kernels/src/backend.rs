@@ -51,7 +51,7 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 25] = [
+pub const OPS_ENTRY_POINTS: [&str; 26] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
@@ -70,6 +70,7 @@ pub const OPS_ENTRY_POINTS: [&str; 25] = [
     "add_f32",
     "add_bias_f32",
     "mul_cols_f32",
+    "hadamard_f32",
     "silu_mul_f32",
     "rms_norm_f32",
     "add_rms_norm_f32",
@@ -174,6 +175,7 @@ struct Ops {
     add: CudaFunction,
     add_bias: CudaFunction,
     mul_cols: CudaFunction,
+    hadamard: CudaFunction,
     silu_mul: CudaFunction,
     rms_norm: CudaFunction,
     add_rms_norm: CudaFunction,
@@ -310,6 +312,7 @@ impl CudaBackend {
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
             mul_cols: f("mul_cols_f32")?,
+            hadamard: f("hadamard_f32")?,
             silu_mul: f("silu_mul_f32")?,
             rms_norm: f("rms_norm_f32")?,
             add_rms_norm: f("add_rms_norm_f32")?,
@@ -922,7 +925,6 @@ impl Backend for CudaBackend {
         let needs = crate::KvNeeds {
             head_dim: layout.head_dim(),
             page_size: layout.page_size(),
-            hadamard,
         };
         if let Some(reason) = needs.unsupported() {
             return Err(EngineError::Unsupported(reason));
@@ -948,6 +950,8 @@ impl Backend for CudaBackend {
             ws_v: stream.alloc_zeros(1).map_err(engine_err)?,
             decode: DecodeWorkspace::new(&self.kernels).map_err(engine_err)?,
             decode_inputs: DecodeInputs::default(),
+            hadamard,
+            rotated: None,
         })
     }
 
@@ -961,11 +965,32 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> EngineResult<()> {
         self.bind();
-        self.attend(pages, pool, layer, step, seqs, out)
-            .map_err(|e| match e {
-                Error::Unsupported(m) => EngineError::Unsupported(m),
-                other => engine_err(other),
-            })
+        let unsupported = |e| match e {
+            Error::Unsupported(m) => EngineError::Unsupported(m),
+            other => engine_err(other),
+        };
+        if !pages.hadamard {
+            return self
+                .attend(pages, pool, layer, step, seqs, out)
+                .map_err(unsupported);
+        }
+        // The pages hold rotated vectors: attend with rotated Q, K, V (orthonormal, so the
+        // scores are unchanged), then rotate the output back (H is its own inverse).
+        let d = step.geometry.head_dim;
+        let mut rotated = pages
+            .rotated
+            .take()
+            .unwrap_or_else(|| [self.zeros(0, 0), self.zeros(0, 0), self.zeros(0, 0)]);
+        for (src, dst) in [step.q, step.k, step.v].into_iter().zip(rotated.iter_mut()) {
+            self.rotate_heads(src, dst, d);
+        }
+        let [q, k, v] = &rotated;
+        let step = StepTokens { q, k, v, ..*step };
+        let result = self.attend(pages, pool, layer, &step, seqs, out);
+        pages.rotated = Some(rotated);
+        result.map_err(unsupported)?;
+        self.rotate_heads_in_place(out, d);
+        Ok(())
     }
 
     fn read_page(&self, pages: &CudaPages, page: PageId, out: &mut Vec<u8>) -> EngineResult<()> {
@@ -1022,6 +1047,10 @@ pub struct CudaPages {
     ws_v: CudaSlice<u8>,
     decode: DecodeWorkspace,
     decode_inputs: DecodeInputs,
+    /// Head vectors are stored rotated by the normalized Hadamard matrix: Q, K and V are
+    /// rotated into `rotated` before attention and the output rotated back after it.
+    hadamard: bool,
+    rotated: Option<[CudaTensor; 3]>,
 }
 
 /// A small host array kept on the device, copied again only when it changes (RoPE's positions
@@ -1071,6 +1100,59 @@ impl CudaPages {
     /// Bytes of one page.
     pub fn page_bytes(&self) -> usize {
         self.layout.page_bytes()
+    }
+}
+
+/// The Hadamard rotation of head vectors (`hadamard_f32`), bit-identical to
+/// `nibble_engine::hadamard::rotate`.
+impl CudaBackend {
+    /// `y = H x / sqrt(head_dim)` for each `head_dim`-value vector of `x` (64 or 128); `y` takes
+    /// `x`'s shape.
+    pub fn rotate_heads(&self, x: &CudaTensor, y: &mut CudaTensor, head_dim: usize) {
+        assert!(
+            matches!(head_dim, 64 | 128),
+            "rotate_heads: head dim {head_dim}"
+        );
+        assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
+        self.resize(y, x.rows, x.cols);
+        self.launch_hadamard(Some(x.f32()), y.f32_mut(), x.len() / head_dim, head_dim);
+    }
+
+    /// [`Self::rotate_heads`] in place.
+    pub fn rotate_heads_in_place(&self, x: &mut CudaTensor, head_dim: usize) {
+        assert!(
+            matches!(head_dim, 64 | 128),
+            "rotate_heads: head dim {head_dim}"
+        );
+        assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
+        let vectors = x.len() / head_dim;
+        self.launch_hadamard(None, x.f32_mut(), vectors, head_dim);
+    }
+
+    /// `src` None: in place (the kernel reads `dst`).
+    fn launch_hadamard(
+        &self,
+        src: Option<&CudaSlice<f32>>,
+        dst: &mut CudaSlice<f32>,
+        vectors: usize,
+        head_dim: usize,
+    ) {
+        if vectors == 0 {
+            return;
+        }
+        self.bind();
+        let (n, dim) = (vectors as u64, head_dim as u32);
+        let norm = 1.0 / (head_dim as f32).sqrt();
+        let null = 0u64;
+        let mut b = self.kernels.builder(&self.ops.hadamard);
+        match src {
+            Some(src) => b.arg(src),
+            None => b.arg(&null),
+        };
+        b.arg(dst).arg(&n).arg(&dim).arg(&norm);
+        // SAFETY: matches hadamard_f32; src (or dst, in place) and dst hold `vectors` whole
+        // vectors of `head_dim` (64 or 128) values, one warp each.
+        launched(unsafe { b.launch(grid(n * 32)) }.map(|_| ()), "hadamard");
     }
 }
 

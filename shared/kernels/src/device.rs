@@ -87,16 +87,12 @@ impl DeviceMemory {
 pub struct KvNeeds {
     pub head_dim: usize,
     pub page_size: usize,
-    pub hadamard: bool,
 }
 
 impl KvNeeds {
     /// Why the CUDA backend cannot run this cache, if it cannot (the same checks as
     /// `CudaBackend::new_pages`).
     pub fn unsupported(self) -> Option<String> {
-        if self.hadamard {
-            return Some("the CUDA backend does not implement the Hadamard KV rotation".into());
-        }
         if !matches!(self.head_dim, 64 | 128) {
             return Some(format!(
                 "the CUDA attention kernels take head dim 64 or 128, not {}",
@@ -151,16 +147,10 @@ mod tests {
         let ok = KvNeeds {
             head_dim: 128,
             page_size: 16,
-            hadamard: false,
         };
         assert_eq!(ok.unsupported(), None);
         assert_eq!(KvNeeds { head_dim: 64, ..ok }.unsupported(), None);
         let reason = |kv: KvNeeds| kv.unsupported().unwrap();
-        assert!(reason(KvNeeds {
-            hadamard: true,
-            ..ok
-        })
-        .contains("Hadamard"));
         assert!(reason(KvNeeds { head_dim: 96, ..ok }).contains("head dim 64 or 128, not 96"));
         assert!(reason(KvNeeds { page_size: 8, ..ok }).contains("not 8"));
         // `cpu` never starts CUDA; `auto` passes a GPU by for a cache it cannot run (here, or on

@@ -54,13 +54,14 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "RULE", env = "NIBBLE_KV_SCALE_RULE", default_value = "mse",
           value_parser = ScaleRule::parse)]
     pub scale_rule: ScaleRule,
-    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales; without it
-    /// every scale is 1.0. Prefill and decode workers must use the same file: the scales are
-    /// part of the KV format their pages are checked against.
+    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales and K's
+    /// channel amax; without it every scale is the dtype's uncalibrated one. Prefill and decode
+    /// workers must use the same file: the scales are part of the KV format their pages are
+    /// checked against.
     #[arg(long, value_name = "FILE", env = "NIBBLE_CALIBRATION")]
     pub calibration: Option<PathBuf>,
     /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing
-    /// (power-of-two head dims; the CPU backend only: `--device auto` then picks the CPU).
+    /// (power-of-two head dims; on the CUDA backend, head dims 64 and 128).
     /// Prefill and decode workers must agree: the rotation is part of the KV format.
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,
@@ -307,7 +308,6 @@ pub fn start_engine(
     let needs = KvNeeds {
         head_dim: source.config()?.head_dim,
         page_size: args.page_size,
-        hadamard: args.hadamard,
     };
     let cuda = args
         .device

@@ -1,6 +1,7 @@
 //! Whole-model parity of the CUDA backend against the CPU backend: the same GGUF model on both,
 //! greedy decoding of `--tokens` tokens (64 by default) after a prompt, for each paged KV dtype
-//! (bf16, fp8, nvfp4, and nvfp4 with K smoothed) and for the contiguous f32 cache.
+//! (bf16, fp8, nvfp4, and nvfp4 with K smoothed or Hadamard-rotated) and for the contiguous
+//! f32 cache.
 //!
 //! Each backend follows its own greedy path; the check is that the token sequences are identical.
 //! The prompt runs as two chunks (initial prefill, then extend) and the generated tokens as
@@ -114,11 +115,12 @@ fn margin(x: &[f32]) -> (u32, f32) {
     (top, x[top as usize] - second)
 }
 
-/// Greedy decoding over a paged session (`Some(dtype)`) or the contiguous cache (`None`); with
+/// Greedy decoding over a paged session (`Some((dtype, hadamard))`) or the contiguous cache
+/// (`None`); with
 /// `follow`, step i feeds `follow[i]` instead of the argmax (teacher forcing).
 fn generate<B: Backend>(
     model: &Model<B>,
-    dtype: Option<KvDtype>,
+    dtype: Option<(KvDtype, bool)>,
     prompt: &[u32],
     n: usize,
     follow: Option<&[u32]>,
@@ -131,8 +133,11 @@ fn generate<B: Backend>(
     let split = (prompt.len() * 2 / 3).max(1);
     let start = Instant::now();
     match dtype {
-        Some(dtype) => {
-            let kv = KvConfig::new(dtype);
+        Some((dtype, hadamard)) => {
+            let kv = KvConfig {
+                hadamard,
+                ..KvConfig::new(dtype)
+            };
             let mut s = PagedSession::new(model, &kv, prompt.len() + n + 1)?;
             s.forward(model, &mut ws, &prompt[..split], Logits::None, &mut logits)?;
             s.forward(model, &mut ws, &prompt[split..], Logits::Last, &mut logits)?;
@@ -195,7 +200,7 @@ fn run() -> Result<bool> {
     let prompt = tokenizer.encode(&args.prompt, true)?;
     if args.cpu_only {
         let cpu_model = Model::from_gguf(cpu.clone(), &file)?;
-        for dtype in [Some(KvDtype::Bf16), None] {
+        for dtype in [Some((KvDtype::Bf16, false)), None] {
             let r = generate(&cpu_model, dtype, &prompt, args.tokens, None)?;
             println!(
                 "cpu {dtype:?} ({:.2} s): {:?}",
@@ -244,12 +249,13 @@ fn run() -> Result<bool> {
         gpu_model.with_k_smoothing(Some(&smoothing))?,
         cpu_model.with_k_smoothing(Some(&smoothing))?,
     );
-    // (name, cache, first-step logit tolerance, K smoothed)
+    // (name, cache and Hadamard rotation, first-step logit tolerance, K smoothed)
     let modes = [
-        ("bf16", Some(KvDtype::Bf16), 0.05, false),
-        ("fp8", Some(KvDtype::Fp8), 0.5, false),
-        ("nvfp4", Some(KvDtype::Nvfp4), 0.5, false),
-        ("nvfp4-k-smoothed", Some(KvDtype::Nvfp4), 0.5, true),
+        ("bf16", Some((KvDtype::Bf16, false)), 0.05, false),
+        ("fp8", Some((KvDtype::Fp8, false)), 0.5, false),
+        ("nvfp4", Some((KvDtype::Nvfp4, false)), 0.5, false),
+        ("nvfp4-k-smoothed", Some((KvDtype::Nvfp4, false)), 0.5, true),
+        ("nvfp4-hadamard", Some((KvDtype::Nvfp4, true)), 0.5, false),
         ("f32-contiguous", None, 1e-3, false),
     ];
     for (name, dtype, tol, smooth) in modes {
@@ -310,7 +316,7 @@ fn run() -> Result<bool> {
                 tokenizer.decode(&cpu_run.tokens, true).unwrap_or_default()
             );
         }
-        if dtype == Some(KvDtype::Bf16) {
+        if dtype == Some((KvDtype::Bf16, false)) {
             cpu_bf16 = Some(cpu_run);
         }
     }
@@ -339,7 +345,7 @@ fn check_bf16_weights(file: &GgufFile, prompt: &[u32], cpu_run: &Run, args: &Arg
     let model = Model::from_gguf(gpu.clone(), file)?;
     let g = generate(
         &model,
-        Some(KvDtype::Bf16),
+        Some((KvDtype::Bf16, false)),
         prompt,
         cpu_run.tokens.len(),
         Some(&cpu_run.tokens),

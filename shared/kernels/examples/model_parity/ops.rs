@@ -133,6 +133,25 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         cpu.mul_cols(&mut a, &wc);
         gpu.mul_cols(&mut b, &wg);
         ok &= report("mul_cols", &down(cpu, &a), &down(gpu, &b), 0.0);
+        // The Hadamard rotation of head vectors, bit-identical to the CPU's.
+        for d in [64, 128] {
+            let mut original = down(cpu, &a);
+            original.truncate(original.len() / d * d);
+            let (_, src) = p.up(1, original.len(), &original)?;
+            let mut host = original.clone();
+            nibble_engine::hadamard::rotate(&mut host, d);
+            let mut dst = gpu.zeros(0, 0);
+            gpu.rotate_heads(&src, &mut dst, d);
+            ok &= report(&format!("hadamard {d}"), &host, &down(gpu, &dst), 0.0);
+            // H is its own inverse: rotating again (in place) gives the input back.
+            gpu.rotate_heads_in_place(&mut dst, d);
+            ok &= report(
+                &format!("hadamard {d} twice"),
+                &original,
+                &down(gpu, &dst),
+                1e-6,
+            );
+        }
         cpu.silu_mul(&mut a, &yc);
         gpu.silu_mul(&mut b, &yg);
         ok &= report("silu_mul", &down(cpu, &a), &down(gpu, &b), 1e-6);

@@ -315,6 +315,51 @@ extern "C" __global__ void mul_cols_f32(float* __restrict__ x, const float* __re
     if (i < n) x[i] = x[i] * s[i % cols];
 }
 
+// y = H x / sqrt(dim) for each of `vectors` head vectors of `dim` values (64 or 128; x null:
+// in place, y read): the normalized Hadamard rotation of nibble_engine::hadamard::rotate, one warp per vector,
+// with the same butterflies in the same order (strides 1, 2, 4, ...; low + high, low - high)
+// and the same final multiply by `norm`, so the result is bit-identical to the CPU's.
+extern "C" __global__ void hadamard_f32(const float* x, float* y, u64 vectors, u32 dim,
+                                        float norm) {
+    grid_dependency_sync();
+    const u64 vector = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x % 32;
+    if (vector >= vectors) return;  // uniform across the warp
+    const u32 per = dim / 32;       // 2 or 4 consecutive values per lane
+    float v[4];
+    const float* src = (x ? x : y) + vector * dim + lane * per;
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i)
+        if (i < per) v[i] = src[i];
+    // Strides within a lane's values.
+    for (u32 h = 1; h < per; h *= 2) {
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+            if (i < per && (i & h) == 0) {
+                const float a = v[i], b = v[i + h];
+                v[i] = a + b;
+                v[i + h] = a - b;
+            }
+        }
+    }
+    // Strides across lanes: the partner of value i is value i of lane ^ (h / per).
+    for (u32 h = per; h < dim; h *= 2) {
+        const u32 mask = h / per;
+        const bool low = (lane & mask) == 0;
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) {
+            if (i < per) {
+                const float other = __shfl_xor_sync(0xffffffffu, v[i], mask);
+                v[i] = low ? v[i] + other : other - v[i];
+            }
+        }
+    }
+    float* dst = y + vector * dim + lane * per;
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i)
+        if (i < per) dst[i] = v[i] * norm;
+}
+
 // gate = silu(gate) * up
 // gate = silu(gate) * up; with g_bf16 (else null) also its BF16 cast, the input of the BF16
 // down projection (as f32_to_bf16 would make it, without the launch).
