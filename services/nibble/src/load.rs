@@ -117,7 +117,11 @@ impl Opened {
         match &quant.calibration {
             Some(path) => {
                 let calibration = read_calibration(path, self.config.num_layers)?;
-                Ok(kv.with_calibration(&calibration, !quant.no_smooth_k))
+                kv.with_calibration(&calibration, !quant.no_smooth_k)
+                    .map_err(|source| Error::Calibration {
+                        path: path.clone(),
+                        source,
+                    })
             }
             None => Ok(kv),
         }

@@ -313,6 +313,12 @@ fn calibration_file_feeds_eval() {
         let max = c.iter().map(f).fold(0.0, f64::max);
         assert_eq!(max, f(&cal["k_amax"][layer]), "layer {layer}");
     }
+    // And the amax of rotated vectors, for a --hadamard cache.
+    for key in ["k_amax", "v_amax", "smoothed_k_amax"] {
+        let amax = cal["hadamard"][key].as_array().expect("per layer");
+        assert_eq!(amax.len(), 30, "hadamard {key}");
+        assert!(amax.iter().all(|a| f(a) > 0.0), "hadamard {key}");
+    }
 
     // Calibrated nvfp4 prefill runs over the FP8 work dtype: it must stay as close to the
     // reference as uncalibrated (no saturation at the nvfp4 global scale).
@@ -369,6 +375,21 @@ fn calibration_file_feeds_eval() {
         w["reference_perplexity"], smoothed["windows"][0]["reference_perplexity"],
         "the reference is the model's own"
     );
+    // A rotated cache takes the rotated amax.
+    let rotated = ppl(&[
+        "--kv-dtype",
+        "nvfp4",
+        "--calibration",
+        cal_arg,
+        "--hadamard",
+        "--window",
+        "64",
+        "--path",
+        "decode",
+    ]);
+    let w = &rotated["windows"][0];
+    let ratio = f(&w["perplexity"]) / f(&w["reference_perplexity"]);
+    assert!((ratio - 1.0).abs() < 0.15, "rotated: {w}");
 }
 
 /// Asserts a failed run: status 2, nothing on stdout, one `error:` line mentioning `needle`.

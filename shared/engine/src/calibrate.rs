@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::hadamard;
 use crate::kv::{ContiguousKv, KvBatch, KvStore, NewTokens, StepTokens};
 use crate::model::{Logits, Model};
 use nibble_kvcache::GlobalScales;
@@ -33,6 +34,24 @@ pub struct Calibration {
     /// Per layer, the amax of each of K's `kv_heads · head_dim` channels (empty in files
     /// written before channels were measured: such a calibration cannot smooth K).
     pub k_channel_amax: Vec<Vec<f32>>,
+    /// Per-layer amax of K and V after the Hadamard rotation, for a `--hadamard` cache, and of
+    /// K smoothed ([`Self::smoothing`]) and then rotated. Empty when the head dim allows no
+    /// rotation, or in files written before rotated vectors were measured.
+    pub hadamard: HadamardAmax,
+}
+
+/// Per-layer amax of rotated vectors (see [`Calibration::hadamard`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HadamardAmax {
+    pub k_amax: Vec<f32>,
+    pub v_amax: Vec<f32>,
+    pub smoothed_k_amax: Vec<f32>,
+}
+
+impl HadamardAmax {
+    fn is_empty(&self) -> bool {
+        self.k_amax.is_empty() && self.v_amax.is_empty() && self.smoothed_k_amax.is_empty()
+    }
 }
 
 /// Per-channel K smoothing: post-RoPE, each K channel is multiplied by `k[layer][c]` before it
@@ -110,40 +129,51 @@ impl Calibration {
         Some(KSmoothing { k })
     }
 
-    /// This calibration as seen through `smoothing`: each layer's K amax is that of the
-    /// smoothed channels, so the global scales fit the K that is cached.
-    pub fn smoothed(&self, smoothing: &KSmoothing) -> Self {
-        let k_amax = self
-            .k_channel_amax
+    /// The global scales of a `dtype` cache of plain K and V (neither smoothed nor rotated).
+    pub fn scales(&self, dtype: KvDtype) -> GlobalScales {
+        scales_of(dtype, &self.k_amax, &self.v_amax)
+    }
+
+    /// The global scales of a `dtype` cache that holds K smoothed by `smoothing` (if any) and K
+    /// and V rotated when `hadamard`: each from the amax of what is cached. Fails when the
+    /// calibration did not measure rotated vectors (a rotated cache with the scales of unrotated
+    /// ones puts blocks into E4M3's subnormals: docs/ACCURACY.md).
+    pub fn scales_for(
+        &self,
+        dtype: KvDtype,
+        smoothing: Option<&KSmoothing>,
+        hadamard: bool,
+    ) -> Result<GlobalScales> {
+        if !hadamard {
+            return Ok(match smoothing {
+                None => self.scales(dtype),
+                Some(s) => scales_of(dtype, &self.smoothed_k_amax(s), &self.v_amax),
+            });
+        }
+        let h = &self.hadamard;
+        let k = if smoothing.is_some() {
+            &h.smoothed_k_amax
+        } else {
+            &h.k_amax
+        };
+        if k.len() != self.k_amax.len() || h.v_amax.len() != self.v_amax.len() {
+            return Err(Error::InvalidInput(
+                "the calibration has no amax of Hadamard-rotated K/V (it was written before \
+                 `nibble calibrate` measured them, or the head dim allows no rotation); \
+                 calibrate again"
+                    .into(),
+            ));
+        }
+        Ok(scales_of(dtype, k, &h.v_amax))
+    }
+
+    /// Each layer's K amax once smoothed by `smoothing` (from the channel amax).
+    fn smoothed_k_amax(&self, smoothing: &KSmoothing) -> Vec<f32> {
+        self.k_channel_amax
             .iter()
             .zip(&smoothing.k)
             .map(|(amax, k)| amax.iter().zip(k).fold(0.0f32, |m, (a, k)| m.max(a * k)))
-            .collect();
-        Self {
-            k_amax,
-            ..self.clone()
-        }
-    }
-
-    /// The global scales for a `dtype` cache.
-    pub fn scales(&self, dtype: KvDtype) -> GlobalScales {
-        let divisor = match dtype {
-            KvDtype::Nvfp4 => E2M1_MAX * E4M3_MAX,
-            KvDtype::Fp8 => E4M3_MAX,
-            KvDtype::Bf16 => return GlobalScales::ones(self.k_amax.len()),
-        };
-        let fallback = GlobalScales::uncalibrated(dtype, 1).k[0];
-        let scale = |amax: &f32| {
-            if *amax > 0.0 && amax.is_finite() {
-                amax / divisor
-            } else {
-                fallback
-            }
-        };
-        GlobalScales {
-            k: self.k_amax.iter().map(scale).collect(),
-            v: self.v_amax.iter().map(scale).collect(),
-        }
+            .collect()
     }
 
     /// The JSON file's contents: amax values plus the derived scales of both quantized dtypes.
@@ -154,6 +184,7 @@ impl Calibration {
             k_amax: self.k_amax.clone(),
             v_amax: self.v_amax.clone(),
             k_channel_amax: self.k_channel_amax.clone(),
+            hadamard: self.hadamard.clone(),
             nvfp4: self.scales(KvDtype::Nvfp4),
             fp8: self.scales(KvDtype::Fp8),
         };
@@ -178,11 +209,22 @@ impl Calibration {
                 file.k_channel_amax.len()
             )));
         }
+        let h = &file.hadamard;
+        if let Some(bad) = [&h.k_amax, &h.v_amax, &h.smoothed_k_amax]
+            .iter()
+            .find(|a| !a.is_empty() && a.len() != layers)
+        {
+            return Err(Error::InvalidInput(format!(
+                "calibration file has rotated amax for {} layers; the model has {layers}",
+                bad.len()
+            )));
+        }
         if let Some(bad) = file
             .k_amax
             .iter()
             .chain(&file.v_amax)
             .chain(file.k_channel_amax.iter().flatten())
+            .chain(h.k_amax.iter().chain(&h.v_amax).chain(&h.smoothed_k_amax))
             .find(|x| !x.is_finite() || **x < 0.0)
         {
             return Err(Error::InvalidInput(format!(
@@ -195,7 +237,29 @@ impl Calibration {
             k_amax: file.k_amax,
             v_amax: file.v_amax,
             k_channel_amax: file.k_channel_amax,
+            hadamard: file.hadamard,
         })
+    }
+}
+
+/// Global scales mapping each layer's amax onto the format's range (see the module docs).
+fn scales_of(dtype: KvDtype, k_amax: &[f32], v_amax: &[f32]) -> GlobalScales {
+    let divisor = match dtype {
+        KvDtype::Nvfp4 => E2M1_MAX * E4M3_MAX,
+        KvDtype::Fp8 => E4M3_MAX,
+        KvDtype::Bf16 => return GlobalScales::ones(k_amax.len()),
+    };
+    let fallback = GlobalScales::uncalibrated(dtype, 1).k[0];
+    let scale = |amax: &f32| {
+        if *amax > 0.0 && amax.is_finite() {
+            amax / divisor
+        } else {
+            fallback
+        }
+    };
+    GlobalScales {
+        k: k_amax.iter().map(scale).collect(),
+        v: v_amax.iter().map(scale).collect(),
     }
 }
 
@@ -207,16 +271,32 @@ struct CalibrationFile {
     v_amax: Vec<f32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     k_channel_amax: Vec<Vec<f32>>,
+    #[serde(default, skip_serializing_if = "HadamardAmax::is_empty")]
+    hadamard: HadamardAmax,
     nvfp4: GlobalScales,
     fp8: GlobalScales,
+}
+
+/// What one pass of the text through the model measures, per layer.
+#[derive(Default)]
+struct Measured {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_channels: Vec<Vec<f32>>,
+    /// Of K and V rotated by the normalized Hadamard matrix (left empty when the head dim allows
+    /// no rotation).
+    k_rotated: Vec<f32>,
+    v_rotated: Vec<f32>,
+}
+
+fn amax(start: f32, x: &[f32]) -> f32 {
+    x.iter().fold(start, |m, x| m.max(x.abs()))
 }
 
 /// A single-sequence f32 cache that records every layer's amax as K and V pass through.
 struct Recorder<'a, B: Backend> {
     kv: &'a mut ContiguousKv<B>,
-    k_amax: Vec<f32>,
-    v_amax: Vec<f32>,
-    k_channel_amax: Vec<Vec<f32>>,
+    measured: &'a mut Measured,
     host: Vec<f32>,
 }
 
@@ -241,23 +321,31 @@ impl<B: Backend> KvBatch<B> for Recorder<'_, B> {
         out: &mut B::Tensor,
     ) -> Result<()> {
         let rows = step.spans[0].clone();
-        for (tensor, amax) in [
-            (step.k, &mut self.k_amax[layer]),
-            (step.v, &mut self.v_amax[layer]),
+        let (d, width) = (
+            step.geometry.head_dim,
+            step.geometry.num_kv_heads * step.geometry.head_dim,
+        );
+        let m = &mut *self.measured;
+        let rotate = hadamard::supported(d);
+        for (tensor, plain, rotated, is_k) in [
+            (step.k, &mut m.k, &mut m.k_rotated, true),
+            (step.v, &mut m.v, &mut m.v_rotated, false),
         ] {
             self.host.clear();
             backend.download_rows(tensor, rows.clone(), &mut self.host);
-            *amax = self.host.iter().fold(*amax, |m, x| m.max(x.abs()));
-        }
-        // `host` holds this step's V; K again for its channels.
-        self.host.clear();
-        backend.download_rows(step.k, rows.clone(), &mut self.host);
-        let channels = &mut self.k_channel_amax[layer];
-        let width = step.geometry.num_kv_heads * step.geometry.head_dim;
-        channels.resize(width, 0.0);
-        for row in self.host.chunks_exact(width) {
-            for (m, x) in channels.iter_mut().zip(row) {
-                *m = m.max(x.abs());
+            plain[layer] = amax(plain[layer], &self.host);
+            if is_k {
+                let channels = &mut m.k_channels[layer];
+                channels.resize(width, 0.0);
+                for row in self.host.chunks_exact(width) {
+                    for (c, x) in channels.iter_mut().zip(row) {
+                        *c = c.max(x.abs());
+                    }
+                }
+            }
+            if rotate {
+                hadamard::rotate(&mut self.host, d);
+                rotated[layer] = amax(rotated[layer], &self.host);
             }
         }
         let new = NewTokens {
@@ -275,7 +363,35 @@ impl<B: Backend> KvBatch<B> for Recorder<'_, B> {
     }
 }
 
-/// Runs `tokens` through `model` in windows of `window` tokens and records every layer's amax.
+/// Runs `tokens` through `model` in windows of `window` tokens, recording every layer.
+fn measure<B: Backend>(model: &Model<B>, tokens: &[u32], window: usize) -> Result<Measured> {
+    let layers = model.config().num_layers;
+    let rotate = hadamard::supported(model.config().head_dim);
+    let per_layer = |on: bool| if on { vec![0.0f32; layers] } else { Vec::new() };
+    let mut measured = Measured {
+        k: per_layer(true),
+        v: per_layer(true),
+        k_channels: vec![Vec::new(); layers],
+        k_rotated: per_layer(rotate),
+        v_rotated: per_layer(rotate),
+    };
+    let mut ws = model.workspace();
+    let mut logits = Vec::new();
+    for chunk in tokens.chunks(window) {
+        let mut kv = model.new_kv(chunk.len());
+        let mut recorder = Recorder {
+            kv: &mut kv,
+            measured: &mut measured,
+            host: Vec::new(),
+        };
+        model.forward_batch(&mut ws, &[chunk], &mut recorder, Logits::None, &mut logits)?;
+    }
+    Ok(measured)
+}
+
+/// Runs `tokens` through `model` in windows of `window` tokens and records every layer's amax:
+/// of K and V, of K's channels, and of both rotated; then once more with K smoothed by those
+/// channels, for the amax of smoothed and rotated K.
 pub fn calibrate<B: Backend>(
     model: &Model<B>,
     tokens: &[u32],
@@ -287,32 +403,25 @@ pub fn calibrate<B: Backend>(
             "calibration needs at least one token and a positive window".into(),
         ));
     }
-    let layers = model.config().num_layers;
-    let mut ws = model.workspace();
-    let mut logits = Vec::new();
-    let (mut k_amax, mut v_amax) = (vec![0.0f32; layers], vec![0.0f32; layers]);
-    let mut k_channel_amax = vec![Vec::new(); layers];
-    for chunk in tokens.chunks(window) {
-        let mut kv = model.new_kv(chunk.len());
-        let mut recorder = Recorder {
-            kv: &mut kv,
-            k_amax,
-            v_amax,
-            k_channel_amax,
-            host: Vec::new(),
-        };
-        model.forward_batch(&mut ws, &[chunk], &mut recorder, Logits::None, &mut logits)?;
-        k_amax = recorder.k_amax;
-        v_amax = recorder.v_amax;
-        k_channel_amax = recorder.k_channel_amax;
-    }
-    Ok(Calibration {
+    let plain = measure(&model.with_k_smoothing(None)?, tokens, window)?;
+    let mut calibration = Calibration {
         source: source.to_string(),
         tokens: tokens.len(),
-        k_amax,
-        v_amax,
-        k_channel_amax,
-    })
+        k_amax: plain.k,
+        v_amax: plain.v,
+        k_channel_amax: plain.k_channels,
+        hadamard: HadamardAmax {
+            k_amax: plain.k_rotated,
+            v_amax: plain.v_rotated,
+            smoothed_k_amax: Vec::new(),
+        },
+    };
+    if !calibration.hadamard.k_amax.is_empty() {
+        let smoothing = calibration.smoothing();
+        let smoothed = measure(&model.with_k_smoothing(smoothing.as_ref())?, tokens, window)?;
+        calibration.hadamard.smoothed_k_amax = smoothed.k_rotated;
+    }
+    Ok(calibration)
 }
 
 #[cfg(test)]
@@ -327,6 +436,7 @@ mod tests {
             k_amax: vec![2688.0, 0.0],
             v_amax: vec![4.48, 1.0],
             k_channel_amax: Vec::new(),
+            hadamard: HadamardAmax::default(),
         };
         let nvfp4 = c.scales(KvDtype::Nvfp4);
         assert_eq!(
@@ -354,6 +464,7 @@ mod tests {
                 .collect(),
             v_amax: vec![1.0; k_channel_amax.len()],
             k_channel_amax,
+            hadamard: HadamardAmax::default(),
         }
     }
 
@@ -367,9 +478,9 @@ mod tests {
         assert_eq!(s.q(2, 2)[0], vec![0.25, 1.0, 1.0, 4.0]);
         // Four query heads over the same two KV heads: pairs share one.
         assert_eq!(s.q(4, 2)[0], vec![0.25, 1.0, 0.25, 1.0, 1.0, 4.0, 1.0, 4.0]);
-        let smoothed = c.smoothed(&s);
-        assert_eq!(smoothed.k_amax, vec![4.0, 2.0]);
-        assert_eq!(smoothed.v_amax, c.v_amax);
+        // Smoothed K reaches 4 and 2 in its two layers: the scales follow.
+        let smoothed = c.scales_for(KvDtype::Fp8, Some(&s), false).unwrap();
+        assert_eq!(smoothed, scales_of(KvDtype::Fp8, &[4.0, 2.0], &c.v_amax));
         // The digest follows the multipliers.
         let other = with_channels(vec![vec![1.0, 4.0, 0.0, 8.0], vec![2.0; 4]]);
         assert_ne!(other.smoothing().unwrap().digest(), s.digest());
@@ -400,22 +511,55 @@ mod tests {
     }
 
     #[test]
-    fn a_kv_config_smooths_only_with_measured_channels() {
+    fn a_kv_config_takes_the_scales_of_what_its_cache_holds() {
         use crate::KvConfig;
         let c = with_channels(vec![vec![1.0, 4.0, 16.0], vec![2.0; 3]]);
-        let kv = KvConfig::new(KvDtype::Nvfp4).with_calibration(&c, true);
+        let kv = KvConfig::new(KvDtype::Nvfp4)
+            .with_calibration(&c, true)
+            .unwrap();
         let s = c.smoothing().unwrap();
-        assert_eq!(kv.scales, Some(c.smoothed(&s).scales(KvDtype::Nvfp4)));
+        let smoothed = c.scales_for(KvDtype::Nvfp4, Some(&s), false).unwrap();
+        assert_eq!(kv.scales, Some(smoothed));
         assert_eq!(kv.k_smoothing, Some(s));
-        let plain = KvConfig::new(KvDtype::Fp8).with_calibration(&c, false);
+        let plain = KvConfig::new(KvDtype::Fp8)
+            .with_calibration(&c, false)
+            .unwrap();
         assert_eq!(plain.scales, Some(c.scales(KvDtype::Fp8)));
         assert_eq!(plain.k_smoothing, None);
+        // A file written before channels were measured does not smooth.
         let old = Calibration {
             k_channel_amax: Vec::new(),
             ..c.clone()
         };
-        let kv = KvConfig::new(KvDtype::Nvfp4).with_calibration(&old, true);
+        let kv = KvConfig::new(KvDtype::Nvfp4)
+            .with_calibration(&old, true)
+            .unwrap();
         assert_eq!(kv.k_smoothing, None);
         assert_eq!(kv.scales, Some(c.scales(KvDtype::Nvfp4)));
+        // A rotated cache needs the amax of rotated vectors: smoothed then rotated K when
+        // smoothing, rotated V always.
+        let rotated = KvConfig {
+            hadamard: true,
+            ..KvConfig::new(KvDtype::Nvfp4)
+        };
+        let err = rotated.clone().with_calibration(&c, true).unwrap_err();
+        assert!(err.to_string().contains("Hadamard-rotated"), "{err}");
+        let measured = Calibration {
+            hadamard: HadamardAmax {
+                k_amax: vec![8.0, 1.5],
+                v_amax: vec![0.5, 0.75],
+                smoothed_k_amax: vec![3.0, 1.25],
+            },
+            ..c.clone()
+        };
+        let kv = rotated.clone().with_calibration(&measured, true).unwrap();
+        let want = scales_of(KvDtype::Nvfp4, &[3.0, 1.25], &[0.5, 0.75]);
+        assert_eq!(kv.scales, Some(want));
+        let kv = rotated.with_calibration(&measured, false).unwrap();
+        let want = scales_of(KvDtype::Nvfp4, &[8.0, 1.5], &[0.5, 0.75]);
+        assert_eq!(kv.scales, Some(want));
+        // And the file keeps them.
+        let json = measured.to_json().unwrap();
+        assert_eq!(Calibration::from_json(&json, 2).unwrap(), measured);
     }
 }

@@ -56,14 +56,14 @@ impl KvConfig {
 
     /// The same config with `calibration`'s global scales, and with K smoothed by its channel
     /// amax when `smooth_k` and the calibration measured them (a file written before `nibble
-    /// calibrate` measured channels cannot smooth); the scales are then those of the smoothed K.
-    pub fn with_calibration(mut self, calibration: &Calibration, smooth_k: bool) -> Self {
+    /// calibrate` measured channels cannot smooth). The scales are those of what the cache
+    /// holds: smoothed K, and rotated K/V when `hadamard` is set (set it first). Fails when a
+    /// rotated cache's calibration has no amax of rotated vectors.
+    pub fn with_calibration(mut self, calibration: &Calibration, smooth_k: bool) -> Result<Self> {
         self.k_smoothing = calibration.smoothing().filter(|_| smooth_k);
-        self.scales = Some(match &self.k_smoothing {
-            Some(smoothing) => calibration.smoothed(smoothing).scales(self.dtype),
-            None => calibration.scales(self.dtype),
-        });
-        self
+        self.scales =
+            Some(calibration.scales_for(self.dtype, self.k_smoothing.as_ref(), self.hadamard)?);
+        Ok(self)
     }
 
     /// The same config with a window of `tokens` tokens (`None`: the dtype's default).

@@ -268,7 +268,9 @@ fn kv_config(args: &WorkerArgs, layers: usize) -> Result<KvConfig> {
         };
         let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
         let calibration = Calibration::from_json(&text, layers).map_err(|e| fail(e.to_string()))?;
-        kv = kv.with_calibration(&calibration, !args.no_smooth_k);
+        kv = kv
+            .with_calibration(&calibration, !args.no_smooth_k)
+            .map_err(|e| fail(e.to_string()))?;
     }
     Ok(kv)
 }
@@ -484,6 +486,7 @@ impl Drop for AbortOnDrop {
 mod tests {
     use super::*;
     use clap::Parser;
+    use nibble_engine::calibrate::HadamardAmax;
 
     #[derive(Parser)]
     struct Cli {
@@ -530,6 +533,11 @@ mod tests {
             k_amax: vec![12.0, 24.0],
             v_amax: vec![3.0, 6.0],
             k_channel_amax: Vec::new(),
+            hadamard: HadamardAmax {
+                k_amax: vec![6.0, 12.0],
+                v_amax: vec![1.5, 3.0],
+                smoothed_k_amax: Vec::new(),
+            },
         };
         std::fs::write(&file, calibration.to_json().unwrap()).unwrap();
         let path = file.to_str().unwrap();
@@ -545,7 +553,21 @@ mod tests {
         let kv = kv_config(&a.unwrap(), 2).unwrap();
         assert_eq!(kv.scale_rule, ScaleRule::Amax);
         assert!(kv.hadamard);
-        assert_eq!(kv.scales, Some(calibration.scales(KvDtype::Fp8)));
+        // Rotated vectors' scales for a rotated cache.
+        let rotated = calibration.scales_for(KvDtype::Fp8, None, true).unwrap();
+        assert_eq!(kv.scales, Some(rotated));
+        let unrotated = Calibration {
+            hadamard: HadamardAmax::default(),
+            ..calibration.clone()
+        };
+        let old = dir.path().join("old.json");
+        std::fs::write(&old, unrotated.to_json().unwrap()).unwrap();
+        let a = args(&[&flags[..], &[old.to_str().unwrap()]].concat());
+        let err = kv_config(&a.unwrap(), 2).unwrap_err().to_string();
+        assert!(
+            err.contains("--calibration") && err.contains("Hadamard-rotated"),
+            "{err}"
+        );
 
         // A file for another layer count, a missing file and an unknown rule name what is wrong.
         let err = kv_config(&args(&["--calibration", path]).unwrap(), 3).unwrap_err();
