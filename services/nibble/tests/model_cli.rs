@@ -321,10 +321,12 @@ fn calibration_file_feeds_eval() {
     }
 
     // Calibrated nvfp4 prefill runs over the FP8 work dtype: it must stay as close to the
-    // reference as uncalibrated (no saturation at the nvfp4 global scale).
+    // reference as uncalibrated (no saturation at the nvfp4 global scale). The file's channels
+    // smooth K unless told not to, and a rotated cache takes the rotated amax: every variant as
+    // close to the reference.
     let cal_arg = out_path.to_str().expect("utf-8 path");
-    for path in ["prefill", "extend", "decode"] {
-        let v = ppl(&[
+    let calibrated = |path: &str, extra: &[&str]| {
+        let mut args = vec![
             "--kv-dtype",
             "nvfp4",
             "--calibration",
@@ -333,63 +335,31 @@ fn calibration_file_feeds_eval() {
             "64",
             "--path",
             path,
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let v = ppl(&args);
         assert_eq!(v["settings"]["calibrated"], true);
         assert_eq!(v["settings"]["calibration"], cal_arg);
         let w = &v["windows"][0];
         let ratio = f(&w["perplexity"]) / f(&w["reference_perplexity"]);
-        assert!((ratio - 1.0).abs() < 0.15, "{path}: {w}");
-        assert!(f(&w["top1_agreement"]) >= 0.7, "{path}: {w}");
+        assert!((ratio - 1.0).abs() < 0.15, "{path} {extra:?}: {w}");
+        assert!(f(&w["top1_agreement"]) >= 0.7, "{path} {extra:?}: {w}");
+        v
+    };
+    for path in ["prefill", "extend"] {
+        calibrated(path, &[]);
     }
-
-    // The file's channels smooth K unless told not to: as close to the reference, and not the
-    // same cache.
-    let smoothed = ppl(&[
-        "--kv-dtype",
-        "nvfp4",
-        "--calibration",
-        cal_arg,
-        "--window",
-        "64",
-        "--path",
-        "decode",
-    ]);
-    let plain = ppl(&[
-        "--kv-dtype",
-        "nvfp4",
-        "--calibration",
-        cal_arg,
-        "--no-smooth-k",
-        "--window",
-        "64",
-        "--path",
-        "decode",
-    ]);
+    let smoothed = calibrated("decode", &[]);
+    let plain = calibrated("decode", &["--no-smooth-k"]);
+    calibrated("decode", &["--hadamard"]);
     assert_eq!(smoothed["settings"]["smooth_k"], true);
     assert_eq!(plain["settings"]["smooth_k"], false);
-    let w = &plain["windows"][0];
-    let ratio = f(&w["perplexity"]) / f(&w["reference_perplexity"]);
-    assert!((ratio - 1.0).abs() < 0.15, "unsmoothed: {w}");
-    assert_ne!(w["perplexity"], smoothed["windows"][0]["perplexity"]);
+    let (w, s) = (&plain["windows"][0], &smoothed["windows"][0]);
+    assert_ne!(w["perplexity"], s["perplexity"], "not the same cache");
     assert_eq!(
-        w["reference_perplexity"], smoothed["windows"][0]["reference_perplexity"],
+        w["reference_perplexity"], s["reference_perplexity"],
         "the reference is the model's own"
     );
-    // A rotated cache takes the rotated amax.
-    let rotated = ppl(&[
-        "--kv-dtype",
-        "nvfp4",
-        "--calibration",
-        cal_arg,
-        "--hadamard",
-        "--window",
-        "64",
-        "--path",
-        "decode",
-    ]);
-    let w = &rotated["windows"][0];
-    let ratio = f(&w["perplexity"]) / f(&w["reference_perplexity"]);
-    assert!((ratio - 1.0).abs() < 0.15, "rotated: {w}");
 }
 
 /// Asserts a failed run: status 2, nothing on stdout, one `error:` line mentioning `needle`.

@@ -87,6 +87,8 @@ pub struct DecodeBench {
     pub distinct_pages: usize,
     /// Seeds the prompts, first tokens and page values.
     pub seed: u64,
+    /// Rotate Q, K, V and the output by the Hadamard matrix in attention (`--hadamard`).
+    pub hadamard: bool,
 }
 
 /// Wall-clock time of one run's timed steps.
@@ -261,7 +263,10 @@ impl DecodeBench {
         if batches.first() == Some(&0) {
             return Err(BenchError::Config("a batch of 0 sequences".into()));
         }
-        let kv = KvConfig::new(dtype);
+        let kv = KvConfig {
+            hadamard: self.hadamard,
+            ..KvConfig::new(dtype)
+        };
         let layout = kv.layout(model)?;
         let fits = |b: &usize| self.pool_bytes(&layout, *b) <= budget_bytes;
         let mut outcomes = Vec::new();

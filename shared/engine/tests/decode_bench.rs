@@ -24,6 +24,7 @@ fn bench() -> DecodeBench {
         baseline_context: Some(16),
         distinct_pages: 3,
         seed: 11,
+        hadamard: false,
     }
 }
 
@@ -167,6 +168,7 @@ fn decode_bench_refuses_what_it_cannot_measure() {
         baseline_context: None,
         distinct_pages: 1,
         seed: 0,
+        hadamard: false,
     };
     let e = run(b.clone()).unwrap_err().to_string();
     assert!(e.contains("context length 64"), "{e}");

@@ -18,7 +18,7 @@
 //! batch, plus as many at context 16 for the context share); `e2e_decode --quick` (context 4096,
 //! batches 1 and 8, 2 + 8 steps); `e2e_decode --device cpu --tiny` (the 2-layer test shape on the
 //! CPU backend). Other flags: `--context N --batches 1,8 --warmup N --steps N --dtypes fp8,nvfp4
-//! --seed N --no-baseline --threads N` (CPU threads). Exits 1, saying why, when the GPU cannot
+//! --seed N --no-baseline --threads N` (CPU threads), `--hadamard` (the cache Hadamard-rotated). Exits 1, saying why, when the GPU cannot
 //! be used (no driver, no device, no NVRTC).
 
 use std::sync::Arc;
@@ -66,6 +66,7 @@ fn parse() -> Result<Args> {
         baseline_context: Some(16),
         distinct_pages: 16,
         seed: 0,
+        hadamard: has("--hadamard"),
     };
     if quick {
         (bench.batches, bench.context, bench.warmup, bench.steps) = (vec![1, 8], 4096, 2, 8);
@@ -85,7 +86,7 @@ fn parse() -> Result<Args> {
     while let Some(a) = it.next() {
         let mut value = || it.next().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--tiny" | "--quick" => {}
+            "--tiny" | "--quick" | "--hadamard" => {}
             "--device" => match value()?.as_str() {
                 "cuda" => args.cpu = false,
                 "cpu" => args.cpu = true,

@@ -42,6 +42,7 @@ use crate::{
     nvrtc, DecodeBatch, DecodeWorkspace, Error, Kernels, PageGeom, PrefillBatch, Result, WindowGeom,
 };
 
+mod rotate;
 mod weights;
 
 use weights::{to_bf16, Bf16Gemm};
@@ -746,31 +747,11 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) {
-        assert_eq!(bias.len(), x.cols, "add_bias: bias width");
-        let n = x.len() as u64;
-        if n == 0 {
-            return;
-        }
-        self.bind();
-        let cols = x.cols as u32;
-        let mut b = self.kernels.builder(&self.ops.add_bias);
-        b.arg(x.f32_mut()).arg(bias.f32()).arg(&n).arg(&cols);
-        // SAFETY: matches add_bias_f32; x holds n values, bias cols.
-        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add_bias");
+        self.per_column(&self.ops.add_bias, x, bias, "add_bias");
     }
 
     fn mul_cols(&self, x: &mut CudaTensor, scale: &CudaTensor) {
-        assert_eq!(scale.len(), x.cols, "mul_cols: scale width");
-        let n = x.len() as u64;
-        if n == 0 {
-            return;
-        }
-        self.bind();
-        let cols = x.cols as u32;
-        let mut b = self.kernels.builder(&self.ops.mul_cols);
-        b.arg(x.f32_mut()).arg(scale.f32()).arg(&n).arg(&cols);
-        // SAFETY: matches mul_cols_f32; x holds n values, scale cols.
-        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "mul_cols");
+        self.per_column(&self.ops.mul_cols, x, scale, "mul_cols");
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) {
@@ -1100,59 +1081,6 @@ impl CudaPages {
     /// Bytes of one page.
     pub fn page_bytes(&self) -> usize {
         self.layout.page_bytes()
-    }
-}
-
-/// The Hadamard rotation of head vectors (`hadamard_f32`), bit-identical to
-/// `nibble_engine::hadamard::rotate`.
-impl CudaBackend {
-    /// `y = H x / sqrt(head_dim)` for each `head_dim`-value vector of `x` (64 or 128); `y` takes
-    /// `x`'s shape.
-    pub fn rotate_heads(&self, x: &CudaTensor, y: &mut CudaTensor, head_dim: usize) {
-        assert!(
-            matches!(head_dim, 64 | 128),
-            "rotate_heads: head dim {head_dim}"
-        );
-        assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
-        self.resize(y, x.rows, x.cols);
-        self.launch_hadamard(Some(x.f32()), y.f32_mut(), x.len() / head_dim, head_dim);
-    }
-
-    /// [`Self::rotate_heads`] in place.
-    pub fn rotate_heads_in_place(&self, x: &mut CudaTensor, head_dim: usize) {
-        assert!(
-            matches!(head_dim, 64 | 128),
-            "rotate_heads: head dim {head_dim}"
-        );
-        assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
-        let vectors = x.len() / head_dim;
-        self.launch_hadamard(None, x.f32_mut(), vectors, head_dim);
-    }
-
-    /// `src` None: in place (the kernel reads `dst`).
-    fn launch_hadamard(
-        &self,
-        src: Option<&CudaSlice<f32>>,
-        dst: &mut CudaSlice<f32>,
-        vectors: usize,
-        head_dim: usize,
-    ) {
-        if vectors == 0 {
-            return;
-        }
-        self.bind();
-        let (n, dim) = (vectors as u64, head_dim as u32);
-        let norm = 1.0 / (head_dim as f32).sqrt();
-        let null = 0u64;
-        let mut b = self.kernels.builder(&self.ops.hadamard);
-        match src {
-            Some(src) => b.arg(src),
-            None => b.arg(&null),
-        };
-        b.arg(dst).arg(&n).arg(&dim).arg(&norm);
-        // SAFETY: matches hadamard_f32; src (or dst, in place) and dst hold `vectors` whole
-        // vectors of `head_dim` (64 or 128) values, one warp each.
-        launched(unsafe { b.launch(grid(n * 32)) }.map(|_| ()), "hadamard");
     }
 }
 
