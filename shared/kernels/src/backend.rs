@@ -962,9 +962,7 @@ impl Backend for CudaBackend {
             .rotated
             .take()
             .unwrap_or_else(|| [self.zeros(0, 0), self.zeros(0, 0), self.zeros(0, 0)]);
-        for (src, dst) in [step.q, step.k, step.v].into_iter().zip(rotated.iter_mut()) {
-            self.rotate_heads(src, dst, d);
-        }
+        self.rotate_qkv([step.q, step.k, step.v], &mut rotated, d);
         let [q, k, v] = &rotated;
         let step = StepTokens { q, k, v, ..*step };
         let result = self.attend(pages, pool, layer, &step, seqs, out);

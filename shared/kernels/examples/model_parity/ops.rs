@@ -151,6 +151,19 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
                 &down(gpu, &dst),
                 1e-6,
             );
+            // Q, K and V of different lengths in one launch.
+            let parts = [&original[..], &original[..2 * d], &original[d..3 * d]];
+            let mut out = [gpu.zeros(0, 0), gpu.zeros(0, 0), gpu.zeros(0, 0)];
+            let ups = parts
+                .iter()
+                .map(|x| p.up(1, x.len(), x).map(|t| t.1))
+                .collect::<Result<Vec<_>>>()?;
+            gpu.rotate_qkv([&ups[0], &ups[1], &ups[2]], &mut out, d);
+            for (i, (x, y)) in parts.iter().zip(&out).enumerate() {
+                let mut want = x.to_vec();
+                nibble_engine::hadamard::rotate(&mut want, d);
+                ok &= report(&format!("hadamard {d} qkv[{i}]"), &want, &down(gpu, y), 0.0);
+            }
         }
         cpu.silu_mul(&mut a, &yc);
         gpu.silu_mul(&mut b, &yg);

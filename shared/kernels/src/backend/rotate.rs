@@ -32,55 +32,99 @@ impl CudaBackend {
     }
 }
 
+/// One tensor of a `hadamard_f32` launch: read from `src` (`None`: in place) into `dst`.
+struct Segment<'a> {
+    src: Option<&'a CudaSlice<f32>>,
+    dst: &'a mut CudaSlice<f32>,
+    vectors: u64,
+}
+
 /// The Hadamard rotation of head vectors (`hadamard_f32`), bit-identical to
 /// `nibble_engine::hadamard::rotate`.
 impl CudaBackend {
     /// `y = H x / sqrt(head_dim)` for each `head_dim`-value vector of `x` (64 or 128); `y` takes
     /// `x`'s shape.
     pub fn rotate_heads(&self, x: &CudaTensor, y: &mut CudaTensor, head_dim: usize) {
-        assert!(
-            matches!(head_dim, 64 | 128),
-            "rotate_heads: head dim {head_dim}"
-        );
-        assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
-        self.resize(y, x.rows, x.cols);
-        self.launch_hadamard(Some(x.f32()), y.f32_mut(), x.len() / head_dim, head_dim);
+        self.rotate_many([x], [y], head_dim);
+    }
+
+    /// [`Self::rotate_heads`] of Q, K and V into `out`, in one launch.
+    pub fn rotate_qkv(&self, qkv: [&CudaTensor; 3], out: &mut [CudaTensor; 3], d: usize) {
+        let [q, k, v] = out;
+        self.rotate_many(qkv, [q, k, v], d);
+    }
+
+    fn rotate_many<const N: usize>(
+        &self,
+        src: [&CudaTensor; N],
+        dst: [&mut CudaTensor; N],
+        head_dim: usize,
+    ) {
+        let mut segments = Vec::with_capacity(N);
+        for (x, y) in src.into_iter().zip(dst) {
+            check_heads(x, head_dim);
+            self.resize(y, x.rows, x.cols);
+            segments.push(Segment {
+                src: Some(x.f32()),
+                dst: y.f32_mut(),
+                vectors: (x.len() / head_dim) as u64,
+            });
+        }
+        self.launch_hadamard(segments, head_dim);
     }
 
     /// [`Self::rotate_heads`] in place.
     pub fn rotate_heads_in_place(&self, x: &mut CudaTensor, head_dim: usize) {
-        assert!(
-            matches!(head_dim, 64 | 128),
-            "rotate_heads: head dim {head_dim}"
-        );
-        assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
-        let vectors = x.len() / head_dim;
-        self.launch_hadamard(None, x.f32_mut(), vectors, head_dim);
+        check_heads(x, head_dim);
+        let vectors = (x.len() / head_dim) as u64;
+        let segment = Segment {
+            src: None,
+            dst: x.f32_mut(),
+            vectors,
+        };
+        self.launch_hadamard(vec![segment], head_dim);
     }
 
-    /// `src` None: in place (the kernel reads `dst`).
-    pub(super) fn launch_hadamard(
-        &self,
-        src: Option<&CudaSlice<f32>>,
-        dst: &mut CudaSlice<f32>,
-        vectors: usize,
-        head_dim: usize,
-    ) {
-        if vectors == 0 {
+    /// One `hadamard_f32` launch over up to three segments.
+    fn launch_hadamard(&self, mut segments: Vec<Segment<'_>>, head_dim: usize) {
+        assert!(
+            segments.len() <= 3,
+            "hadamard_f32 takes up to three tensors"
+        );
+        let total: u64 = segments.iter().map(|s| s.vectors).sum();
+        if total == 0 {
             return;
         }
         self.bind();
-        let (n, dim) = (vectors as u64, head_dim as u32);
+        let dim = head_dim as u32;
         let norm = 1.0 / (head_dim as f32).sqrt();
-        let null = 0u64;
+        let (null, none) = (0u64, 0u64);
+        let absent = 3 - segments.len();
         let mut b = self.kernels.builder(&self.ops.hadamard);
-        match src {
-            Some(src) => b.arg(src),
-            None => b.arg(&null),
-        };
-        b.arg(dst).arg(&n).arg(&dim).arg(&norm);
-        // SAFETY: matches hadamard_f32; src (or dst, in place) and dst hold `vectors` whole
-        // vectors of `head_dim` (64 or 128) values, one warp each.
-        launched(unsafe { b.launch(grid(n * 32)) }.map(|_| ()), "hadamard");
+        for s in segments.iter_mut() {
+            match s.src {
+                Some(src) => b.arg(src),
+                None => b.arg(&null),
+            };
+            b.arg(&mut *s.dst).arg(&s.vectors);
+        }
+        for _ in 0..absent {
+            b.arg(&null).arg(&null).arg(&none);
+        }
+        b.arg(&dim).arg(&norm);
+        // SAFETY: matches hadamard_f32; each segment's src (or dst, in place) and dst hold its
+        // `vectors` whole vectors of `head_dim` (64 or 128) values; absent segments have none.
+        launched(
+            unsafe { b.launch(grid(total * 32)) }.map(|_| ()),
+            "hadamard",
+        );
     }
+}
+
+fn check_heads(x: &CudaTensor, head_dim: usize) {
+    assert!(
+        matches!(head_dim, 64 | 128),
+        "rotate_heads: head dim {head_dim}"
+    );
+    assert_eq!(x.len() % head_dim, 0, "rotate_heads: whole head vectors");
 }

@@ -315,17 +315,33 @@ extern "C" __global__ void mul_cols_f32(float* __restrict__ x, const float* __re
     if (i < n) x[i] = x[i] * s[i % cols];
 }
 
-// y = H x / sqrt(dim) for each of `vectors` head vectors of `dim` values (64 or 128; x null:
-// in place, y read): the normalized Hadamard rotation of nibble_engine::hadamard::rotate, one warp per vector,
-// with the same butterflies in the same order (strides 1, 2, 4, ...; low + high, low - high)
-// and the same final multiply by `norm`, so the result is bit-identical to the CPU's.
-extern "C" __global__ void hadamard_f32(const float* x, float* y, u64 vectors, u32 dim,
-                                        float norm) {
+// y = H x / sqrt(dim) for each head vector of `dim` values (64 or 128): the normalized Hadamard
+// rotation of nibble_engine::hadamard::rotate, one warp per vector, with the same butterflies in
+// the same order (strides 1, 2, 4, ...; low + high, low - high) and the same final multiply by
+// `norm`, so the result is bit-identical to the CPU's. Up to three tensors in one launch (Q, K
+// and V of a step): tensor t has n_t vectors, read from x_t (null: in place, y_t read) and
+// written to y_t; the warps take tensor 0's vectors, then 1's, then 2's.
+extern "C" __global__ void hadamard_f32(const float* x0, float* y0, u64 n0, const float* x1,
+                                        float* y1, u64 n1, const float* x2, float* y2, u64 n2,
+                                        u32 dim, float norm) {
     grid_dependency_sync();
-    const u64 vector = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    u64 vector = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const u32 lane = threadIdx.x % 32;
-    if (vector >= vectors) return;  // uniform across the warp
-    const u32 per = dim / 32;       // 2 or 4 consecutive values per lane
+    // Which tensor this warp's vector is in (uniform across the warp).
+    const float* x = x0;
+    float* y = y0;
+    if (vector >= n0) {
+        vector -= n0;
+        x = x1;
+        y = y1;
+        if (vector >= n1) {
+            vector -= n1;
+            x = x2;
+            y = y2;
+            if (vector >= n2) return;
+        }
+    }
+    const u32 per = dim / 32;  // 2 or 4 consecutive values per lane
     float v[4];
     const float* src = (x ? x : y) + vector * dim + lane * per;
 #pragma unroll
