@@ -146,33 +146,26 @@ impl Opened {
                 reason: format!("cuda: {e}"),
             })?;
         let model = match cuda {
-            Some(backend) => LoadedModel::Cuda(self.load_on(backend, kv)?),
+            Some(backend) => LoadedModel::Cuda(self.load_on(backend)?),
             None => {
                 let backend = CpuBackend::new(self.threads).map_err(|source| Error::Model {
                     path: self.path.clone(),
                     source,
                 })?;
-                LoadedModel::Cpu(self.load_on(backend, kv)?)
+                LoadedModel::Cpu(self.load_on(backend)?)
             }
         };
         Ok((model, self.tokenizer))
     }
 
-    /// The model on `backend`, prepared for `kv`'s K smoothing.
-    fn load_on<B: Backend>(&self, backend: B, kv: Option<&KvConfig>) -> Result<Model<B>> {
+    fn load_on<B: Backend>(&self, backend: B) -> Result<Model<B>> {
         let bar = Bar::new("loading weights", 0, Unit::Steps);
-        let failed = |source| Error::Model {
-            path: self.path.clone(),
-            source,
-        };
-        let model = self
-            .source
+        self.source
             .load_model_observed(Arc::new(backend), &|done, total| bar.track(done, total))
-            .map_err(failed)?;
-        match kv.and_then(|kv| kv.k_smoothing.as_ref()) {
-            Some(smoothing) => model.with_k_smoothing(Some(smoothing)).map_err(failed),
-            None => Ok(model),
-        }
+            .map_err(|source| Error::Model {
+                path: self.path.clone(),
+                source,
+            })
     }
 }
 

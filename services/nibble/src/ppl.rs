@@ -183,10 +183,9 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
     let (model, _) = opened.load(kv.as_ref())?;
     let mut windows = Vec::with_capacity(args.windows);
     crate::with_model!(model, |model| {
-        // The reference runs the model as its file has it, K unsmoothed.
-        let plain = model.with_k_smoothing(None)?;
         for (index, window) in tokens[..needed].chunks_exact(args.window).enumerate() {
-            let reference = eval::score_window(&plain, window)?;
+            // The model as its file has it (`score_window_paged` smooths K for its cache).
+            let reference = eval::score_window(&model, window)?;
             let report = match &kv {
                 Some(kv) => {
                     let scored = eval::score_window_paged(&model, kv, args.path, window)?;

@@ -86,14 +86,14 @@ impl KSmoothing {
     /// A digest of the multipliers, for the KV-format fingerprint: two workers exchange pages
     /// only if they smooth K identically.
     pub fn digest(&self) -> u64 {
-        // FNV-1a over the multipliers' bits: stable across builds and machines.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for x in self.k.iter().flatten() {
-            for b in x.to_bits().to_le_bytes() {
-                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-        h
+        // xxh3 over the multipliers' little-endian bits: stable across builds and machines.
+        let bytes: Vec<u8> = self
+            .k
+            .iter()
+            .flatten()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect();
+        xxhash_rust::xxh3::xxh3_64(&bytes)
     }
 }
 
@@ -278,7 +278,6 @@ struct CalibrationFile {
 }
 
 /// What one pass of the text through the model measures, per layer.
-#[derive(Default)]
 struct Measured {
     k: Vec<f32>,
     v: Vec<f32>,

@@ -126,6 +126,9 @@ pub fn score_window_paged<B: Backend>(
             tokens.len()
         )));
     }
+    // The cache holds K as the config smooths it: the model must smooth alike (as in
+    // `Engine::new`).
+    let model = &model.with_k_smoothing(kv.k_smoothing.as_ref())?;
     let mut session = PagedSession::new(model, kv, tokens.len())?;
     let mut ws = model.workspace();
     let (mut all, mut chunk) = (Vec::new(), Vec::new());

@@ -60,11 +60,12 @@ impl CudaBackend {
         dst: [&mut CudaTensor; N],
         head_dim: usize,
     ) {
-        let mut segments = Vec::with_capacity(N);
-        for (x, y) in src.into_iter().zip(dst) {
+        const { assert!(N <= 3, "hadamard_f32 takes up to three tensors") };
+        let mut segments: [Option<Segment<'_>>; 3] = [None, None, None];
+        for ((x, y), segment) in src.into_iter().zip(dst).zip(&mut segments) {
             check_heads(x, head_dim);
             self.resize(y, x.rows, x.cols);
-            segments.push(Segment {
+            *segment = Some(Segment {
                 src: Some(x.f32()),
                 dst: y.f32_mut(),
                 vectors: (x.len() / head_dim) as u64,
@@ -82,16 +83,13 @@ impl CudaBackend {
             dst: x.f32_mut(),
             vectors,
         };
-        self.launch_hadamard(vec![segment], head_dim);
+        self.launch_hadamard([Some(segment), None, None], head_dim);
     }
 
-    /// One `hadamard_f32` launch over up to three segments.
-    fn launch_hadamard(&self, mut segments: Vec<Segment<'_>>, head_dim: usize) {
-        assert!(
-            segments.len() <= 3,
-            "hadamard_f32 takes up to three tensors"
-        );
-        let total: u64 = segments.iter().map(|s| s.vectors).sum();
+    /// One `hadamard_f32` launch over up to three segments (it allocates nothing: it runs in
+    /// every layer of a Hadamard cache's steps).
+    fn launch_hadamard(&self, mut segments: [Option<Segment<'_>>; 3], head_dim: usize) {
+        let total: u64 = segments.iter().flatten().map(|s| s.vectors).sum();
         if total == 0 {
             return;
         }
@@ -99,17 +97,20 @@ impl CudaBackend {
         let dim = head_dim as u32;
         let norm = 1.0 / (head_dim as f32).sqrt();
         let (null, none) = (0u64, 0u64);
-        let absent = 3 - segments.len();
         let mut b = self.kernels.builder(&self.ops.hadamard);
-        for s in segments.iter_mut() {
-            match s.src {
-                Some(src) => b.arg(src),
-                None => b.arg(&null),
-            };
-            b.arg(&mut *s.dst).arg(&s.vectors);
-        }
-        for _ in 0..absent {
-            b.arg(&null).arg(&null).arg(&none);
+        for segment in segments.iter_mut() {
+            match segment {
+                Some(s) => {
+                    match s.src {
+                        Some(src) => b.arg(src),
+                        None => b.arg(&null),
+                    };
+                    b.arg(&mut *s.dst).arg(&s.vectors);
+                }
+                None => {
+                    b.arg(&null).arg(&null).arg(&none);
+                }
+            }
         }
         b.arg(&dim).arg(&norm);
         // SAFETY: matches hadamard_f32; each segment's src (or dst, in place) and dst hold its
