@@ -75,6 +75,10 @@ pub struct ServingArgs {
     #[arg(long, env = "NIBBLE_MAX_TOKENS_LIMIT", default_value_t = MAX_TOKENS_LIMIT,
           value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_TOKENS_LIMIT)))]
     pub max_tokens_limit: u32,
+    /// Most bytes of prompt text (or chat messages) a request may send, refused before it is
+    /// tokenized (default: 64 bytes per token of the model's context).
+    #[arg(long, env = "NIBBLE_MAX_PROMPT_BYTES")]
+    pub max_prompt_bytes: Option<usize>,
     #[command(flatten)]
     pub http: HttpArgs,
 }
@@ -99,6 +103,7 @@ impl ServingArgs {
         };
         config.load_interval = Duration::from_millis(self.load_interval_ms.max(1));
         config.max_tokens_limit = self.max_tokens_limit;
+        config.max_prompt_bytes = self.max_prompt_bytes;
         config.api_key = self.http.api_key.as_deref().and_then(Secret::new);
         Ok(config)
     }

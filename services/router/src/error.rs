@@ -1,8 +1,9 @@
 //! The router core's errors, classified where they arise.
 //!
-//! A service maps them to gRPC codes in one place: [`Error::NoDecodeWorkers`] is UNAVAILABLE,
-//! [`Error::EmptyPrompt`] and [`Error::HashCount`] are INVALID_ARGUMENT; the membership and event
-//! errors concern a worker, not a client request, and are logged by whoever feeds the router.
+//! The service maps them to gRPC codes in one place, [`From<Error> for Status`](Error):
+//! [`Error::NoDecodeWorkers`] is UNAVAILABLE, the prompt's errors are INVALID_ARGUMENT naming
+//! the `prompt` field; the membership and event errors concern a worker, not a client request,
+//! and are INTERNAL where one reaches a client (they are logged by whoever feeds the router).
 
 use nibble_discovery::{Role, WorkerId};
 use nibble_proto::ConvertError;
@@ -102,4 +103,26 @@ pub enum Error {
     /// No decode worker can take the request.
     #[error("no decode worker is available")]
     NoDecodeWorkers,
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        use tonic::Status;
+        match e {
+            Error::NoDecodeWorkers => Status::unavailable(e.to_string()),
+            Error::EmptyPrompt | Error::HashCount { .. } | Error::PromptPageSize { .. } => {
+                nibble_proto::request::invalid_field("prompt", e)
+            }
+            Error::Convert(e) => e.into(),
+            Error::InvalidConfig { .. }
+            | Error::TooManyWorkers { .. }
+            | Error::NotAWorker { .. }
+            | Error::FingerprintMismatch { .. }
+            | Error::ModelMismatch { .. }
+            | Error::PageSizeMismatch { .. }
+            | Error::UnknownWorker { .. }
+            | Error::UnknownTicket(_)
+            | Error::Security(_) => Status::internal(e.to_string()),
+        }
+    }
 }

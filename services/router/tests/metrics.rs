@@ -43,7 +43,7 @@ async fn router_exports_outcomes_latencies_decisions_queue_and_workers() {
     drop(stream);
 
     // Through the HTTP API: one completion (the same generate path), and one refused by the
-    // HTTP layer's own checks, which only the HTTP counter sees.
+    // same validation as gRPC's, counted by both the request and the HTTP counters.
     let body = serde_json::json!({ "prompt": support::PROMPT, "max_tokens": NEW_TOKENS });
     let ok = post_json(&router.http_address, "/v1/completions", &body).await;
     assert_eq!(ok.status, 200, "{}", ok.text());
@@ -63,7 +63,7 @@ async fn router_exports_outcomes_latencies_decisions_queue_and_workers() {
     let requests =
         |outcome, code| s.value(m::REQUESTS_TOTAL, &[("outcome", outcome), ("code", code)]);
     assert_eq!(requests("finished", "ok"), 3.0);
-    assert_eq!(requests("refused", "invalid_argument"), 1.0);
+    assert_eq!(requests("refused", "invalid_argument"), 2.0);
     assert_eq!(requests("cancelled", "cancelled"), 1.0);
     assert_eq!(s.get(m::REQUESTS_TOTAL, &[("outcome", "failed")]), None);
 

@@ -73,21 +73,84 @@ impl Default for SamplingParams {
     }
 }
 
-/// A sampling parameter out of range, naming the field.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Most bytes in one stop string.
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Most stop token ids one request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// A field of a request that the engine checks. Each API names it its own way (the gRPC field
+/// path, OpenAI's parameter); [`Param::name`] is the engine's (and the command line's) name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Param {
+    Prompt,
+    Temperature,
+    TopK,
+    TopP,
+    MinP,
+    RepetitionPenalty,
+    MaxTokens,
+    Stop,
+    StopTokenIds,
+    TopLogprobs,
+}
+
+impl Param {
+    /// The engine's name of the field.
+    pub fn name(self) -> &'static str {
+        match self {
+            Param::Prompt => "prompt",
+            Param::Temperature => "temperature",
+            Param::TopK => "top_k",
+            Param::TopP => "top_p",
+            Param::MinP => "min_p",
+            Param::RepetitionPenalty => "repetition_penalty",
+            Param::MaxTokens => "max_tokens",
+            Param::Stop => "stop",
+            Param::StopTokenIds => "stop_token_ids",
+            Param::TopLogprobs => "top_logprobs",
+        }
+    }
+}
+
+impl std::fmt::Display for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A request field out of range: which one (as data, for each API to name), what it must be,
+/// and what it was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field} must be {expected}, got {got}")]
 pub struct InvalidParam {
-    pub field: &'static str,
-    pub expected: &'static str,
+    pub field: Param,
+    pub expected: String,
     pub got: String,
 }
 
-fn invalid(field: &'static str, expected: &'static str, got: impl ToString) -> InvalidParam {
+fn invalid(field: Param, expected: impl ToString, got: impl ToString) -> InvalidParam {
     InvalidParam {
         field,
-        expected,
+        expected: expected.to_string(),
         got: got.to_string(),
     }
+}
+
+/// Checks that a prompt of `prompt` tokens plus `max_tokens` fits a context of `context` tokens
+/// (0: unknown, not checked): the one context rule of the router, the workers and the engine.
+pub fn check_context(prompt: usize, max_tokens: usize, context: usize) -> Result<(), InvalidParam> {
+    if context > 0 && prompt + max_tokens > context {
+        return Err(invalid(
+            Param::Prompt,
+            format!("at most {context} tokens with max_tokens ({max_tokens})"),
+            format!("{prompt} tokens"),
+        ));
+    }
+    Ok(())
 }
 
 impl SamplingParams {
@@ -100,46 +163,85 @@ impl SamplingParams {
         }
     }
 
-    /// Checks every field's range.
+    /// Checks every field's range: the one set of request rules, shared by the router (both
+    /// APIs), the workers and the command line.
     pub fn validate(&self) -> Result<(), InvalidParam> {
         let t = self.temperature;
         if !(0.0..=2.0).contains(&t) {
-            return Err(invalid("temperature", "between 0 and 2", t));
+            return Err(invalid(Param::Temperature, "between 0 and 2", t));
         }
         if self.top_k == Some(0) {
-            return Err(invalid("top_k", "at least 1 (or unset)", 0));
+            return Err(invalid(Param::TopK, "at least 1 (or unset)", 0));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(invalid("top_p", "in (0, 1]", self.top_p));
+            return Err(invalid(Param::TopP, "in (0, 1]", self.top_p));
         }
         if !(0.0..1.0).contains(&self.min_p) {
-            return Err(invalid("min_p", "in [0, 1)", self.min_p));
+            return Err(invalid(Param::MinP, "in [0, 1)", self.min_p));
         }
         let r = self.repetition_penalty;
         if !(r > 0.0 && r <= 10.0) {
-            return Err(invalid("repetition_penalty", "in (0, 10]", r));
+            return Err(invalid(Param::RepetitionPenalty, "in (0, 10]", r));
         }
         if !(1..=MAX_TOKENS_LIMIT).contains(&self.max_tokens) {
             return Err(invalid(
-                "max_tokens",
-                "between 1 and 32768",
+                Param::MaxTokens,
+                format!("between 1 and {MAX_TOKENS_LIMIT}"),
                 self.max_tokens,
             ));
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
-            return Err(invalid("top_logprobs", "at most 20", self.top_logprobs));
+            return Err(invalid(
+                Param::TopLogprobs,
+                format!("at most {MAX_TOP_LOGPROBS}"),
+                self.top_logprobs,
+            ));
         }
         if self.top_logprobs > 0 && !self.logprobs {
             return Err(invalid(
-                "top_logprobs",
+                Param::TopLogprobs,
                 "0 unless logprobs is set",
                 self.top_logprobs,
             ));
         }
-        if let Some(s) = self.stop.iter().find(|s| s.is_empty()) {
-            return Err(invalid("stop", "non-empty strings", format!("{s:?}")));
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(invalid(
+                Param::Stop,
+                format!("at most {MAX_STOP_STRINGS} strings"),
+                format!("{} strings", self.stop.len()),
+            ));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(invalid(Param::Stop, "non-empty strings", "an empty one"));
+        }
+        if let Some(s) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(invalid(
+                Param::Stop,
+                format!("strings of at most {MAX_STOP_BYTES} bytes"),
+                format!("one of {} bytes", s.len()),
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(invalid(
+                Param::StopTokenIds,
+                format!("at most {MAX_STOP_TOKEN_IDS} ids"),
+                format!("{} ids", self.stop_token_ids.len()),
+            ));
         }
         Ok(())
+    }
+
+    /// Checks that every token id this request names (its stop tokens) is in a vocabulary of
+    /// `vocab` tokens.
+    pub fn check_vocab(&self, vocab: usize) -> Result<(), InvalidParam> {
+        match self.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(invalid(
+                Param::StopTokenIds,
+                format!("token ids below the vocabulary size {vocab}"),
+                bad,
+            )),
+            None => Ok(()),
+        }
     }
 }
 

@@ -88,12 +88,9 @@ pub enum FinishReason {
 pub enum SubmitError {
     #[error("prompt is empty")]
     EmptyPrompt,
-    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} tokens")]
-    TooLong {
-        prompt: usize,
-        max_tokens: usize,
-        context: usize,
-    },
+    /// The prompt plus `max_tokens` does not fit the context.
+    #[error(transparent)]
+    TooLong(#[from] crate::sampling::InvalidParam),
     #[error("request needs {needed} KV pages but the pool has only {total}")]
     TooLarge { needed: usize, total: usize },
     #[error("{waiting} requests are already waiting; try again later")]
@@ -314,14 +311,12 @@ impl State {
         if request.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
+        crate::sampling::check_context(
+            request.prompt.len(),
+            request.max_tokens,
+            self.config.max_context,
+        )?;
         let total = request.prompt.len() + request.max_tokens;
-        if total > self.config.max_context {
-            return Err(SubmitError::TooLong {
-                prompt: request.prompt.len(),
-                max_tokens: request.max_tokens,
-                context: self.config.max_context,
-            });
-        }
         let needed = total.div_ceil(self.page_size()) + self.window_pages;
         if needed > self.pool.total_pages() {
             return Err(SubmitError::TooLarge {

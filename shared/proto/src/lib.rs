@@ -10,12 +10,15 @@
 //!   before pages move.
 //! - [`convert`]: conversions between wire types and the `nibble-kvfmt` / `nibble-kvcache` types,
 //!   validating at the edge so only valid values cross it.
+//! - [`request`]: request fields as the engine's sampling parameters, and refusals that carry
+//!   their field as data (`nibble-field` metadata).
 
 pub mod convert;
 mod error;
 pub mod fingerprint;
 pub mod logging;
 pub mod progress;
+pub mod request;
 pub mod serving;
 
 pub use error::ConvertError;

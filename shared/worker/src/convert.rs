@@ -1,44 +1,9 @@
-//! Wire messages to engine types and back. Absent fields take the documented defaults; ranges
-//! are checked by the engine ([`SamplingParams::validate`]), which names the field.
+//! Engine results to wire messages. The way in (request fields to the engine's sampling
+//! parameters) is `nibble_proto::request`, shared with the router.
 
-use nibble_engine::sampling::{SamplingParams, TokenLogprobs, MAX_TOKENS_LIMIT};
+use nibble_engine::sampling::TokenLogprobs;
 use nibble_engine::scheduler::FinishReason;
 use nibble_proto::v1;
-
-use crate::error::Result;
-
-/// The engine's parameters for a request. `room` is the most tokens the context leaves after the
-/// prompt: an absent `max_tokens` generates until the context is full.
-pub fn sampling_params(
-    sampling: Option<&v1::SamplingParams>,
-    stopping: Option<&v1::StoppingCriteria>,
-    logprobs: Option<&v1::LogprobsOptions>,
-    room: usize,
-) -> Result<SamplingParams> {
-    let mut p = SamplingParams::default();
-    if let Some(s) = sampling {
-        p.temperature = s.temperature.unwrap_or(p.temperature);
-        p.top_k = s.top_k;
-        p.top_p = s.top_p.unwrap_or(p.top_p);
-        p.min_p = s.min_p.unwrap_or(p.min_p);
-        p.repetition_penalty = s.repetition_penalty.unwrap_or(p.repetition_penalty);
-        p.seed = s.seed;
-    }
-    p.max_tokens = room.clamp(1, MAX_TOKENS_LIMIT as usize) as u32;
-    if let Some(s) = stopping {
-        if let Some(max) = s.max_tokens {
-            p.max_tokens = max;
-        }
-        p.stop = s.stop.clone();
-        p.stop_token_ids = s.stop_token_ids.clone();
-        p.ignore_eos = s.ignore_eos;
-    }
-    if let Some(l) = logprobs {
-        p.logprobs = l.enabled;
-        p.top_logprobs = l.top_logprobs;
-    }
-    Ok(p)
-}
 
 /// The wire finish reason. `Stop` is a stop string unless the last token is a stop token.
 pub fn finish_reason(reason: FinishReason, stop_token: bool) -> v1::FinishReason {
@@ -80,39 +45,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn absent_fields_take_defaults_and_max_tokens_fills_the_context() {
-        let p = sampling_params(None, None, None, 100).unwrap();
-        assert_eq!(p.temperature, 1.0);
-        assert_eq!(p.max_tokens, 100);
-        let s = v1::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        };
-        let stop = v1::StoppingCriteria {
-            max_tokens: Some(0),
-            ..Default::default()
-        };
-        let p = sampling_params(Some(&s), Some(&stop), None, 100).unwrap();
-        assert_eq!(p.temperature, 0.0);
-        let err = p.validate().unwrap_err();
-        assert_eq!(err.field, "max_tokens");
-    }
-
-    #[test]
-    fn logprobs_options_reach_the_engine_and_come_back() {
-        let options = |enabled, top_logprobs| v1::LogprobsOptions {
-            enabled,
-            top_logprobs,
-        };
-        let p = sampling_params(None, None, Some(&options(true, 3)), 10).unwrap();
-        assert!(p.logprobs);
-        assert_eq!(p.top_logprobs, 3);
-        assert!(p.validate().is_ok());
-        for bad in [options(true, 21), options(false, 2)] {
-            let p = sampling_params(None, None, Some(&bad), 10).unwrap();
-            assert_eq!(p.validate().unwrap_err().field, "top_logprobs");
-        }
-
+    fn logprobs_come_back() {
         let wire = logprob(
             7,
             Some(TokenLogprobs {

@@ -104,10 +104,12 @@ impl From<Error> for tonic::Status {
                 }
                 SubmitError::Duplicate(_) => Status::already_exists(message),
                 SubmitError::Unknown(_) => Status::not_found(message),
-                SubmitError::EmptyPrompt
-                | SubmitError::TooLong { .. }
-                | SubmitError::TooLarge { .. } => Status::invalid_argument(message),
+                SubmitError::TooLong(e) => nibble_proto::request::invalid_param(&e),
+                SubmitError::EmptyPrompt | SubmitError::TooLarge { .. } => {
+                    Status::invalid_argument(message)
+                }
             },
+            Error::Request(RequestError::Param(e)) => nibble_proto::request::invalid_param(&e),
             Error::Request(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
             Error::Convert(e) => e.into(),
             Error::FingerprintMismatch { .. } | Error::Incomplete { .. } => {

@@ -202,7 +202,11 @@ async fn top_logprobs_survive_the_handoff() {
             .await
             .unwrap_err();
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-        assert!(status.message().starts_with("top_logprobs"), "{status:?}");
+        assert_eq!(
+            nibble_proto::request::refused_field(&status),
+            Some("logprobs.top_logprobs"),
+            "{status:?}"
+        );
     }
     for w in [&p, &d] {
         w.pages_back().await;

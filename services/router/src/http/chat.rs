@@ -10,7 +10,7 @@ use nibble_engine::sampling::MAX_TOP_LOGPROBS;
 use nibble_proto::v1;
 use serde::Deserialize;
 
-use super::error::ApiError;
+use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
 use super::{read_body, with_request_id, HttpState};
@@ -58,6 +58,8 @@ struct Parsed {
     request: v1::GenerateRequest,
     delivery: Delivery,
     logprobs: bool,
+    /// The parameters refusals name.
+    names: ParamNames,
 }
 
 fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
@@ -140,7 +142,7 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         })),
         add_special_tokens: None,
         sampling: Some(c.sampling()?),
-        stopping: Some(c.stopping(max_tokens, param)?),
+        stopping: Some(c.stopping(max_tokens)),
         logprobs: logprobs.then_some(v1::LogprobsOptions {
             enabled: true,
             top_logprobs,
@@ -151,6 +153,10 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         request,
         delivery,
         logprobs,
+        names: ParamNames {
+            prompt: "messages",
+            max_tokens: param,
+        },
     })
 }
 
@@ -174,7 +180,7 @@ async fn run(
     let body: ChatRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
     let parsed = parse(body, &served, id.clone())?;
-    let started = generate::start(&state.service, parsed.request, "messages").await?;
+    let started = generate::start(&state.service, parsed.request, parsed.names).await?;
     let format = ChatChunks {
         id,
         model: served,
@@ -184,9 +190,9 @@ async fn run(
         sent_role: false,
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(started, format, "messages"));
+        return Ok(generate::sse(started, format, parsed.names));
     }
-    let collected = generate::collect(started, "messages").await?;
+    let collected = generate::collect(started, parsed.names).await?;
     Ok(Json(serde_json::json!({
         "id": format.id,
         "object": "chat.completion",

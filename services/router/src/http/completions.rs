@@ -9,7 +9,7 @@ use nibble_proto::v1;
 use nibble_proto::v1::generate_request::Prompt;
 use serde::Deserialize;
 
-use super::error::ApiError;
+use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
 use super::{read_body, with_request_id, HttpState};
@@ -45,6 +45,12 @@ pub struct CompletionRequest {
 }
 
 /// A parsed completion request.
+/// The parameters refusals name.
+const NAMES: ParamNames = ParamNames {
+    prompt: "prompt",
+    max_tokens: "max_tokens",
+};
+
 struct Parsed {
     request: v1::GenerateRequest,
     delivery: Delivery,
@@ -103,7 +109,7 @@ fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Pa
         prompt: Some(prompt),
         add_special_tokens: None,
         sampling: Some(c.sampling()?),
-        stopping: Some(c.stopping(Some(max_tokens), "max_tokens")?),
+        stopping: Some(c.stopping(Some(max_tokens))),
         logprobs: body.logprobs.map(|k| v1::LogprobsOptions {
             enabled: true,
             top_logprobs: k,
@@ -137,7 +143,7 @@ async fn run(
     let body: CompletionRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
     let parsed = parse(body, &served, id.clone())?;
-    let started = generate::start(&state.service, parsed.request, "prompt").await?;
+    let started = generate::start(&state.service, parsed.request, NAMES).await?;
     let mut format = CompletionChunks {
         id,
         model: served,
@@ -146,9 +152,9 @@ async fn run(
         include_usage: parsed.delivery.include_usage,
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(started, format, "prompt"));
+        return Ok(generate::sse(started, format, NAMES));
     }
-    let collected = generate::collect(started, "prompt").await?;
+    let collected = generate::collect(started, NAMES).await?;
     let logprobs = format
         .logprobs
         .as_mut()

@@ -130,17 +130,23 @@ impl ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
 
-    /// The HTTP error of a gRPC status from the generate path. `param` names the request's
-    /// prompt parameter (`prompt` or `messages`), which the router's `prompt` field maps to.
-    pub fn from_status(status: &tonic::Status, prompt_param: &str) -> Self {
+    /// The HTTP error of a gRPC status from the generate path. A refusal that names its field
+    /// (`nibble-field` metadata) names the OpenAI parameter behind it (`names`), and its
+    /// message starts with that parameter instead of the field path.
+    pub fn from_status(status: &tonic::Status, names: ParamNames) -> Self {
         use tonic::Code;
         let message = status.message().to_string();
         match status.code() {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-                // The router's messages start with the field at fault: `field: reason`.
-                let param = message
-                    .split_once(':')
-                    .map(|(field, _)| openai_param(field, prompt_param));
+                let field = nibble_proto::request::refused_field(status);
+                let param = field.map(|f| names.openai(f));
+                let message = match (field, &param) {
+                    (Some(field), Some(param)) => match message.strip_prefix(field) {
+                        Some(reason) => format!("{param}{reason}"),
+                        None => message,
+                    },
+                    _ => message,
+                };
                 Self {
                     param,
                     code: Some("invalid_value"),
@@ -178,14 +184,27 @@ impl ApiError {
     }
 }
 
-/// The OpenAI parameter behind a field of the router's `GenerateRequest`.
-fn openai_param(field: &str, prompt_param: &str) -> String {
-    let field = field.trim();
-    let last = field.rsplit('.').next().unwrap_or(field);
-    match field.split('.').next() {
-        Some("prompt") => prompt_param.to_string(),
-        Some("sampling" | "stopping") => last.to_string(),
-        _ => field.to_string(),
+/// The OpenAI parameters of an endpoint that the router's fields map to by more than their
+/// last name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamNames {
+    /// The prompt: `prompt` or `messages`.
+    pub prompt: &'static str,
+    /// The token limit: `max_tokens` or `max_completion_tokens`.
+    pub max_tokens: &'static str,
+}
+
+impl ParamNames {
+    /// The OpenAI parameter behind the field at `path` of the router's `GenerateRequest`.
+    fn openai(self, path: &str) -> String {
+        let last = path.rsplit('.').next().unwrap_or(path);
+        match path {
+            "stopping.max_tokens" => self.max_tokens.to_string(),
+            "logprobs.top_logprobs" => "top_logprobs".to_string(),
+            _ if path.split('.').next() == Some("prompt") => self.prompt.to_string(),
+            _ if path.starts_with("sampling.") || path.starts_with("stopping.") => last.to_string(),
+            _ => path.to_string(),
+        }
     }
 }
 
@@ -211,6 +230,15 @@ mod tests {
     use super::*;
     use tonic::Status;
 
+    const COMPLETIONS: ParamNames = ParamNames {
+        prompt: "prompt",
+        max_tokens: "max_tokens",
+    };
+    const CHAT: ParamNames = ParamNames {
+        prompt: "messages",
+        max_tokens: "max_completion_tokens",
+    };
+
     #[test]
     fn statuses_map_to_http() {
         let cases = [
@@ -224,7 +252,7 @@ mod tests {
         ];
         for (status, http) in cases {
             assert_eq!(
-                ApiError::from_status(&status, "prompt").status.as_u16(),
+                ApiError::from_status(&status, COMPLETIONS).status.as_u16(),
                 http,
                 "{status:?}"
             );
@@ -233,14 +261,21 @@ mod tests {
 
     #[test]
     fn router_fields_map_to_openai_params() {
-        let e = ApiError::from_status(&Status::invalid_argument("prompt: too long"), "messages");
+        use nibble_proto::request::invalid_field;
+        let e = ApiError::from_status(&invalid_field("prompt", "is too long"), CHAT);
         assert_eq!(e.param.as_deref(), Some("messages"));
-        let e = ApiError::from_status(&Status::invalid_argument("prompt.chat: bad"), "messages");
+        assert_eq!(e.message, "messages: is too long");
+        let e = ApiError::from_status(&invalid_field("prompt.chat", "bad"), CHAT);
         assert_eq!(e.param.as_deref(), Some("messages"));
-        let e = ApiError::from_status(&Status::invalid_argument("sampling.top_p: 2"), "prompt");
+        let e = ApiError::from_status(&invalid_field("sampling.top_p", "2"), COMPLETIONS);
         assert_eq!(e.param.as_deref(), Some("top_p"));
-        let e = ApiError::from_status(&Status::invalid_argument("no field here"), "prompt");
+        assert_eq!(e.message, "top_p: 2");
+        let e = ApiError::from_status(&invalid_field("stopping.max_tokens", "0"), CHAT);
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+        // A message is never read for a field.
+        let e = ApiError::from_status(&Status::invalid_argument("top_p: 2"), COMPLETIONS);
         assert_eq!(e.param, None);
+        assert_eq!(e.message, "top_p: 2");
     }
 
     #[test]

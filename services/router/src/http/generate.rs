@@ -16,7 +16,7 @@ use nibble_proto::v1;
 use nibble_proto::v1::inference_server::Inference;
 use tokio_stream::{Stream, StreamExt};
 
-use super::error::ApiError;
+use super::error::{ApiError, ParamNames};
 use crate::InferenceService;
 
 /// The router's response stream.
@@ -28,21 +28,21 @@ pub struct Started {
     pub rest: GenerateStream,
 }
 
-/// Sends `request` down the generate path and waits for its first chunk. `prompt_param` is the
-/// OpenAI parameter holding the prompt (`prompt` or `messages`), for error messages.
+/// Sends `request` down the generate path and waits for its first chunk. `names` are the
+/// endpoint's OpenAI parameters that refusals name.
 pub async fn start(
     service: &InferenceService,
     request: v1::GenerateRequest,
-    prompt_param: &str,
+    names: ParamNames,
 ) -> Result<Started, ApiError> {
     let mut rest = service
         .generate(tonic::Request::new(request))
         .await
-        .map_err(|s| ApiError::from_status(&s, prompt_param))?
+        .map_err(|s| ApiError::from_status(&s, names))?
         .into_inner();
     match rest.next().await {
         Some(Ok(first)) => Ok(Started { first, rest }),
-        Some(Err(status)) => Err(ApiError::from_status(&status, prompt_param)),
+        Some(Err(status)) => Err(ApiError::from_status(&status, names)),
         None => Err(ApiError::internal(
             "the generate stream ended without a response",
         )),
@@ -76,12 +76,12 @@ impl Collected {
 }
 
 /// Reads a started generation to its end.
-pub async fn collect(started: Started, prompt_param: &str) -> Result<Collected, ApiError> {
+pub async fn collect(started: Started, names: ParamNames) -> Result<Collected, ApiError> {
     let Started { first, mut rest } = started;
     let mut collected = Collected::default();
     collected.add(first);
     while let Some(chunk) = rest.next().await {
-        let chunk = chunk.map_err(|s| ApiError::from_status(&s, prompt_param))?;
+        let chunk = chunk.map_err(|s| ApiError::from_status(&s, names))?;
         collected.add(chunk);
     }
     Ok(collected)
@@ -95,12 +95,12 @@ pub trait ChunkFormat: Send + Unpin + 'static {
 
 /// The server-sent events of a started generation: one `data:` event per JSON chunk, an error
 /// event (`data: {"error": ...}`) if the generation fails midway, and `data: [DONE]` last.
-pub fn sse<F: ChunkFormat>(started: Started, format: F, prompt_param: &str) -> Response {
+pub fn sse<F: ChunkFormat>(started: Started, format: F, names: ParamNames) -> Response {
     let mut stream = SseStream {
         rest: Some(started.rest),
         pending: std::collections::VecDeque::new(),
         format,
-        prompt_param: prompt_param.to_string(),
+        names,
     };
     let first = stream.format.chunks(started.first);
     stream.pending.extend(first.iter().map(json_event));
@@ -118,7 +118,7 @@ struct SseStream<F> {
     rest: Option<GenerateStream>,
     pending: std::collections::VecDeque<Event>,
     format: F,
-    prompt_param: String,
+    names: ParamNames,
 }
 
 impl<F: ChunkFormat> Stream for SseStream<F> {
@@ -140,7 +140,7 @@ impl<F: ChunkFormat> Stream for SseStream<F> {
                     this.pending.extend(chunks.iter().map(json_event));
                 }
                 Poll::Ready(Some(Err(status))) => {
-                    let error = ApiError::from_status(&status, &this.prompt_param);
+                    let error = ApiError::from_status(&status, this.names);
                     let body = serde_json::to_value(error.body()).unwrap_or_default();
                     this.pending.push_back(json_event(&body));
                     this.pending.push_back(Event::default().data("[DONE]"));

@@ -1,16 +1,14 @@
 //! The request parameters both generating endpoints share, parsed into the router's
-//! `GenerateRequest` pieces. Parse, don't validate: everything that leaves this module is in
-//! range, and every refusal names the OpenAI parameter at fault.
+//! `GenerateRequest` pieces. This module checks what only the HTTP API has (its types, `n`, the
+//! parameters nibble does not take, `stream_options`); the ranges are checked once, for both
+//! APIs, by the router's validation (`service::validate`), whose refusals name the field and
+//! come back here as the OpenAI parameter ([`ApiError::from_status`]).
 
-use nibble_engine::sampling::MAX_TOKENS_LIMIT;
 use nibble_proto::v1;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use super::error::ApiError;
-
-/// Most stop strings one request may give.
-pub const MAX_STOP_STRINGS: usize = 16;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -134,22 +132,6 @@ impl Common {
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(ApiError::invalid("logit_bias", "is not supported"));
         }
-        if let Some(t) = self.temperature {
-            if !(0.0..=2.0).contains(&t) {
-                return Err(ApiError::invalid(
-                    "temperature",
-                    format!("must be between 0 and 2, got {t}"),
-                ));
-            }
-        }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ApiError::invalid(
-                    "top_p",
-                    format!("must be in (0, 1], got {p}"),
-                ));
-            }
-        }
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => None,
             Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
@@ -160,22 +142,6 @@ impl Common {
                 ))
             }
         };
-        if let Some(p) = self.min_p {
-            if !(0.0..=1.0).contains(&p) {
-                return Err(ApiError::invalid(
-                    "min_p",
-                    format!("must be in [0, 1], got {p}"),
-                ));
-            }
-        }
-        if let Some(r) = self.repetition_penalty {
-            if !(r > 0.0 && r.is_finite()) {
-                return Err(ApiError::invalid(
-                    "repetition_penalty",
-                    format!("must be positive, got {r}"),
-                ));
-            }
-        }
         // Any integer seeds; a negative one is used by its bits.
         let seed = match &self.seed {
             None => None,
@@ -197,43 +163,19 @@ impl Common {
         })
     }
 
-    /// The stopping criteria with `max_tokens` (named `param` in the request).
-    pub fn stopping(
-        &self,
-        max_tokens: Option<u32>,
-        param: &str,
-    ) -> Result<v1::StoppingCriteria, ApiError> {
-        if let Some(max) = max_tokens {
-            if !(1..=MAX_TOKENS_LIMIT).contains(&max) {
-                return Err(ApiError::invalid(
-                    param,
-                    format!("must be between 1 and {MAX_TOKENS_LIMIT}, got {max}"),
-                ));
-            }
-        }
+    /// The stopping criteria with `max_tokens`.
+    pub fn stopping(&self, max_tokens: Option<u32>) -> v1::StoppingCriteria {
         let stop = match self.stop.clone() {
             None => Vec::new(),
             Some(StopStrings::One(s)) => vec![s],
             Some(StopStrings::Many(list)) => list,
         };
-        if stop.len() > MAX_STOP_STRINGS {
-            return Err(ApiError::invalid(
-                "stop",
-                format!(
-                    "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
-                    stop.len()
-                ),
-            ));
-        }
-        if stop.iter().any(String::is_empty) {
-            return Err(ApiError::invalid("stop", "stop strings must not be empty"));
-        }
-        Ok(v1::StoppingCriteria {
+        v1::StoppingCriteria {
             max_tokens,
             stop,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
-        })
+        }
     }
 }
 
@@ -260,8 +202,6 @@ mod tests {
     #[test]
     fn ranges_are_checked_by_name() {
         let cases = [
-            (r#"{"temperature": 2.5}"#, "temperature"),
-            (r#"{"top_p": 0}"#, "top_p"),
             (r#"{"n": 2}"#, "n"),
             (r#"{"top_k": -3}"#, "top_k"),
             (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
@@ -273,13 +213,6 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param), "{json}: {e:?}");
             assert!(e.message.starts_with(param), "{e:?}");
         }
-        let c = common(r#"{"stop": ["a", ""]}"#).unwrap();
-        assert_eq!(
-            c.stopping(None, "max_tokens").unwrap_err().param.as_deref(),
-            Some("stop")
-        );
-        let e = c.stopping(Some(0), "max_completion_tokens").unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
         let e = common(r#"{"stream_options": {"include_usage": true}}"#)
             .unwrap()
             .delivery()
@@ -299,7 +232,7 @@ mod tests {
         assert_eq!(s.top_p, Some(0.9));
         assert_eq!(s.seed, Some(u64::MAX));
         assert_eq!(s.top_k, None);
-        let stop = c.stopping(Some(5), "max_tokens").unwrap();
+        let stop = c.stopping(Some(5));
         assert_eq!(stop.stop, vec!["\n".to_string()]);
         assert_eq!(stop.max_tokens, Some(5));
         assert_eq!(

@@ -257,6 +257,53 @@ fn validation_names_the_field() {
         }),
         "top_p must be in (0, 1], got 0"
     );
+    let field = |p: SamplingParams| p.validate().unwrap_err().field;
+    assert_eq!(
+        field(SamplingParams {
+            min_p: 1.0,
+            ..Default::default()
+        }),
+        Param::MinP
+    );
+    assert_eq!(
+        field(SamplingParams {
+            stop: vec!["x".into(); MAX_STOP_STRINGS + 1],
+            ..Default::default()
+        }),
+        Param::Stop
+    );
+    assert_eq!(
+        field(SamplingParams {
+            stop: vec!["y".repeat(MAX_STOP_BYTES + 1)],
+            ..Default::default()
+        }),
+        Param::Stop
+    );
+    assert_eq!(
+        field(SamplingParams {
+            stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
+            ..Default::default()
+        }),
+        Param::StopTokenIds
+    );
+    let stops = SamplingParams {
+        stop_token_ids: vec![3, 49_152],
+        ..Default::default()
+    };
+    assert_eq!(
+        stops.check_vocab(49_152).unwrap_err().field,
+        Param::StopTokenIds
+    );
+    assert!(stops.check_vocab(49_153).is_ok());
+    assert!(super::check_context(100, 28, 128).is_ok());
+    assert_eq!(
+        super::check_context(100, 29, 128).unwrap_err().field,
+        Param::Prompt
+    );
+    assert!(
+        super::check_context(100_000, 1, 0).is_ok(),
+        "0: context unknown"
+    );
     assert!(SamplingParams {
         temperature: f32::NAN,
         ..Default::default()

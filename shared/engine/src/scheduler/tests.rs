@@ -344,7 +344,7 @@ fn submissions_are_validated_and_the_queue_is_bounded() {
     );
     assert!(matches!(
         s.submit(request(1, vec![1; 60], 10)),
-        Err(SubmitError::TooLong { .. })
+        Err(SubmitError::TooLong(_))
     ));
     assert!(matches!(
         s.submit(request(1, vec![1; 40], 10)),

@@ -13,10 +13,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use nibble_engine::sampling::check_context;
 use nibble_engine::scheduler::SeqId;
 use nibble_engine::Event;
-use nibble_proto::v1;
 use nibble_proto::v1::worker_server::Worker;
+use nibble_proto::{request, v1};
 use nibble_security::{Peers, Security};
 use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream};
 use tokio_stream::{Stream, StreamExt};
@@ -183,13 +184,8 @@ impl WorkerState {
         self.check_fingerprint(r.kv_format_fingerprint)?;
         let info = self.engine.info();
         if let Some(max) = r.max_tokens {
-            if r.token_ids.len() + max as usize > info.max_context {
-                return Err(Error::InvalidArgument(format!(
-                    "prompt ({} tokens) plus max_tokens ({max}) exceeds the context of {} tokens",
-                    r.token_ids.len(),
-                    info.max_context
-                )));
-            }
+            check_context(r.token_ids.len(), max as usize, info.max_context)
+                .map_err(|e| Error::Request(e.into()))?;
         }
         let id = self.track(&r.request_id)?;
         let reservation = match self.engine.reserve(id, r.token_ids).await {
@@ -247,7 +243,7 @@ impl WorkerState {
             self.check_fingerprint(target.kv_format_fingerprint)?;
         }
         // A prefill samples one token; room for more would only refuse long prompts.
-        let params = convert::sampling_params(r.sampling.as_ref(), None, r.logprobs.as_ref(), 1)?;
+        let params = request::sampling_params(r.sampling.as_ref(), None, r.logprobs.as_ref(), 1);
         let id = self.track(&r.request_id)?;
         let guard = Held {
             state: self,
@@ -319,12 +315,12 @@ impl WorkerState {
 
     async fn decode(self: &Arc<Self>, r: v1::DecodeRequest) -> Result<DecodeStream> {
         let room = self.room(r.token_ids.len());
-        let params = convert::sampling_params(
+        let params = request::sampling_params(
             r.sampling.as_ref(),
             r.stopping.as_ref(),
             r.logprobs.as_ref(),
             room,
-        )?;
+        );
         let mut stop_tokens = params.stop_token_ids.clone();
         stop_tokens.extend(&self.engine.info().eos);
         let (id, events) = match &r.handoff {

@@ -1,0 +1,331 @@
+//! [`Flow`]: one dispatched request, from `Reserve` on its decode worker to the last token.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use nibble_discovery::WorkerInfo;
+use nibble_proto::v1;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::Shared;
+use crate::admission::Place;
+use crate::metrics::{self, Outcome};
+use crate::{Error, Prompt, Routed};
+
+/// Prefill workers tried per request before it fails.
+const PREFILL_ATTEMPTS: usize = 3;
+
+/// One dispatched request, driven on its own task.
+pub struct Flow {
+    shared: Arc<Shared>,
+    req: v1::GenerateRequest,
+    tokens: Vec<u32>,
+    prompt: Prompt,
+    routed: Routed,
+    /// The running place, held until the flow ends.
+    _place: Place,
+    /// When the request arrived, and when its first and latest tokens were sent.
+    arrived: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Tokens sent.
+    generated: u64,
+}
+
+/// Why a flow stopped early.
+enum Stop {
+    Cancelled,
+    Failed(Status),
+}
+
+impl From<Status> for Stop {
+    fn from(status: Status) -> Self {
+        Stop::Failed(status)
+    }
+}
+
+impl From<Error> for Stop {
+    fn from(e: Error) -> Self {
+        Stop::Failed(e.into())
+    }
+}
+
+impl Flow {
+    /// A routed request holding its running `place`, dispatched by [`Flow::run`].
+    pub fn new(
+        shared: Arc<Shared>,
+        req: v1::GenerateRequest,
+        tokens: Vec<u32>,
+        prompt: Prompt,
+        routed: Routed,
+        place: Place,
+        arrived: Instant,
+    ) -> Self {
+        Self {
+            shared,
+            req,
+            tokens,
+            prompt,
+            routed,
+            _place: place,
+            arrived,
+            first_token: None,
+            last_token: None,
+            generated: 0,
+        }
+    }
+
+    /// Drives the request to its end, sending its responses (or its failure) on `tx`; frees
+    /// what the workers hold for it if it ends early.
+    pub async fn run(mut self, tx: mpsc::Sender<Result<v1::GenerateResponse, Status>>) {
+        let ticket = self.routed.ticket;
+        let mut prefill_address = None;
+        let outcome = tokio::select! {
+            outcome = self.drive(&tx, &mut prefill_address) => outcome,
+            () = tx.closed() => Err(Stop::Cancelled),
+        };
+        let ended = Instant::now();
+        let ttft_ms = self
+            .first_token
+            .map(|t| (t - self.arrived).as_secs_f64() * 1e3);
+        if outcome.is_ok() {
+            metrics::request(Outcome::Finished, tonic::Code::Ok);
+            metrics::duration(metrics::REQUEST_DURATION_SECONDS, ended - self.arrived);
+            tracing::info!(
+                prompt_tokens = self.tokens.len(),
+                completion_tokens = self.generated,
+                reason = %self.routed.decision.reason,
+                ttft_ms,
+                millis = (ended - self.arrived).as_millis() as u64,
+                "finished"
+            );
+        }
+        if let Err(stop) = outcome {
+            // Free whatever the workers hold for the request.
+            let abort = v1::AbortRequest {
+                request_id: self.req.request_id.clone(),
+            };
+            let decode = self.routed.decision.decode.worker.addresses.grpc.clone();
+            for address in std::iter::once(decode).chain(prefill_address) {
+                if let Ok(mut client) = self.shared.client(&address) {
+                    let _ = client.abort(abort.clone()).await;
+                }
+            }
+            match stop {
+                Stop::Cancelled => {
+                    metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
+                    tracing::info!(
+                        completion_tokens = self.generated,
+                        "cancelled by the client"
+                    )
+                }
+                Stop::Failed(status) => {
+                    metrics::request(Outcome::Failed, status.code());
+                    tracing::warn!(%status, "request failed");
+                    let _ = tx.send(Err(status)).await;
+                }
+            }
+        }
+        self.shared.router().finish(ticket);
+    }
+
+    async fn drive(
+        &mut self,
+        tx: &mpsc::Sender<Result<v1::GenerateResponse, Status>>,
+        prefill_address: &mut Option<String>,
+    ) -> Result<(), Stop> {
+        let decision = &self.routed.decision;
+        let decode_worker = Arc::clone(&decision.decode.worker);
+        let mut decode = self.shared.client(&decode_worker.addresses.grpc)?;
+        let request_id = self.req.request_id.clone();
+        let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
+        let mut reserved_cached = 0;
+        let handoff = match decision.prefill.clone() {
+            None => None,
+            Some(mut prefill) => {
+                let reservation = decode
+                    .reserve(v1::ReserveRequest {
+                        request_id: request_id.clone(),
+                        token_ids: self.tokens.clone(),
+                        kv_format_fingerprint: decode_worker.kv_fingerprint,
+                        ttl_ms: None,
+                        max_tokens,
+                    })
+                    .await?
+                    .into_inner();
+                reserved_cached = reservation.cached_tokens;
+                let mut target = v1::TransferTarget {
+                    address: decode_worker
+                        .addresses
+                        .transfer
+                        .clone()
+                        .unwrap_or_else(|| decode_worker.addresses.grpc.clone()),
+                    reservation_id: reservation.reservation_id,
+                    first_page_index: reservation.first_page_index,
+                    page_count: reservation.page_count,
+                    page_ids: reservation.page_ids.clone(),
+                    kv_format_fingerprint: reservation.kv_format_fingerprint,
+                    backend: v1::TransferBackend::Grpc as i32,
+                    decode_worker_id: decode_worker.id.to_string(),
+                };
+                let mut attempt = 0;
+                let prefilled = loop {
+                    attempt += 1;
+                    *prefill_address = Some(prefill.worker.addresses.grpc.clone());
+                    target.backend = transfer_backend(&prefill.worker, &decode_worker) as i32;
+                    let mut client = self.shared.client(&prefill.worker.addresses.grpc)?;
+                    let result = client
+                        .prefill(v1::PrefillRequest {
+                            request_id: request_id.clone(),
+                            token_ids: self.tokens.clone(),
+                            sampling: self.req.sampling,
+                            logprobs: self.req.logprobs,
+                            target: Some(target.clone()),
+                        })
+                        .await;
+                    match result {
+                        Ok(response) => break response.into_inner(),
+                        Err(status) if retryable(&status) && attempt < PREFILL_ATTEMPTS => {
+                            tracing::warn!(worker = %prefill.worker.id, %status, "prefill failed; retrying");
+                            metrics::count(metrics::PREFILL_RETRIES_TOTAL, 1);
+                            let next = self
+                                .shared
+                                .router()
+                                .retry_prefill(self.routed.ticket, &self.prompt)?;
+                            match next {
+                                Some(next) => prefill = next,
+                                None => {
+                                    return Err(Status::unavailable(format!(
+                                    "prefill failed and no other prefill worker is left: {status}"
+                                ))
+                                    .into())
+                                }
+                            }
+                        }
+                        Err(status) => return Err(status.into()),
+                    }
+                };
+                self.shared.router().prefill_done(self.routed.ticket);
+                *prefill_address = None;
+                Some(v1::Handoff {
+                    reservation_id: reservation.reservation_id,
+                    first_token: prefilled.first_token,
+                    first_logprob: prefilled.logprob,
+                })
+            }
+        };
+        let mut stream = decode
+            .decode(v1::DecodeRequest {
+                request_id: request_id.clone(),
+                token_ids: self.tokens.clone(),
+                handoff,
+                sampling: self.req.sampling,
+                stopping: self.req.stopping.clone(),
+                logprobs: self.req.logprobs,
+                skip_special_tokens: self.req.skip_special_tokens,
+            })
+            .await?
+            .into_inner();
+        while let Some(chunk) = stream.message().await? {
+            if !chunk.token_ids.is_empty() {
+                self.sent_tokens(chunk.token_ids.len());
+            }
+            let usage = chunk.usage.map(|mut u| {
+                u.cached_tokens = u.cached_tokens.max(reserved_cached);
+                u
+            });
+            let response = v1::GenerateResponse {
+                request_id: request_id.clone(),
+                text: chunk.text,
+                token_ids: chunk.token_ids,
+                logprobs: chunk.logprobs,
+                finish_reason: chunk.finish_reason,
+                usage,
+            };
+            if tx.send(Ok(response)).await.is_err() {
+                return Err(Stop::Cancelled);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Flow {
+    /// Times `n` tokens about to be sent: the first one's time to first token, and each later
+    /// one's gap after the previous.
+    fn sent_tokens(&mut self, n: usize) {
+        let now = Instant::now();
+        match self.last_token {
+            None => {
+                self.first_token = Some(now);
+                metrics::duration(metrics::TIME_TO_FIRST_TOKEN_SECONDS, now - self.arrived);
+            }
+            Some(last) => metrics::duration(metrics::INTER_TOKEN_LATENCY_SECONDS, now - last),
+        }
+        self.last_token = Some(now);
+        self.generated += n as u64;
+        metrics::count(metrics::GENERATION_TOKENS_TOTAL, n as u64);
+    }
+}
+
+/// How pages move from `prefill` to `decode`: NCCL when both advertise it on different GPUs
+/// (the prefill worker still falls back to gRPC if NCCL fails), the gRPC stream otherwise.
+fn transfer_backend(prefill: &WorkerInfo, decode: &WorkerInfo) -> v1::TransferBackend {
+    if prefill.nccl_to(decode) {
+        v1::TransferBackend::Nccl
+    } else {
+        v1::TransferBackend::Grpc
+    }
+}
+
+fn retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Internal
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+    )
+}
+
+#[cfg(test)]
+mod transfer_tests {
+    use nibble_discovery::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
+    use nibble_proto::v1::TransferBackend;
+
+    use super::transfer_backend;
+
+    fn worker(role: Role, gpu: Option<&str>) -> WorkerInfo {
+        WorkerInfo {
+            role,
+            id: WorkerId::new(format!("{role}-0")).unwrap(),
+            addresses: Addresses::default(),
+            model: "m".into(),
+            kv_fingerprint: 7,
+            page_size: 16,
+            capacity: Capacity::default(),
+            nccl: gpu.map(|gpu| NcclEndpoint {
+                host: "h".into(),
+                gpu: gpu.into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn nccl_when_both_workers_offer_it_on_two_gpus() {
+        let p = worker(Role::Prefill, Some("GPU-0"));
+        let d = worker(Role::Decode, Some("GPU-1"));
+        assert_eq!(transfer_backend(&p, &d), TransferBackend::Nccl);
+        let same_gpu = worker(Role::Decode, Some("GPU-0"));
+        assert_eq!(transfer_backend(&p, &same_gpu), TransferBackend::Grpc);
+        let cpu = worker(Role::Decode, None);
+        assert_eq!(transfer_backend(&p, &cpu), TransferBackend::Grpc);
+        assert_eq!(
+            transfer_backend(&worker(Role::Prefill, None), &d),
+            TransferBackend::Grpc,
+            "a prefill worker forced to gRPC advertises no endpoint"
+        );
+    }
+}

@@ -1,0 +1,106 @@
+//! [`Shared`]: what the service, the followers and the HTTP API share.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nibble_proto::v1::worker_client::WorkerClient;
+use nibble_security::{AuthChannel, Peers};
+
+use super::ServiceConfig;
+use crate::admission::Admission;
+use crate::{metrics, Error, Router, MAX_WORKERS};
+
+/// Largest gRPC message the router's worker clients accept.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Most worker clients cached at once (prefill and decode members, and room to spare).
+const MAX_CLIENTS: usize = 4 * MAX_WORKERS;
+
+/// State shared by the service, the membership task and the KV-event tasks.
+#[derive(Debug)]
+pub struct Shared {
+    router: Mutex<Router>,
+    config: ServiceConfig,
+    /// How workers are dialed (TLS, the internal token).
+    peers: Peers,
+    clients: Mutex<HashMap<String, WorkerClient<AuthChannel>>>,
+    /// Names requests that come without an id: `router-{prefix}-{n}`, the prefix unique to this
+    /// process so that ids stay unique across routers (and across a router's restarts).
+    id_prefix: String,
+    next_request: AtomicU64,
+    admission: Admission,
+}
+
+impl Shared {
+    /// Shared state over a new [`Router`]. Its gauges are sampled whenever the process's
+    /// metrics are scraped ([`nibble_telemetry::register`]), for as long as it lives.
+    pub fn new(config: ServiceConfig) -> crate::Result<Arc<Self>> {
+        let shared = Arc::new(Self {
+            router: Mutex::new(Router::new(config.router.clone())?),
+            peers: config.security.peers()?,
+            admission: Admission::new(config.admission),
+            config,
+            clients: Mutex::new(HashMap::new()),
+            id_prefix: process_prefix(),
+            next_request: AtomicU64::new(1),
+        });
+        metrics::describe();
+        nibble_telemetry::register(&shared);
+        Ok(shared)
+    }
+
+    /// What the router serves.
+    pub fn config(&self) -> &ServiceConfig {
+        &self.config
+    }
+
+    /// The routing core (locked).
+    pub fn router(&self) -> MutexGuard<'_, Router> {
+        self.router.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The admission queue (requests running and waiting).
+    pub fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    /// A client of the worker at `address` (`host:port`: `https://` when TLS is on), cached per
+    /// address while the worker is a member ([`Shared::forget_client`]); its calls carry the
+    /// internal token when one is set.
+    pub fn client(&self, address: &str) -> Result<WorkerClient<AuthChannel>, Error> {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(address) {
+            return Ok(client.clone());
+        }
+        // Members are at most MAX_WORKERS per role; anything beyond is a departed worker's.
+        if clients.len() >= MAX_CLIENTS {
+            clients.clear();
+        }
+        let channel = self.peers.connect_lazy(address)?;
+        let client = WorkerClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        clients.insert(address.to_string(), client.clone());
+        Ok(client)
+    }
+
+    /// Drops the cached client of `address` (its worker left).
+    pub fn forget_client(&self, address: &str) {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        clients.remove(address);
+    }
+
+    /// A request id for a request that came without one.
+    pub(crate) fn mint_request_id(&self) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        format!("router-{}-{n}", self.id_prefix)
+    }
+}
+
+/// Eight hex digits from the clock, telling this process's request ids from another's.
+fn process_prefix() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("{:08x}", now.subsec_nanos() ^ now.as_secs() as u32)
+}

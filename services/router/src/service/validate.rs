@@ -1,0 +1,255 @@
+//! One validation of a `GenerateRequest`, for the gRPC API and the HTTP API alike (the HTTP
+//! API builds the same message): the model, the prompt (by bytes before it is tokenized, by
+//! tokens after), and every sampling and stopping field by the engine's own rules
+//! ([`SamplingParams::validate`]), the ones the worker applies again. A refusal names its field
+//! as data ([`nibble_proto::request::refused_field`]).
+//!
+//! Tokenization and chat rendering are CPU work: [`validate`] is blocking, and the service runs
+//! it off the async threads.
+
+use nibble_engine::sampling::{check_context, SamplingParams};
+use nibble_engine::ChatMessage;
+use nibble_proto::request::{invalid_field, invalid_param, sampling_params};
+use nibble_proto::v1;
+use tonic::Status;
+
+use super::ServiceConfig;
+
+/// A request that passed every check: its prompt's token ids and the engine's parameters.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    pub req: v1::GenerateRequest,
+    pub tokens: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// Checks `req` against what `config` serves and tokenizes its prompt (blocking).
+pub fn validate(req: v1::GenerateRequest, config: &ServiceConfig) -> Result<ValidRequest, Status> {
+    check_model(&req.model, &config.router.model)?;
+    let max_tokens = req.stopping.as_ref().and_then(|s| s.max_tokens);
+    let limit = config.max_tokens_limit;
+    if let Some(max) = max_tokens.filter(|&m| m > limit) {
+        return Err(invalid_field(
+            "stopping.max_tokens",
+            format!("this router allows at most {limit}, got {max}"),
+        ));
+    }
+    let tokens = prompt_tokens(&req, config)?;
+    let context = config.max_context as usize;
+    let room = match context {
+        0 => usize::MAX,
+        context => context.saturating_sub(tokens.len()),
+    };
+    let params = sampling_params(
+        req.sampling.as_ref(),
+        req.stopping.as_ref(),
+        req.logprobs.as_ref(),
+        room,
+    );
+    params.validate().map_err(|e| invalid_param(&e))?;
+    params
+        .check_vocab(config.tokenizer.vocab_size())
+        .map_err(|e| invalid_param(&e))?;
+    check_context(tokens.len(), max_tokens.unwrap_or(1) as usize, context)
+        .map_err(|e| invalid_param(&e))?;
+    Ok(ValidRequest {
+        req,
+        tokens,
+        params,
+    })
+}
+
+/// Absent or empty is the served model; another name is refused.
+pub fn check_model(model: &str, served: &str) -> Result<(), Status> {
+    if !model.is_empty() && model != served {
+        return Err(invalid_field(
+            "model",
+            format!("unknown model {model:?} (this router serves {served:?})"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses text of more than the configured bytes before anything tokenizes it.
+pub fn check_prompt_bytes(bytes: usize, config: &ServiceConfig) -> Result<(), Status> {
+    let limit = config.prompt_bytes_limit();
+    if bytes > limit {
+        return Err(invalid_field(
+            "prompt",
+            format!("is {bytes} bytes, more than this router's limit of {limit}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The prompt's token ids.
+fn prompt_tokens(req: &v1::GenerateRequest, config: &ServiceConfig) -> Result<Vec<u32>, Status> {
+    use v1::generate_request::Prompt as P;
+    let tokenizer = &config.tokenizer;
+    let internal = |e: nibble_engine::Error| Status::internal(format!("tokenizer: {e}"));
+    let ids = match &req.prompt {
+        None => {
+            return Err(invalid_field(
+                "prompt",
+                "is required (text, tokens or chat)",
+            ))
+        }
+        Some(P::Text(text)) => {
+            if text.is_empty() {
+                return Err(invalid_field("prompt", "text must not be empty"));
+            }
+            check_prompt_bytes(text.len(), config)?;
+            tokenizer
+                .encode(text, req.add_special_tokens.unwrap_or(true))
+                .map_err(internal)?
+        }
+        Some(P::Tokens(tokens)) => {
+            let vocab = tokenizer.vocab_size();
+            if let Some(bad) = tokens.ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(invalid_field(
+                    "prompt.tokens",
+                    format!("token id {bad} is outside the vocabulary of {vocab}"),
+                ));
+            }
+            tokens.ids.clone()
+        }
+        Some(P::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(invalid_field("prompt.chat", "needs at least one message"));
+            }
+            let bytes = chat
+                .messages
+                .iter()
+                .map(|m| m.role.len() + m.content.len())
+                .sum();
+            check_prompt_bytes(bytes, config)?;
+            let messages: Vec<ChatMessage> = chat
+                .messages
+                .iter()
+                .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+                .collect();
+            let text = tokenizer
+                .render_chat(&messages, chat.add_generation_prompt.unwrap_or(true))
+                .map_err(|e| invalid_field("prompt.chat", e))?;
+            tokenizer.encode(&text, false).map_err(internal)?
+        }
+    };
+    if ids.is_empty() {
+        return Err(invalid_field("prompt", "must not be empty"));
+    }
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use nibble_engine::ModelSource;
+    use nibble_proto::request::refused_field;
+
+    use super::*;
+    use crate::RouterConfig;
+
+    fn config() -> ServiceConfig {
+        let source = ModelSource::open(nibble_testkit::model_path()).unwrap();
+        let tokenizer = Arc::new(source.load_tokenizer().unwrap());
+        let mut config = ServiceConfig::new(RouterConfig::new("m", 16), tokenizer, 2048);
+        config.max_prompt_bytes = Some(4096);
+        config
+    }
+
+    fn text(prompt: &str) -> v1::GenerateRequest {
+        v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Text(prompt.into())),
+            ..Default::default()
+        }
+    }
+
+    fn refused(req: v1::GenerateRequest, config: &ServiceConfig) -> String {
+        let status = validate(req, config).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        let field = refused_field(&status).expect("a refusal names its field");
+        assert!(status.message().starts_with(field), "{status:?}");
+        field.to_string()
+    }
+
+    #[test]
+    fn the_engine_rules_apply_at_the_router() {
+        let config = config();
+        let with = |sampling: v1::SamplingParams| v1::GenerateRequest {
+            sampling: Some(sampling),
+            ..text("Hello")
+        };
+        // min_p = 1 passed the router before and was refused by the worker after routing.
+        let min_p = with(v1::SamplingParams {
+            min_p: Some(1.0),
+            ..Default::default()
+        });
+        assert_eq!(refused(min_p, &config), "sampling.min_p");
+        let penalty = with(v1::SamplingParams {
+            repetition_penalty: Some(1e30),
+            ..Default::default()
+        });
+        assert_eq!(refused(penalty, &config), "sampling.repetition_penalty");
+        let hot = with(v1::SamplingParams {
+            temperature: Some(2.5),
+            ..Default::default()
+        });
+        assert_eq!(refused(hot, &config), "sampling.temperature");
+        let stops = v1::GenerateRequest {
+            stopping: Some(v1::StoppingCriteria {
+                stop: vec!["x".into(); 100_000],
+                ..Default::default()
+            }),
+            ..text("Hello")
+        };
+        assert_eq!(refused(stops, &config), "stopping.stop");
+        let stop_ids = v1::GenerateRequest {
+            stopping: Some(v1::StoppingCriteria {
+                stop_token_ids: vec![u32::MAX],
+                ..Default::default()
+            }),
+            ..text("Hello")
+        };
+        assert_eq!(refused(stop_ids, &config), "stopping.stop_token_ids");
+        let valid = validate(text("Hello"), &config).unwrap();
+        assert!(!valid.tokens.is_empty());
+        assert_eq!(valid.params.max_tokens as usize, 2048 - valid.tokens.len());
+    }
+
+    #[test]
+    fn prompts_are_refused_by_bytes_before_tokens_and_by_context_after() {
+        let config = config();
+        assert_eq!(refused(text(&"a".repeat(4097)), &config), "prompt");
+        let long = v1::GenerateRequest {
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(2048),
+                ..Default::default()
+            }),
+            ..text("Hello there")
+        };
+        assert_eq!(refused(long, &config), "prompt");
+        let other = v1::GenerateRequest {
+            model: "other".into(),
+            ..text("Hello")
+        };
+        assert_eq!(refused(other, &config), "model");
+        let bad_token = v1::GenerateRequest {
+            prompt: Some(v1::generate_request::Prompt::Tokens(v1::TokenIds {
+                ids: vec![1, 10_000_000],
+            })),
+            ..Default::default()
+        };
+        assert_eq!(refused(bad_token, &config), "prompt.tokens");
+        let mut capped = config.clone();
+        capped.max_tokens_limit = 8;
+        let many = v1::GenerateRequest {
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(9),
+                ..Default::default()
+            }),
+            ..text("Hello")
+        };
+        assert_eq!(refused(many, &capped), "stopping.max_tokens");
+    }
+}
