@@ -10,6 +10,11 @@
 //! Invariant: every request the engine knows has exactly one live entry in `senders` until it
 //! finishes, is prefilled (then its pages are *held* until [`EngineHandle::release`]), or is
 //! aborted.
+//!
+//! A failing engine (a device error panics in the engine thread) ends the thread: every open
+//! request's stream ends, every later call is [`Error::EngineStopped`], and
+//! [`EngineHandle::stopped`] completes with the reason, so the worker can stop serving and leave
+//! the membership at once rather than keep answering health checks for an engine that is gone.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -23,7 +28,7 @@ use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, T
 use nibble_kernels::{CudaBackend, CudaPages};
 use nibble_kvcache::{CacheStats, PageId, PagePool};
 use nibble_proto::v1;
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::codegen::Bytes;
 
 use crate::error::{Error, Result};
@@ -125,6 +130,9 @@ enum Command {
     KvSnapshot {
         reply: oneshot::Sender<v1::KvSnapshotResponse>,
     },
+    /// Fails the engine thread as a device error does (tests of the failure path).
+    #[cfg(feature = "testing")]
+    Fail,
 }
 
 /// A cloneable handle on the engine thread. The thread stops when every handle is dropped and
@@ -134,6 +142,32 @@ pub struct EngineHandle {
     commands: mpsc::UnboundedSender<Command>,
     kv_events: broadcast::Sender<v1::KvEventBatch>,
     info: Arc<EngineInfo>,
+    /// Why the engine thread ended, once it has.
+    stopped: watch::Receiver<Option<String>>,
+}
+
+/// Sets the engine's stop reason when the engine thread ends, however it ends.
+struct StopGuard(watch::Sender<Option<String>>);
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        self.0.send_if_modified(|reason| {
+            reason.get_or_insert_with(|| "the engine thread ended".into());
+            true
+        });
+    }
+}
+
+/// The message of a caught panic.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    match (
+        payload.downcast_ref::<&str>(),
+        payload.downcast_ref::<String>(),
+    ) {
+        (Some(s), _) => (*s).to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "the engine panicked".into(),
+    }
 }
 
 /// KV-event batches buffered per subscriber before it lags (and must resync from a snapshot).
@@ -159,9 +193,11 @@ impl EngineHandle {
         let (kv_events, _) = broadcast::channel(KV_EVENT_BUFFER);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let publisher = KvPublisher::new(kv_events.clone());
+        let (stop_tx, stopped) = watch::channel(None);
         thread::Builder::new()
             .name("nibble-engine".into())
             .spawn(move || {
+                let guard = StopGuard(stop_tx);
                 let engine = match Engine::new(model, tokenizer, config) {
                     Ok(engine) => engine,
                     Err(e) => {
@@ -180,14 +216,44 @@ impl EngineHandle {
                     eos: engine.tokenizer().eos_token_id().into_iter().collect(),
                 };
                 let _ = ready_tx.send(Ok(info));
-                Actor::new(engine, publisher).run(rx);
+                let actor = Actor::new(engine, publisher);
+                let run = std::panic::AssertUnwindSafe(move || actor.run(rx));
+                if let Err(payload) = std::panic::catch_unwind(run) {
+                    let reason = panic_message(payload.as_ref());
+                    tracing::error!(%reason, "the engine failed");
+                    guard
+                        .0
+                        .send_replace(Some(format!("the engine failed: {reason}")));
+                }
             })?;
         let info = ready_rx.recv().map_err(|_| Error::EngineStopped)??;
         Ok(Self {
             commands,
             kv_events,
             info: Arc::new(info),
+            stopped,
         })
+    }
+
+    /// Completes when the engine thread has ended, with the reason (a failure's message).
+    pub async fn stopped(&self) -> String {
+        let mut stopped = self.stopped.clone();
+        let reason = match stopped.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => "the engine thread ended".into(),
+        };
+        reason
+    }
+
+    /// Why the engine thread ended, if it has.
+    pub fn stop_reason(&self) -> Option<String> {
+        self.stopped.borrow().clone()
+    }
+
+    /// Fails the engine thread as a device error does.
+    #[cfg(feature = "testing")]
+    pub fn inject_failure(&self) {
+        let _ = self.send(Command::Fail);
     }
 
     /// The engine's fixed facts.
@@ -494,6 +560,8 @@ where
                 self.publisher.publish(self.engine.state());
                 let _ = reply.send(self.publisher.snapshot());
             }
+            #[cfg(feature = "testing")]
+            Command::Fail => panic!("injected engine failure"),
         }
     }
 

@@ -23,6 +23,7 @@ use crate::error::{Error, Result};
 use crate::service::{WorkerIdentity, WorkerState};
 use crate::transfer::link::NcclLinks;
 use crate::transfer::nccl::{offer_nccl, NcclTimeouts, NcclTransport, TransferMode};
+use crate::AbortOnDrop;
 
 /// A worker's configuration.
 #[derive(Debug, Clone, clap::Args)]
@@ -456,8 +457,13 @@ pub async fn run_on(
     // Stopping: leave the membership first, so routers stop sending new requests while open
     // ones drain.
     let id = state.identity().worker_id.clone();
+    let engine = state.engine().clone();
     let shutdown = async move {
-        shutdown.await;
+        // A failed engine leaves the membership at once: nothing it holds can be served.
+        tokio::select! {
+            () = shutdown => {}
+            reason = engine.stopped() => tracing::error!(%reason, "leaving the membership"),
+        }
         drop(registration);
         if let (Some(discovery), Ok(id)) = (discovery, nibble_discovery::WorkerId::new(id)) {
             if let Err(err) = discovery.deregister(role, &id).await {
@@ -470,15 +476,11 @@ pub async fn run_on(
     if let Some(nccl) = state.nccl() {
         nccl.shutdown().await;
     }
-    served
-}
-
-/// Aborts a background task when dropped (a detached task would outlive a failed server).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
+    served?;
+    // A worker whose engine failed exits with an error, for its supervisor to restart it.
+    match state.engine().stop_reason() {
+        Some(reason) => Err(Error::Failed(reason)),
+        None => Ok(()),
     }
 }
 

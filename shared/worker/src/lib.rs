@@ -39,3 +39,12 @@ pub use nibble_proto::logging;
 pub use server::serve;
 pub use service::{TransferService, WorkerIdentity, WorkerService, WorkerState};
 pub use transfer::{TransferCounters, TransferTotals};
+
+/// Aborts a background task when dropped (a detached task would outlive a failed server).
+pub(crate) struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -41,7 +41,9 @@ pub async fn worker_info(
 }
 
 /// Registers the worker, then updates its capacity every `interval` in a background task
-/// (stopped by aborting the returned handle; the registration ends with the session).
+/// (stopped by aborting the returned handle; the registration ends with the session). If the
+/// engine stops, the task deregisters the worker at once: routers stop sending it work without
+/// waiting for its lease to expire.
 pub async fn register(
     discovery: Arc<dyn Discovery>,
     state: Arc<WorkerState>,
@@ -53,25 +55,43 @@ pub async fn register(
     discovery.register(info.clone()).await?;
     tracing::info!(role = %role, id = %info.id, address = grpc_address, "registered");
     Ok(tokio::spawn(async move {
-        let mut last = info.capacity;
-        let mut ticks = tokio::time::interval(interval);
-        ticks.tick().await;
-        loop {
-            ticks.tick().await;
-            let Ok(load) = state.engine().load().await else {
-                return; // the engine stopped
-            };
-            let capacity = Capacity {
-                free_pages: load.free_pages as u64,
-                total_pages: load.total_pages as u64,
-            };
-            if capacity == last {
-                continue;
-            }
-            match discovery.update_capacity(role, &info.id, capacity).await {
-                Ok(()) => last = capacity,
-                Err(e) => tracing::warn!(error = %e, "capacity update failed"),
-            }
+        let engine = state.engine().clone();
+        tokio::select! {
+            () = refresh_capacity(&*discovery, &state, role, &info, interval) => {}
+            reason = engine.stopped() => tracing::error!(%reason, "deregistering"),
+        }
+        if let Err(err) = discovery.deregister(role, &info.id).await {
+            tracing::warn!(%err, "deregistering failed; the registration expires with its lease");
         }
     }))
+}
+
+/// Updates the registered capacity every `interval` while the engine answers.
+async fn refresh_capacity(
+    discovery: &dyn Discovery,
+    state: &WorkerState,
+    role: Role,
+    info: &WorkerInfo,
+    interval: Duration,
+) {
+    let mut last = info.capacity;
+    let mut ticks = tokio::time::interval(interval);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Ok(load) = state.engine().load().await else {
+            return; // the engine stopped
+        };
+        let capacity = Capacity {
+            free_pages: load.free_pages as u64,
+            total_pages: load.total_pages as u64,
+        };
+        if capacity == last {
+            continue;
+        }
+        match discovery.update_capacity(role, &info.id, capacity).await {
+            Ok(()) => last = capacity,
+            Err(e) => tracing::warn!(error = %e, "capacity update failed"),
+        }
+    }
 }

@@ -17,13 +17,16 @@ use tonic::service::interceptor::InterceptedService;
 
 use crate::error::Result;
 use crate::service::{TransferService, WorkerService, WorkerState};
+use crate::AbortOnDrop;
 
 /// Largest gRPC message accepted or sent: page pushes carry several pages per message.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Serves `state` on `listener` until `shutdown` completes (then open calls get
 /// [`DRAIN_GRACE`](nibble_proto::serving::DRAIN_GRACE) to end). Decode workers (role decode) also
-/// serve `KvTransfer` on the same listener.
+/// serve `KvTransfer` on the same listener. If the engine stops, every service (and the overall
+/// status) turns NOT_SERVING at once; the caller's `shutdown` should watch for it too
+/// ([`EngineHandle::stopped`](crate::EngineHandle::stopped)) to leave the membership.
 pub async fn serve(
     state: Arc<WorkerState>,
     listener: TcpListener,
@@ -48,6 +51,21 @@ pub async fn serve(
             .set_serving::<KvTransferServer<TransferService>>()
             .await;
     }
+    let engine = state.engine().clone();
+    let watchdog = tokio::spawn(async move {
+        let reason = engine.stopped().await;
+        tracing::error!(%reason, "the engine has stopped: health is NOT_SERVING");
+        health
+            .set_not_serving::<WorkerServer<WorkerService>>()
+            .await;
+        health
+            .set_not_serving::<KvTransferServer<TransferService>>()
+            .await;
+        health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+    });
+    let _watchdog = AbortOnDrop(watchdog);
     let worker = InterceptedService::new(
         WorkerServer::new(WorkerService(state))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

@@ -566,3 +566,103 @@ async fn workers_register_and_refresh_their_capacity() {
     assert!(free < PAGES as u64, "capacity refreshed");
     task.abort();
 }
+
+/// A failed engine (as a device error fails it) ends every open stream with UNAVAILABLE, turns
+/// health NOT_SERVING and leaves the membership at once, without waiting for a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_engine_stops_serving_and_leaves_the_membership() {
+    use nibble_discovery::{Discovery, Role, StaticRegistry};
+
+    let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let registry = StaticRegistry::new();
+    let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
+    let _registration = nibble_worker::registration::register(
+        Arc::clone(&discovery),
+        Arc::clone(&d.state),
+        Role::Decode,
+        &d.address,
+        Duration::from_millis(20),
+    )
+    .await
+    .unwrap();
+    let mut stream = d
+        .client()
+        .await
+        .decode(v1::DecodeRequest {
+            request_id: "running".into(),
+            token_ids: prompt(),
+            sampling: Some(greedy()),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(500),
+                ignore_eos: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().expect("a first token");
+
+    d.state.engine().inject_failure();
+    let reason = tokio::time::timeout(Duration::from_secs(10), d.state.engine().stopped())
+        .await
+        .expect("the engine reports its failure");
+    assert!(reason.contains("injected engine failure"), "{reason}");
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended as if its answer were complete"),
+                Err(status) => break status,
+            }
+        }
+    })
+    .await
+    .expect("the open stream ends");
+    assert_eq!(end.code(), Code::Unavailable, "{end:?}");
+
+    let channel = Channel::from_shared(format!("http://{}", d.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let mut statuses = Vec::new();
+    let mut members = usize::MAX;
+    for _ in 0..200 {
+        statuses.clear();
+        for service in ["", "nibble.v1.Worker", "nibble.v1.KvTransfer"] {
+            let r = health
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .unwrap();
+            statuses.push(r.into_inner().status);
+        }
+        members = registry
+            .session()
+            .list(Some(Role::Decode))
+            .await
+            .unwrap()
+            .len();
+        if members == 0
+            && statuses
+                .iter()
+                .all(|&s| s == ServingStatus::NotServing as i32)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(members, 0, "the registration ends at once");
+    assert!(
+        statuses
+            .iter()
+            .all(|&s| s == ServingStatus::NotServing as i32),
+        "{statuses:?}"
+    );
+    let load = d.client().await.load(v1::LoadRequest {}).await.unwrap_err();
+    assert_eq!(load.code(), Code::Unavailable, "{load:?}");
+}

@@ -9,7 +9,7 @@ pub use kv_transfer::TransferService;
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -269,7 +269,8 @@ impl WorkerState {
                     })
                 }
                 Some(Event::Token { .. }) => {}
-                None => return Err(Error::Aborted(r.request_id.clone())),
+                // The events end without an end only when the engine thread is gone.
+                None => return Err(Error::EngineStopped),
             }
         };
         let role = metrics::role_label(self);
@@ -363,6 +364,8 @@ impl WorkerState {
         // the prefill worker computed them (the alternatives too) and they travel in the
         // hand-off.
         let mut first_logprob = r.handoff.as_ref().and_then(|h| h.first_logprob.clone());
+        let ended = Arc::new(AtomicBool::new(false));
+        let seen_end = Arc::clone(&ended);
         let stream = UnboundedReceiverStream::new(events).map(move |event| {
             // `tracked` forgets the request id and counts the call when the stream is dropped.
             let _span = tracked.span.clone().entered();
@@ -392,6 +395,7 @@ impl WorkerState {
                     error,
                     ..
                 } => {
+                    ended.store(true, Ordering::Relaxed);
                     let result = if let Some(e) = error {
                         Err(Error::Failed(e).into())
                     } else if reason == nibble_engine::scheduler::FinishReason::Aborted {
@@ -411,7 +415,12 @@ impl WorkerState {
                 Event::Prefilled { .. } => Err(Status::internal("unexpected prefill event")),
             }
         });
-        Ok(Box::pin(stream))
+        // Events that stop before the request's end mean the engine thread is gone: the stream
+        // ends with UNAVAILABLE, never as if the answer were complete.
+        let cut = tokio_stream::iter([()]).filter_map(move |()| {
+            (!seen_end.load(Ordering::Relaxed)).then(|| Err(Error::EngineStopped.into()))
+        });
+        Ok(Box::pin(stream.chain(cut)))
     }
 
     async fn abort(&self, request_id: &str) -> Result<v1::AbortResponse> {
