@@ -160,6 +160,59 @@ async fn cancelled_generate_frees_pages_on_both_workers() {
     panic!("the router still counts the request");
 }
 
+/// A client's request id is only a label: a second request under the same id neither is
+/// refused nor, when it is cancelled, aborts the first (the workers see ids the router minted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_id_never_reaches_another_request() {
+    let dtype = KvDtype::Nvfp4;
+    let registry = StaticRegistry::new();
+    let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
+    let d = Worker::start(&registry, Role::Decode, "d0", dtype).await;
+    let page_size = p.state.engine().info().page_size as u32;
+    let router = RouterServer::start(&registry, page_size).await;
+    router.wait_for_workers(1, 1).await;
+    let mut client = router.client().await;
+
+    let long = || {
+        let mut request = greedy_request("victim");
+        request.stopping = Some(v1::StoppingCriteria {
+            max_tokens: Some(48),
+            ignore_eos: true,
+            ..Default::default()
+        });
+        request
+    };
+    let mut victim = client.generate(long()).await.unwrap().into_inner();
+    let first = victim.message().await.unwrap().expect("a first chunk");
+    assert_eq!(
+        first.request_id, "victim",
+        "responses carry the client's id"
+    );
+    // The attacker reuses the id, then hangs up: its own request is aborted, no other.
+    let mut attacker = client.generate(long()).await.unwrap().into_inner();
+    attacker
+        .message()
+        .await
+        .unwrap()
+        .expect("the same id is not refused");
+    drop(attacker);
+    let mut tokens = first.token_ids.len();
+    let mut finish = 0;
+    while let Some(chunk) = victim
+        .message()
+        .await
+        .expect("the victim's stream lives on")
+    {
+        tokens += chunk.token_ids.len();
+        finish = chunk.finish_reason;
+    }
+    assert_eq!(tokens, 48);
+    assert_eq!(finish, v1::FinishReason::Length as i32);
+    for w in [&p, &d] {
+        w.pages_back().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_requests_name_the_field() {
     let registry = StaticRegistry::new();
@@ -193,6 +246,13 @@ async fn invalid_requests_name_the_field() {
     let mut r = greedy_request("long");
     r.stopping.as_mut().unwrap().max_tokens = Some(4096);
     cases.push((r, "prompt"));
+    let mut r = greedy_request("min_p");
+    r.sampling.as_mut().unwrap().min_p = Some(1.0);
+    cases.push((r, "sampling.min_p"));
+    let mut r = greedy_request("stops");
+    r.stopping.as_mut().unwrap().stop = vec!["x".into(); 1000];
+    cases.push((r, "stopping.stop"));
+    cases.push((greedy_request(&"i".repeat(257)), "request_id"));
     for (enabled, top_logprobs) in [(true, 21), (false, 3)] {
         let mut r = greedy_request(&format!("top-{enabled}-{top_logprobs}"));
         r.logprobs = Some(v1::LogprobsOptions {
@@ -203,7 +263,7 @@ async fn invalid_requests_name_the_field() {
     }
 
     for (request, field) in cases {
-        let id = request.request_id.clone();
+        let id: String = request.request_id.chars().take(16).collect();
         let status = client.generate(request).await.err().unwrap_or_else(|| {
             panic!("{id}: accepted");
         });
@@ -212,6 +272,11 @@ async fn invalid_requests_name_the_field() {
             status.message().starts_with(&format!("{field}:")),
             "{id}: {:?} names {field}",
             status.message()
+        );
+        assert_eq!(
+            nibble_proto::request::refused_field(&status),
+            Some(field),
+            "{id}: the field is data too"
         );
     }
 

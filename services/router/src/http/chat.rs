@@ -14,6 +14,7 @@ use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
 use super::{read_body, with_request_id, HttpState};
+use crate::service::state::MintedId;
 
 /// A message's `content`: text, or a list of parts of which only text parts are supported.
 #[derive(Debug, Clone, Deserialize)]
@@ -169,20 +170,20 @@ pub async fn chat_completions(
     let response = run(state, body, id.clone())
         .await
         .unwrap_or_else(IntoResponse::into_response);
-    with_request_id(response, &id)
+    with_request_id(response, id.as_str())
 }
 
 async fn run(
     state: HttpState,
     body: Result<Bytes, BytesRejection>,
-    id: String,
+    id: MintedId,
 ) -> Result<Response, ApiError> {
     let body: ChatRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
-    let parsed = parse(body, &served, id.clone())?;
-    let started = generate::start(&state.service, parsed.request, parsed.names).await?;
+    let parsed = parse(body, &served, id.to_string())?;
+    let started = generate::start(&state.service, &id, parsed.request, parsed.names).await?;
     let format = ChatChunks {
-        id,
+        id: id.to_string(),
         model: served,
         created: generate::unix_now(),
         tokenizer: parsed.logprobs.then(|| state.tokenizer()),

@@ -13,6 +13,7 @@ use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
 use super::{read_body, with_request_id, HttpState};
+use crate::service::state::MintedId;
 
 /// OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -132,20 +133,20 @@ pub async fn completions(
     let response = run(state, body, id.clone())
         .await
         .unwrap_or_else(IntoResponse::into_response);
-    with_request_id(response, &id)
+    with_request_id(response, id.as_str())
 }
 
 async fn run(
     state: HttpState,
     body: Result<Bytes, BytesRejection>,
-    id: String,
+    id: MintedId,
 ) -> Result<Response, ApiError> {
     let body: CompletionRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
-    let parsed = parse(body, &served, id.clone())?;
-    let started = generate::start(&state.service, parsed.request, NAMES).await?;
+    let parsed = parse(body, &served, id.to_string())?;
+    let started = generate::start(&state.service, &id, parsed.request, NAMES).await?;
     let mut format = CompletionChunks {
-        id,
+        id: id.to_string(),
         model: served,
         created: generate::unix_now(),
         logprobs: parsed.logprobs.then(|| LogprobText::new(&state)),

@@ -17,6 +17,7 @@ use nibble_proto::v1::inference_server::Inference;
 use tokio_stream::{Stream, StreamExt};
 
 use super::error::{ApiError, ParamNames};
+use crate::service::state::MintedId;
 use crate::InferenceService;
 
 /// The router's response stream.
@@ -32,11 +33,15 @@ pub struct Started {
 /// endpoint's OpenAI parameters that refusals name.
 pub async fn start(
     service: &InferenceService,
+    id: &MintedId,
     request: v1::GenerateRequest,
     names: ParamNames,
 ) -> Result<Started, ApiError> {
+    // The id this API minted names the request on the workers too.
+    let mut call = tonic::Request::new(request);
+    call.extensions_mut().insert(id.clone());
     let mut rest = service
-        .generate(tonic::Request::new(request))
+        .generate(call)
         .await
         .map_err(|s| ApiError::from_status(&s, names))?
         .into_inner();

@@ -23,7 +23,6 @@ pub mod params;
 pub mod tls;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -36,6 +35,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use tokio::net::TcpListener;
 
+use crate::service::state::MintedId;
 use crate::{InferenceService, Shared};
 pub use args::HttpArgs;
 pub use error::ApiError;
@@ -75,9 +75,6 @@ impl std::fmt::Debug for HttpConfig {
 pub struct HttpState {
     service: InferenceService,
     config: Arc<HttpConfig>,
-    /// Process-unique prefix of response ids, and their counter.
-    id_prefix: Arc<str>,
-    next_id: Arc<AtomicU64>,
     /// When the API started (`created` of the model list).
     started: u64,
 }
@@ -85,14 +82,9 @@ pub struct HttpState {
 impl HttpState {
     /// State over the router's shared state.
     pub fn new(shared: Arc<Shared>, config: HttpConfig) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos() ^ d.as_secs() as u32);
         Self {
             service: InferenceService(shared),
             config: Arc::new(config),
-            id_prefix: format!("{nanos:08x}").into(),
-            next_id: Arc::new(AtomicU64::new(1)),
             started: generate::unix_now(),
         }
     }
@@ -110,10 +102,10 @@ impl HttpState {
         Arc::clone(&self.shared().config().tokenizer)
     }
 
-    /// A new response id (also the request id the workers log): `{kind}-{prefix}-{n}`.
-    fn next_id(&self, kind: &str) -> String {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("{kind}-{}-{n}", self.id_prefix)
+    /// A new response id, also the request id the workers log: minted by the router
+    /// ([`Shared::mint_request_id`]), unguessable.
+    fn next_id(&self, kind: &str) -> MintedId {
+        self.shared().mint_request_id(kind)
     }
 }
 

@@ -19,7 +19,10 @@ const PREFILL_ATTEMPTS: usize = 3;
 /// One dispatched request, driven on its own task.
 pub struct Flow {
     shared: Arc<Shared>,
+    /// The request, under the id this router minted for it.
     req: v1::GenerateRequest,
+    /// The client's own id, which its responses carry instead of the minted one.
+    label: Option<String>,
     tokens: Vec<u32>,
     prompt: Prompt,
     routed: Routed,
@@ -65,6 +68,7 @@ impl Flow {
         Self {
             shared,
             req,
+            label: None,
             tokens,
             prompt,
             routed,
@@ -74,6 +78,11 @@ impl Flow {
             last_token: None,
             generated: 0,
         }
+    }
+
+    /// Responses carry `label` (the client's id) when one is given.
+    pub fn labelled(self, label: Option<String>) -> Self {
+        Self { label, ..self }
     }
 
     /// Drives the request to its end, sending its responses (or its failure) on `tx`; frees
@@ -227,6 +236,7 @@ impl Flow {
             })
             .await?
             .into_inner();
+        let label = self.label.clone().unwrap_or_else(|| request_id.clone());
         while let Some(chunk) = stream.message().await? {
             if !chunk.token_ids.is_empty() {
                 self.sent_tokens(chunk.token_ids.len());
@@ -236,7 +246,7 @@ impl Flow {
                 u
             });
             let response = v1::GenerateResponse {
-                request_id: request_id.clone(),
+                request_id: label.clone(),
                 text: chunk.text,
                 token_ids: chunk.token_ids,
                 logprobs: chunk.logprobs,

@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
+use nibble_proto::request::invalid_field;
 use nibble_proto::v1;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -13,10 +14,14 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use super::flow::Flow;
+use super::state::MintedId;
 use super::validate::{self, ValidRequest};
 use super::Shared;
 use crate::metrics::{self, Outcome};
 use crate::{Prompt, WorkerSet};
+
+/// Longest request id a client may give (it labels the responses and log lines).
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
 
 /// The `Inference` service.
 #[derive(Debug, Clone)]
@@ -39,6 +44,7 @@ impl InferenceService {
     async fn start(
         &self,
         req: v1::GenerateRequest,
+        label: Option<String>,
         arrived: Instant,
     ) -> Result<GenerateStream, Status> {
         let ValidRequest { req, tokens, .. } = self.validate(req).await?;
@@ -77,7 +83,8 @@ impl InferenceService {
             routed,
             place,
             arrived,
-        );
+        )
+        .labelled(label);
         tokio::spawn(flow.run(tx).in_current_span());
         Ok(Box::pin(ReceiverStream::new(rx)))
     }
@@ -92,15 +99,42 @@ impl v1::inference_server::Inference for InferenceService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         let arrived = Instant::now();
+        let minted = request.extensions().get::<MintedId>().cloned();
         let mut req = request.into_inner();
-        if req.request_id.is_empty() {
-            req.request_id = self.0.mint_request_id();
+        // The id that names the request on the workers is always this router's; a client's
+        // own id only labels its responses and this router's log lines.
+        let given = std::mem::take(&mut req.request_id);
+        let (id, label) = match minted {
+            // The HTTP API's call, under the id it minted.
+            Some(id) if id.as_str() == given => (given, None),
+            _ if given.len() > MAX_REQUEST_ID_BYTES => {
+                return Err(invalid_field(
+                    "request_id",
+                    format!("is {} bytes, at most {MAX_REQUEST_ID_BYTES}", given.len()),
+                ))
+            }
+            _ => (
+                self.0.mint_request_id("router").to_string(),
+                (!given.is_empty()).then_some(given),
+            ),
+        };
+        req.request_id = id;
+        // Every log line about the request, here and on its workers, carries its id; the
+        // client's label is logged escaped (Debug), as it is untrusted text.
+        let span = tracing::info_span!(
+            "request",
+            request_id = %req.request_id,
+            client_request_id = tracing::field::Empty
+        );
+        if let Some(label) = &label {
+            span.record("client_request_id", tracing::field::debug(label));
         }
-        // Every log line about the request, here and on its workers, carries its id.
-        let span = tracing::info_span!("request", request_id = %req.request_id);
         // A client that goes away while its request waits for a place drops this future.
         let mut unanswered = Unanswered(Some(span.clone()));
-        let started = self.start(req, arrived).instrument(span.clone()).await;
+        let started = self
+            .start(req, label, arrived)
+            .instrument(span.clone())
+            .await;
         unanswered.0 = None;
         match started {
             // The flow counts it from here.

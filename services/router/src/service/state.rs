@@ -1,7 +1,6 @@
 //! [`Shared`]: what the service, the followers and the HTTP API share.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nibble_proto::v1::worker_client::WorkerClient;
@@ -24,10 +23,6 @@ pub struct Shared {
     /// How workers are dialed (TLS, the internal token).
     peers: Peers,
     clients: Mutex<HashMap<String, WorkerClient<AuthChannel>>>,
-    /// Names requests that come without an id: `router-{prefix}-{n}`, the prefix unique to this
-    /// process so that ids stay unique across routers (and across a router's restarts).
-    id_prefix: String,
-    next_request: AtomicU64,
     admission: Admission,
 }
 
@@ -41,8 +36,6 @@ impl Shared {
             admission: Admission::new(config.admission),
             config,
             clients: Mutex::new(HashMap::new()),
-            id_prefix: process_prefix(),
-            next_request: AtomicU64::new(1),
         });
         metrics::describe();
         nibble_telemetry::register(&shared);
@@ -90,17 +83,28 @@ impl Shared {
         clients.remove(address);
     }
 
-    /// A request id for a request that came without one.
-    pub(crate) fn mint_request_id(&self) -> String {
-        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
-        format!("router-{}-{n}", self.id_prefix)
+    /// A new request id, `{kind}-` and 128 random bits: unique, and unguessable, so no client
+    /// can name (or abort) another's request on the workers.
+    pub fn mint_request_id(&self, kind: &str) -> MintedId {
+        MintedId(format!("{kind}-{:032x}", rand::random::<u128>()))
     }
 }
 
-/// Eight hex digits from the clock, telling this process's request ids from another's.
-fn process_prefix() -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    format!("{:08x}", now.subsec_nanos() ^ now.as_secs() as u32)
+/// A request id this router minted ([`Shared::mint_request_id`]): the only ids that name work
+/// on workers. A client's own id is a label for its responses and the router's logs. The HTTP
+/// API, in process, marks its calls with the id it minted as a request extension, which no
+/// remote client can set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MintedId(String);
+
+impl MintedId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for MintedId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
