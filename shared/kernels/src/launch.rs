@@ -7,7 +7,9 @@ use cudarc::driver::{
     sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
     CudaViewMut, DeviceRepr, LaunchConfig,
 };
-use nibble_kvfmt::{KvDtype, ScaleRule};
+use nibble_engine::paged::{work_scales, WorkDtype};
+use nibble_kvcache::GlobalScales;
+use nibble_kvfmt::{KvDtype, KvPart, ScaleRule};
 
 use crate::geom::{dtype_code, scale_rule_code};
 use crate::launcher::Launch;
@@ -271,42 +273,64 @@ impl Kernels {
         self.sms
     }
 
-    /// Quantize-on-write: writes `n` tokens' K and V (f32 `[token][kv_head][head_dim]`) of
-    /// `geom.layer` into their `slots` (`page * page_size + offset`; `u32::MAX` is padding),
-    /// with global scales `(gk, gv)` and NVFP4 block scales chosen by `rule`. The bytes equal
-    /// `HostPages::write_kv`'s under the same rule.
-    #[allow(clippy::too_many_arguments)]
+    /// Quantize-on-write: writes the tokens of `kv` (f32 `[token][kv_head][head_dim]`) of
+    /// `geom.layer` into their `slots` (`page * page_size + offset`; `u32::MAX` is padding), one
+    /// slot per token. The bytes equal `HostPages::write_kv`'s under the same rule. Every slot is
+    /// checked against `pages` (and `geom` against `dtype`) before the slots are uploaded and
+    /// anything is launched: an error names what is out of range.
     pub fn quantize(
         &self,
         pages: &mut CudaSlice<u8>,
         geom: PageGeom,
         dtype: KvDtype,
-        rule: ScaleRule,
-        k: &CudaView<f32>,
-        v: &CudaView<f32>,
-        slots: &CudaView<u32>,
-        scales: (f32, f32),
+        kv: &NewKv<'_>,
+        slots: &[u32],
+    ) -> Result<()> {
+        check_write_slots(pages.len(), &geom, dtype, slots)?;
+        if slots.is_empty() {
+            return check_new_kv(&geom, kv, 0);
+        }
+        let slots = self.stream.clone_htod(slots)?;
+        // SAFETY: every slot was checked above against the pages and the geometry.
+        unsafe { self.quantize_unchecked(pages, geom, dtype, kv, &slots.as_view()) }
+    }
+
+    /// [`quantize`](Self::quantize) with the slots already on the device (a decode step's,
+    /// uploaded once for every layer), which are not checked.
+    ///
+    /// # Safety
+    ///
+    /// `geom` passes the checks of [`quantize`](Self::quantize) for `dtype` and `pages` (as the
+    /// [`PageGeom::new`] of the layout `pages` is made of does), and every entry of `slots` is
+    /// `u32::MAX` or a slot of one of the whole pages of `pages`:
+    /// `slot / geom.page_size < pages.len() / geom.page_bytes`.
+    pub unsafe fn quantize_unchecked(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        kv: &NewKv<'_>,
+        slots: &CudaView<'_, u32>,
     ) -> Result<()> {
         let n = slots.len();
-        let values = n * (geom.kv_heads * geom.head_dim) as usize;
-        check("K values", values, k.len())?;
-        check("V values", values, v.len())?;
+        check_new_kv(&geom, kv, n)?;
         let groups = n as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
         if groups == 0 {
             return Ok(());
         }
         let n32 = n as u32;
-        if dtype == KvDtype::Nvfp4 && rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
+        let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
+        if dtype == KvDtype::Nvfp4 && kv.rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
             // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
             let mut b = self.builder(&self.quantize_nvfp4_mse);
             b.arg(pages).arg(k).arg(v).arg(slots).arg(&n32).arg(&geom);
-            b.arg(&scales.0).arg(&scales.1);
+            b.arg(&scales.k).arg(&scales.v);
             // SAFETY: the argument list matches kv_quantize_nvfp4_mse's signature; sizes were
-            // checked above and every slot is bounds-checked by the caller's page pool.
+            // checked above and every slot is in the pages (the caller's contract).
             unsafe { b.launch(grid_1d(groups * 8)) }?;
             return Ok(());
         }
-        let (code, rule) = (dtype_code(dtype), scale_rule_code(rule));
+        let (code, rule) = (dtype_code(dtype), scale_rule_code(kv.rule));
         let mut b = self.builder(&self.quantize);
         b.arg(pages)
             .arg(k)
@@ -316,9 +340,9 @@ impl Kernels {
             .arg(&geom)
             .arg(&code)
             .arg(&rule);
-        b.arg(&scales.0).arg(&scales.1);
+        b.arg(&scales.k).arg(&scales.v);
         // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
-        // and every slot is bounds-checked by the caller's page pool.
+        // and every slot is in the pages (the caller's contract).
         unsafe { b.launch(grid_1d(groups)) }?;
         Ok(())
     }
@@ -327,25 +351,27 @@ impl Kernels {
     /// the work-dtype workspace `[token][kv_head][head_dim]`: E4M3 bytes with the work scales
     /// for nvfp4 and fp8 caches, BF16 bytes for a bf16 cache (`ws_k`/`ws_v` then hold 2 bytes
     /// per value). The bytes equal the CPU extend path's workspace.
-    #[allow(clippy::too_many_arguments)]
     pub fn gather_work(
         &self,
-        ws: (&mut CudaSlice<u8>, &mut CudaSlice<u8>),
+        ws: KvWorkspace<'_>,
         pages: &CudaSlice<u8>,
         geom: PageGeom,
         dtype: KvDtype,
-        page_table: &CudaSlice<u32>,
-        tokens: usize,
-        scales: (f32, f32),
-        work_scales: (f32, f32),
+        prefix: &CachedPrefix<'_>,
     ) -> Result<()> {
-        let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+        let CachedPrefix {
+            page_table,
+            tokens,
+            scales,
+            work_scales,
+        } = *prefix;
+        let width = WorkDtype::for_cache(dtype).bytes();
         let bytes = tokens * (geom.kv_heads * geom.head_dim) as usize * width;
-        if ws.0.len() < bytes || ws.1.len() < bytes {
+        if ws.k.len() < bytes || ws.v.len() < bytes {
             return Err(Error::Shape {
                 what: "workspace bytes (at least)",
                 expected: bytes,
-                actual: ws.0.len().min(ws.1.len()),
+                actual: ws.k.len().min(ws.v.len()),
             });
         }
         if page_table.len() * (geom.page_size as usize) < tokens {
@@ -361,17 +387,17 @@ impl Kernels {
         }
         let (n32, code) = (tokens as u32, dtype_code(dtype));
         let mut b = self.builder(&self.gather);
-        b.arg(ws.0)
-            .arg(ws.1)
+        b.arg(ws.k)
+            .arg(ws.v)
             .arg(pages)
             .arg(page_table)
             .arg(&n32)
             .arg(&geom)
             .arg(&code);
-        b.arg(&scales.0)
-            .arg(&scales.1)
-            .arg(&work_scales.0)
-            .arg(&work_scales.1);
+        b.arg(&scales.k)
+            .arg(&scales.v)
+            .arg(&work_scales.k)
+            .arg(&work_scales.v);
         // SAFETY: matches kv_gather_work's signature; sizes checked above.
         unsafe { b.launch(grid_1d(threads)) }?;
         Ok(())
@@ -420,27 +446,30 @@ impl Kernels {
         self.copy_pages(&self.pages_scatter, pool, staging, page_ids, page_bytes)
     }
 
-    /// Writes the BF16 K and V of `rows` new tokens into their sequences' recent windows
+    /// Writes the BF16 K and V of the new tokens of `rows` into their sequences' recent windows
     /// (`cu/pages.cu`'s `window_store`): row r is sequence `r / rows_per_seq`'s token at
     /// position `lens[s] - rows_per_seq + r % rows_per_seq`; `table` holds `window.pages` page ids
     /// per sequence. Nothing happens without a window.
     ///
     /// # Safety
     ///
-    /// Every id in `table` is a page of `pages` (the pool the window geometry describes) and
-    /// every `lens[s] >= rows_per_seq`.
-    #[allow(clippy::too_many_arguments)]
+    /// Every id in `rows.table` is a page of `pages` (the pool the window geometry describes)
+    /// and every `rows.lens[s] >= rows.rows_per_seq`.
     pub unsafe fn store_window(
         &self,
         pages: &mut CudaSlice<u8>,
         window: WindowGeom,
-        table: &CudaView<'_, u32>,
-        k: &CudaView<'_, f32>,
-        v: &CudaView<'_, f32>,
-        lens: &CudaView<'_, u32>,
-        rows_per_seq: usize,
-        head_dim: usize,
+        rows: &WindowRows<'_>,
     ) -> Result<()> {
+        let WindowRows {
+            table,
+            k,
+            v,
+            lens,
+            rows_per_seq,
+            head_dim,
+        } = rows;
+        let (rows_per_seq, head_dim) = (*rows_per_seq, *head_dim);
         if window.tokens == 0 || rows_per_seq == 0 {
             return Ok(());
         }
@@ -522,7 +551,7 @@ impl Kernels {
             )));
         }
         let (work_index, width, (gk, gv)) = match batch.work {
-            KvDtype::Fp8 => (0, 1, batch.work_scales),
+            KvDtype::Fp8 => (0, 1, (batch.work_scales.k, batch.work_scales.v)),
             // a BF16 workspace has no scale (docs/FORMAT.md)
             KvDtype::Bf16 => (1, 2, (1.0, 1.0)),
             KvDtype::Nvfp4 => {
@@ -571,7 +600,6 @@ impl Kernels {
     /// Paged decode attention for one layer: one query token per sequence over its whole
     /// context, read straight from the pages. Writes `out` (`[seq][q_head][head_dim]` f32) and,
     /// when given `out_bf16` (at least as long), its BF16 cast (`nibble_kvfmt::bf16::encode`).
-    #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
         pages: &CudaSlice<u8>,
@@ -579,9 +607,13 @@ impl Kernels {
         dtype: KvDtype,
         batch: &DecodeBatch<'_>,
         ws: &mut DecodeWorkspace,
-        out: &mut CudaViewMut<f32>,
-        mut out_bf16: Option<&mut CudaSlice<u16>>,
+        out: DecodeOut<'_>,
     ) -> Result<()> {
+        let DecodeOut {
+            values: mut out,
+            mut bf16,
+        } = out;
+        let out = &mut out;
         let d = geom.head_dim as usize;
         let dim_index = match d {
             64 => 0,
@@ -602,7 +634,7 @@ impl Kernels {
         let seqs = batch.context.len();
         check("queries", seqs * q_heads * d, batch.q.len())?;
         check("outputs", seqs * q_heads * d, out.len())?;
-        if let Some(cast) = &out_bf16 {
+        if let Some(cast) = &bf16 {
             if cast.len() < out.len() {
                 return Err(Error::Shape {
                     what: "BF16 cast of the outputs",
@@ -628,7 +660,7 @@ impl Kernels {
         // BF16 pages carry no scale (docs/FORMAT.md): the pool's global scales do not apply.
         let (gk, gv) = match dtype {
             KvDtype::Bf16 => (1.0, 1.0),
-            KvDtype::Fp8 | KvDtype::Nvfp4 => batch.scales,
+            KvDtype::Fp8 | KvDtype::Nvfp4 => (batch.scales.k, batch.scales.v),
         };
         let slots = self.decode_slots[dtype_code(dtype) as usize][dim_index];
         let plan = split_plan(slots, seqs * kv_heads, batch.max_context);
@@ -679,7 +711,7 @@ impl Kernels {
         b.arg(&mut ws.part_o)
             .arg(&mut ws.part_ml)
             .arg(&mut *out)
-            .arg(out_bf16.as_deref_mut())
+            .arg(bf16.as_deref_mut())
             .arg(&geom)
             .arg(&args)
             .arg(window_table)
@@ -702,7 +734,7 @@ impl Kernels {
         c.arg(&ws.part_o)
             .arg(&ws.part_ml)
             .arg(out)
-            .arg(out_bf16)
+            .arg(bf16)
             .arg(&qh)
             .arg(&splits)
             .arg(&dim)
@@ -793,8 +825,8 @@ pub struct DecodeBatch<'a> {
     pub context: CudaView<'a, u32>,
     /// The largest entry of `context` (sizes the split).
     pub max_context: usize,
-    /// The layer's (K, V) global scales (ignored for BF16 pages, which have none).
-    pub scales: (f32, f32),
+    /// The layer's global scales (ignored for BF16 pages, which have none).
+    pub scales: KvScales,
     /// Normally 1 / sqrt(head_dim).
     pub softmax_scale: f32,
     /// The recent window: its geometry (`tokens == 0`: none) and `[seq][window.pages]` page
@@ -820,10 +852,81 @@ pub struct PrefillBatch<'a> {
     pub v: &'a CudaSlice<u8>,
     /// `Fp8` or `Bf16`: the workspace's element type.
     pub work: KvDtype,
-    /// The E4M3 workspace's (K, V) dequantization multipliers (a BF16 workspace has none).
-    pub work_scales: (f32, f32),
+    /// The E4M3 workspace's dequantization multipliers (a BF16 workspace has none).
+    pub work_scales: KvScales,
     /// Normally 1 / sqrt(head_dim).
     pub softmax_scale: f32,
+}
+
+/// A layer's K and V multipliers: the pool's (layer, K|V) global scales, or the work dtype's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvScales {
+    pub k: f32,
+    pub v: f32,
+}
+
+impl KvScales {
+    /// The global scales of `layer`.
+    pub fn of_layer(scales: &GlobalScales, layer: usize) -> Self {
+        Self {
+            k: scales.get(layer, KvPart::K),
+            v: scales.get(layer, KvPart::V),
+        }
+    }
+
+    /// The work dtype's scales of a `cache` pool with these global scales: the engine's rule
+    /// ([`nibble_engine::paged::work_scales`]), so both backends fill the same workspace.
+    pub fn work(self, cache: KvDtype) -> Self {
+        let (k, v) = work_scales(cache, (self.k, self.v));
+        Self { k, v }
+    }
+}
+
+/// The new tokens of a quantize-on-write ([`Kernels::quantize`]): K and V, f32
+/// `[token][kv_head][head_dim]`, one token per slot, with the layer's global scales and the
+/// NVFP4 block-scale rule.
+pub struct NewKv<'a> {
+    pub k: CudaView<'a, f32>,
+    pub v: CudaView<'a, f32>,
+    pub scales: KvScales,
+    pub rule: ScaleRule,
+}
+
+/// The work-dtype workspace a launch writes ([`Kernels::gather_work`]): K and V bytes,
+/// `[token][kv_head][head_dim]`.
+pub struct KvWorkspace<'a> {
+    pub k: &'a mut CudaSlice<u8>,
+    pub v: &'a mut CudaSlice<u8>,
+}
+
+/// A cached prefix of one sequence, for the extend gather ([`Kernels::gather_work`]): its
+/// first `tokens` tokens in the pages of `page_table`, stored at the global `scales` and
+/// gathered at `work_scales` (see [`KvScales::work`]).
+#[derive(Clone, Copy)]
+pub struct CachedPrefix<'a> {
+    pub page_table: &'a CudaSlice<u32>,
+    pub tokens: usize,
+    pub scales: KvScales,
+    pub work_scales: KvScales,
+}
+
+/// New tokens' rows for the recent windows ([`Kernels::store_window`]): K and V (f32
+/// `[row][kv_head][head_dim]`), `rows_per_seq` rows per sequence, each sequence's context
+/// length in `lens` (its new rows included) and its `window.pages` window page ids in `table`.
+pub struct WindowRows<'a> {
+    pub table: CudaView<'a, u32>,
+    pub k: CudaView<'a, f32>,
+    pub v: CudaView<'a, f32>,
+    pub lens: CudaView<'a, u32>,
+    pub rows_per_seq: usize,
+    pub head_dim: usize,
+}
+
+/// Where a decode writes ([`Kernels::decode`]): the outputs, `[seq][q_head][head_dim]` f32,
+/// and, when given (at least as long), their BF16 cast (`nibble_kvfmt::bf16::encode`).
+pub struct DecodeOut<'a> {
+    pub values: CudaViewMut<'a, f32>,
+    pub bf16: Option<&'a mut CudaSlice<u16>>,
 }
 
 /// Split-KV partial results, reused across calls and grown on demand.
@@ -866,6 +969,59 @@ fn check_page_copy(staging: usize, pool: usize, page_ids: &[u32], page_bytes: us
             what: "page id below the pool's page count",
             expected: pages,
             actual: *bad as usize,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that the K and V of a quantize-on-write hold `n` tokens.
+fn check_new_kv(geom: &PageGeom, kv: &NewKv<'_>, n: usize) -> Result<()> {
+    let values = n * (geom.kv_heads * geom.head_dim) as usize;
+    check("K values", values, kv.k.len())?;
+    check("V values", values, kv.v.len())
+}
+
+/// Checks that quantize-on-write stays inside a pool of `pool_bytes`: `geom` addresses `dtype`
+/// head vectors within its pages (a power-of-two page size, parts that hold every head and token
+/// of the dtype, the layer's K and V inside a page), and every slot is padding (`u32::MAX`) or
+/// a slot of one of the pool's whole pages.
+pub(crate) fn check_write_slots(
+    pool_bytes: usize,
+    geom: &PageGeom,
+    dtype: KvDtype,
+    slots: &[u32],
+) -> Result<()> {
+    let unsupported = |what: &str| Err(Error::Unsupported(format!("{what} ({geom:?})")));
+    if !geom.page_size.is_power_of_two() || geom.page_shift != geom.page_size.trailing_zeros() {
+        return unsupported("a page geometry whose page size is no power of two of its shift");
+    }
+    let d = geom.head_dim as usize;
+    if (geom.data_bytes as usize, geom.scale_bytes as usize)
+        != (dtype.data_bytes(d), dtype.scale_bytes(d))
+    {
+        return unsupported(&format!("a page geometry of another dtype than {dtype}"));
+    }
+    let vectors = geom.kv_heads as u64 * geom.page_size as u64;
+    if vectors * u64::from(geom.data_bytes + geom.scale_bytes) > u64::from(geom.part_bytes) {
+        return unsupported("a page geometry whose parts do not hold their head vectors");
+    }
+    let layer_end = (2 * u64::from(geom.layer) + 2) * u64::from(geom.part_bytes);
+    if geom.page_bytes == 0 || layer_end > geom.page_bytes {
+        return Err(Error::Shape {
+            what: "page bytes covering the layer's K and V (at least)",
+            expected: layer_end as usize,
+            actual: geom.page_bytes as usize,
+        });
+    }
+    let pages = pool_bytes as u64 / geom.page_bytes;
+    let bad = slots
+        .iter()
+        .find(|&&s| s != u32::MAX && u64::from(s >> geom.page_shift) >= pages);
+    if let Some(&slot) = bad {
+        return Err(Error::Shape {
+            what: "page of a slot (below the pool's page count)",
+            expected: pages as usize,
+            actual: (slot >> geom.page_shift) as usize,
         });
     }
     Ok(())
@@ -936,6 +1092,76 @@ mod tests {
         let grid = page_copy_grid(100_000, 103_680);
         assert_eq!(grid.grid_dim.1, 65_535);
         assert_eq!(grid.grid_dim.0, 26);
+    }
+
+    /// The geometry of layer `layer` of 4-layer pages of 16 tokens, 2 KV heads of 64.
+    fn geom(dtype: KvDtype, layer: usize) -> PageGeom {
+        let layout = nibble_kvfmt::PageLayout::new(4, 2, 64, 16, dtype).unwrap();
+        PageGeom::new(&layout, layer).unwrap()
+    }
+
+    #[test]
+    fn quantize_slots_are_checked_before_launch() {
+        for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
+            let g = geom(dtype, 3);
+            let pool = 8 * g.page_bytes as usize;
+            let last = 8 * 16 - 1;
+            assert!(check_write_slots(pool, &g, dtype, &[0, 17, last, u32::MAX]).is_ok());
+            assert!(check_write_slots(pool, &g, dtype, &[]).is_ok());
+            let err = check_write_slots(pool, &g, dtype, &[3, last + 1]).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Shape {
+                        expected: 8,
+                        actual: 8,
+                        ..
+                    }
+                ),
+                "slot {} is on page 8 of 8: {err}",
+                last + 1
+            );
+            assert!(check_write_slots(pool, &g, dtype, &[u32::MAX - 1]).is_err());
+            // A pool of 7.5 pages has 7 whole ones.
+            let short = pool - g.page_bytes as usize / 2;
+            assert!(check_write_slots(short, &g, dtype, &[7 * 16]).is_err());
+            assert!(check_write_slots(short, &g, dtype, &[7 * 16 - 1]).is_ok());
+        }
+    }
+
+    #[test]
+    fn quantize_geometry_is_checked_before_launch() {
+        let g = geom(KvDtype::Fp8, 3);
+        let ok = |g: &PageGeom, dtype| check_write_slots(1 << 20, g, dtype, &[0]).is_ok();
+        assert!(ok(&g, KvDtype::Fp8));
+        // Another dtype's vectors are larger (bf16) or laid out otherwise (nvfp4).
+        assert!(!ok(&g, KvDtype::Bf16));
+        assert!(!ok(&g, KvDtype::Nvfp4));
+        let layer = PageGeom { layer: 4, ..g };
+        assert!(!ok(&layer, KvDtype::Fp8), "a layer past the page");
+        let parts = PageGeom {
+            part_bytes: g.part_bytes - 16,
+            ..g
+        };
+        assert!(
+            !ok(&parts, KvDtype::Fp8),
+            "parts too small for their vectors"
+        );
+        let shift = PageGeom { page_shift: 3, ..g };
+        assert!(
+            !ok(&shift, KvDtype::Fp8),
+            "a shift that is not the page size's"
+        );
+        let empty = PageGeom { page_bytes: 0, ..g };
+        assert!(!ok(&empty, KvDtype::Fp8));
+    }
+
+    #[test]
+    fn work_scales_follow_the_engine() {
+        let g = KvScales { k: 0.5, v: 2.0 };
+        assert_eq!(g.work(KvDtype::Fp8), g);
+        assert_eq!(g.work(KvDtype::Bf16), g);
+        assert_eq!(g.work(KvDtype::Nvfp4), KvScales { k: 3.0, v: 12.0 });
     }
 
     #[test]

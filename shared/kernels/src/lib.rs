@@ -30,7 +30,10 @@ pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrec
 pub use device::{Device, DeviceMemory, KvNeeds};
 pub use error::{Error, Result};
 pub use geom::{PageGeom, WindowGeom};
-pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};
+pub use launch::{
+    CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
+    PrefillBatch, WindowRows,
+};
 
 /// The element codecs and page addressing every kernel shares, prepended to each source.
 pub(crate) const PRELUDE: &str = include_str!("cu/common.cuh");
