@@ -3,7 +3,8 @@
 //!
 //! * [`nvrtc`]: finding NVRTC (PyPI wheel, `NIBBLE_NVRTC_LIB`, the loader path) and compiling
 //!   every source; CI compiles them all for sm_90 and sm_80 with no GPU.
-//! * [`Kernels`] (`launch/`; the decode launch in `launch/decode.rs`, the argument structs in `launch/args.rs`): a device context with the compiled module and typed launches:
+//! * [`Kernels`] (`launch/`: the decode launch in `launch/decode.rs`, the argument structs in
+//!   `launch/args.rs`): a device context with the compiled module and typed launches:
 //!   quantize-on-write into pages ([`Kernels::quantize`], which checks every slot against the
 //!   pages; [`Kernels::quantize_unchecked`] takes device slots under a safety contract), the
 //!   extend gather into the work-dtype workspace ([`Kernels::gather_work`]), causal
