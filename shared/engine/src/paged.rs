@@ -46,6 +46,7 @@ pub enum WorkDtype {
 }
 
 impl WorkDtype {
+    /// The work dtype of a cache of `dtype`: BF16 for bf16, FP8 for fp8 and nvfp4.
     pub fn for_cache(dtype: KvDtype) -> Self {
         match dtype {
             KvDtype::Bf16 => WorkDtype::Bf16,
@@ -53,7 +54,8 @@ impl WorkDtype {
         }
     }
 
-    fn bytes(self) -> usize {
+    /// Bytes of one value in the workspace.
+    pub fn bytes(self) -> usize {
         match self {
             WorkDtype::Fp8 => 1,
             WorkDtype::Bf16 => 2,
@@ -281,17 +283,23 @@ fn global_scales(store: &HostPages, layer: usize) -> (f32, f32) {
     (scales.get(layer, KvPart::K), scales.get(layer, KvPart::V))
 }
 
-/// The (K, V) global scales of the FP8 work dtype for `layer`: those that cover the same range
-/// as the cache. An fp8 cache's scale is used as is. An nvfp4 global scale maps a layer's amax
-/// onto 6 · 448 (largest E2M1 value times largest block scale), so the work dtype takes it times
-/// 6, mapping the same amax onto 448; using it unchanged would saturate FP8 at amax / 6 once
-/// calibrated. (A bf16 workspace ignores the scale.)
-fn work_scales(store: &HostPages, layer: usize) -> (f32, f32) {
-    let (k, v) = global_scales(store, layer);
-    match store.layout().dtype() {
+/// The (K, V) global scales of the FP8 work dtype of a `cache`-dtype cache whose (layer, K|V)
+/// global scales are `global`: those that cover the same range as the cache. An fp8 cache's
+/// scale is used as is. An nvfp4 global scale maps a layer's amax onto 6 · 448 (largest E2M1
+/// value times largest block scale), so the work dtype takes it times 6, mapping the same amax
+/// onto 448; using it unchanged would saturate FP8 at amax / 6 once calibrated. (A bf16
+/// workspace ignores the scale.) The CUDA backend's workspace takes the same scales.
+pub fn work_scales(cache: KvDtype, global: (f32, f32)) -> (f32, f32) {
+    let (k, v) = global;
+    match cache {
         KvDtype::Nvfp4 => (k * e2m1::MAX, v * e2m1::MAX),
         KvDtype::Fp8 | KvDtype::Bf16 => (k, v),
     }
+}
+
+/// [`work_scales`] of `store`'s layer `layer`.
+fn layer_work_scales(store: &HostPages, layer: usize) -> (f32, f32) {
+    work_scales(store.layout().dtype(), global_scales(store, layer))
 }
 
 /// The slot of token `t` of a sequence whose pages are `pages`.
@@ -324,7 +332,7 @@ impl PagedCache<'_> {
         let layout = *store.layout();
         let n = slots.len();
         let heads = step.heads(&layout, n, out)?;
-        let g = work_scales(store, step.layer);
+        let g = layer_work_scales(store, step.layer);
         ws.reserve(n, &layout);
         ws.store(KvPart::K, 0, &layout, g.0, step.k);
         ws.store(KvPart::V, 0, &layout, g.1, step.v);
@@ -351,7 +359,7 @@ impl PagedCache<'_> {
         let layout = *store.layout();
         let n = slots.len();
         let heads = step.heads(&layout, n, out)?;
-        let g = work_scales(store, step.layer);
+        let g = layer_work_scales(store, step.layer);
         let (kv_heads, dim, page_size) = (layout.kv_heads(), layout.head_dim(), layout.page_size());
         ws.reserve(prefix + n, &layout);
         // Gather: dequantize the cached prefix token by token into the work dtype.

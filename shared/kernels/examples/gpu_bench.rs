@@ -26,7 +26,10 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
-use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch, WindowGeom};
+use nibble_kernels::{
+    CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
+    PageGeom, PrefillBatch, WindowGeom,
+};
 use nibble_kvcache::PoolPlan;
 use nibble_kvfmt::{bf16, layout::kv_bytes, KvDtype, PageLayout, ScaleRule, WindowLayout};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -152,7 +155,7 @@ fn prefill(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
                 k: &k,
                 v: &v,
                 work,
-                work_scales: (0.05, 0.05),
+                work_scales: KvScales { k: 0.05, v: 0.05 },
                 softmax_scale: 1.0 / (DIM as f32).sqrt(),
             };
             let times = time_calls(stream, 2, (5, 50, 300.0), |_| {
@@ -348,20 +351,16 @@ fn decode_sweep(
                     max_pages: pps,
                     context: dctx.as_view(),
                     max_context: ctx,
-                    scales: (0.8, 1.3),
+                    scales: KvScales { k: 0.8, v: 1.3 },
                     softmax_scale: 1.0 / (DIM as f32).sqrt(),
                     window: wgeom,
                     window_table: Some(wtable.as_view()),
                 };
-                kernels.decode(
-                    &pages,
-                    geom,
-                    dtype,
-                    &batch_args,
-                    &mut ws,
-                    &mut out.as_view_mut(),
-                    None,
-                )?;
+                let out = DecodeOut {
+                    values: out.as_view_mut(),
+                    bf16: None,
+                };
+                kernels.decode(&pages, geom, dtype, &batch_args, &mut ws, out)?;
                 Ok(())
             };
             let times = time_calls_rep(stream, 3, runs, DECODE_REPS, &mut call)?;
@@ -413,17 +412,17 @@ fn quantize_and_gather(
         _ => &[ScaleRule::Mse],
     };
     for &rule in rules {
+        let kv = NewKv {
+            k: dk.as_view(),
+            v: dv.as_view(),
+            scales: KvScales { k: 0.9, v: 1.1 },
+            rule,
+        };
+        // The slots once through the checked launch; the timed ones are the kernel alone.
+        kernels.quantize(pages, geom, dtype, &kv, &slots)?;
         let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
-            kernels.quantize(
-                pages,
-                geom,
-                dtype,
-                rule,
-                &dk.as_view(),
-                &dv.as_view(),
-                &dslots.as_view(),
-                (0.9, 1.1),
-            )?;
+            // SAFETY: the same slots passed the checks of the launch above.
+            unsafe { kernels.quantize_unchecked(pages, geom, dtype, &kv, &dslots.as_view()) }?;
             Ok(())
         })?;
         let ms = median(&times);
@@ -446,22 +445,19 @@ fn quantize_and_gather(
     let mut wv: CudaSlice<u8> = stream.alloc_zeros(ws_bytes)?;
     // The work scales the engine gives the workspace: an nvfp4 cache's global scales times 6,
     // an fp8 cache's own (then the gather is a copy).
-    let scales = (0.9, 1.1);
-    let work = match dtype {
-        KvDtype::Nvfp4 => (scales.0 * 6.0, scales.1 * 6.0),
-        KvDtype::Fp8 | KvDtype::Bf16 => scales,
+    let scales = KvScales { k: 0.9, v: 1.1 };
+    let cached = CachedPrefix {
+        page_table: &table,
+        tokens: prefix,
+        scales,
+        work_scales: scales.work(dtype),
     };
     let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
-        kernels.gather_work(
-            (&mut wk, &mut wv),
-            pages,
-            geom,
-            dtype,
-            &table,
-            prefix,
-            scales,
-            work,
-        )?;
+        let ws = KvWorkspace {
+            k: &mut wk,
+            v: &mut wv,
+        };
+        kernels.gather_work(ws, pages, geom, dtype, &cached)?;
         Ok(())
     })?;
     let ms = median(&times);

@@ -3,12 +3,21 @@
 //!
 //! * [`nvrtc`]: finding NVRTC (PyPI wheel, `NIBBLE_NVRTC_LIB`, the loader path) and compiling
 //!   every source; CI compiles them all for sm_90 and sm_80 with no GPU.
-//! * [`Kernels`]: a device context with the compiled module and typed launches: quantize-on-write
-//!   into pages ([`Kernels::quantize`]), the extend gather into the work-dtype workspace
-//!   ([`Kernels::gather_work`]), causal prefill/extend attention over that workspace
-//!   ([`Kernels::prefill`]) and paged split-KV decode attention over NVFP4, FP8 or BF16 pages
-//!   ([`Kernels::decode`]); whole-page gather into and scatter out of a contiguous staging
-//!   buffer ([`Kernels::gather_pages`], [`Kernels::scatter_pages`]) for page transfers.
+//! * [`Kernels`] (`launch/`: the decode launch in `launch/decode.rs`, the argument structs in
+//!   `launch/args.rs`): a device context with the compiled module and typed launches:
+//!   quantize-on-write into pages ([`Kernels::quantize`], which checks every slot against the
+//!   pages; [`Kernels::quantize_unchecked`] takes device slots under a safety contract), the
+//!   extend gather into the work-dtype workspace ([`Kernels::gather_work`]), causal
+//!   prefill/extend attention over that workspace ([`Kernels::prefill`]) and paged split-KV decode
+//!   attention over NVFP4, FP8 or BF16 pages ([`Kernels::decode`]); whole-page gather into and
+//!   scatter out of a contiguous staging buffer ([`Kernels::gather_pages`],
+//!   [`Kernels::scatter_pages`]) for page transfers. K/V scales travel as [`KvScales`], the
+//!   longer argument lists as named structs ([`NewKv`], [`KvWorkspace`], [`CachedPrefix`],
+//!   [`WindowRows`], [`DecodeOut`]).
+//! * [`backend`]: [`CudaBackend`], nibble-engine's `Backend` on these kernels and cuBLAS, a
+//!   module per responsibility as the engine's `backend/cpu/`: `mod.rs` (construction and the
+//!   trait impl), `tensor.rs`, `gemm.rs`, `elementwise.rs`, `rotate.rs`, `weights.rs`,
+//!   `pages.rs`, `attention.rs` (contiguous, prefill and extend) and `decode.rs`.
 //! * [`nccl`]: NCCL opened at run time (unique ids, non-blocking communicators with deadlines,
 //!   send/receive of device buffers), the GPU-to-GPU page transfer of disaggregated serving.
 //!
@@ -30,7 +39,10 @@ pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrec
 pub use device::{Device, DeviceMemory, KvNeeds};
 pub use error::{Error, Result};
 pub use geom::{PageGeom, WindowGeom};
-pub use launch::{DecodeBatch, DecodeWorkspace, Kernels, PrefillBatch};
+pub use launch::{
+    CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
+    PrefillBatch, WindowRows,
+};
 
 /// The element codecs and page addressing every kernel shares, prepended to each source.
 pub(crate) const PRELUDE: &str = include_str!("cu/common.cuh");

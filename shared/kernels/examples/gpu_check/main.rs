@@ -22,7 +22,10 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaSlice;
 use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
-use nibble_kernels::{DecodeBatch, DecodeWorkspace, Kernels, PageGeom, PrefillBatch, WindowGeom};
+use nibble_kernels::{
+    CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
+    PageGeom, PrefillBatch, WindowGeom, WindowRows,
+};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
 use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
@@ -231,7 +234,10 @@ fn check_prefill(
         k: &dk,
         v: &dv,
         work: work_dtype,
-        work_scales: work,
+        work_scales: KvScales {
+            k: work.0,
+            v: work.1,
+        },
         softmax_scale: 1.0 / (d as f32).sqrt(),
     };
     kernels.prefill(&batch, &mut dout)?;
@@ -307,22 +313,15 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
     let v = values(&mut rng, slots.len() * per_token);
     store.write_kv(&pool, LAYER, &k, &v, &slots)?;
     let slot_ids: Vec<u32> = slots.iter().map(|s| s.map_or(u32::MAX, |s| s.0)).collect();
-    let (dk, dv, ds) = (
-        stream.clone_htod(&k)?,
-        stream.clone_htod(&v)?,
-        stream.clone_htod(&slot_ids)?,
-    );
-    let g = (scales.k[LAYER], scales.v[LAYER]);
-    kernels.quantize(
-        &mut dev_pages,
-        geom,
-        dtype,
-        store.scale_rule(),
-        &dk.as_view(),
-        &dv.as_view(),
-        &ds.as_view(),
-        g,
-    )?;
+    let (dk, dv) = (stream.clone_htod(&k)?, stream.clone_htod(&v)?);
+    let g = KvScales::of_layer(&scales, LAYER);
+    let kv = NewKv {
+        k: dk.as_view(),
+        v: dv.as_view(),
+        scales: g,
+        rule: store.scale_rule(),
+    };
+    kernels.quantize(&mut dev_pages, geom, dtype, &kv, &slot_ids)?;
     let gpu_bytes = stream.clone_dtoh(&dev_pages)?;
     if dtype == KvDtype::Nvfp4 {
         // The other rule over every token, and both over a decode step's few tokens (the mse
@@ -341,9 +340,13 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             let mut dev = stream.alloc_zeros::<u8>(plan.bytes)?;
             let ids: Vec<u32> = slots.iter().map(|s| s.map_or(u32::MAX, |s| s.0)).collect();
             let (dk, dv) = (stream.clone_htod(k)?, stream.clone_htod(v)?);
-            let ds = stream.clone_htod(&ids)?;
-            let (dk, dv, ds) = (dk.as_view(), dv.as_view(), ds.as_view());
-            kernels.quantize(&mut dev, geom, dtype, rule, &dk, &dv, &ds, g)?;
+            let kv = NewKv {
+                k: dk.as_view(),
+                v: dv.as_view(),
+                scales: g,
+                rule,
+            };
+            kernels.quantize(&mut dev, geom, dtype, &kv, &ids)?;
             let gpu = stream.clone_dtoh(&dev)?;
             let cpu = pool_bytes(&other, plan.pages)?;
             let diff = differing(&cpu, &gpu);
@@ -399,16 +402,20 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         }
         let mut wk: CudaSlice<u8> = stream.alloc_zeros(expected[0].len())?;
         let mut wv: CudaSlice<u8> = stream.alloc_zeros(expected[1].len())?;
-        kernels.gather_work(
-            (&mut wk, &mut wv),
-            &dev_pages,
-            geom,
-            dtype,
-            &dtable,
-            prefix,
-            g,
-            (work_scale(KvPart::K), work_scale(KvPart::V)),
-        )?;
+        let cached = CachedPrefix {
+            page_table: &dtable,
+            tokens: prefix,
+            scales: g,
+            work_scales: KvScales {
+                k: work_scale(KvPart::K),
+                v: work_scale(KvPart::V),
+            },
+        };
+        let ws = KvWorkspace {
+            k: &mut wk,
+            v: &mut wv,
+        };
+        kernels.gather_work(ws, &dev_pages, geom, dtype, &cached)?;
         let (gk, gv) = (stream.clone_dtoh(&wk)?, stream.clone_dtoh(&wv)?);
         let diff = (expected[0].iter().zip(&gk).filter(|(a, b)| a != b).count())
             + (expected[1].iter().zip(&gv).filter(|(a, b)| a != b).count());
@@ -483,15 +490,11 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         let mut cast = stream.clone_htod(&vec![0xFFFFu16; seqs * qn])?;
         for with_cast in [false, true] {
             let mut dout = stream.clone_htod(&vec![f32::NAN; seqs * qn])?;
-            kernels.decode(
-                &dev_pages,
-                geom,
-                dtype,
-                &batch,
-                &mut ws,
-                &mut dout.as_view_mut(),
-                with_cast.then_some(&mut cast),
-            )?;
+            let out = DecodeOut {
+                values: dout.as_view_mut(),
+                bf16: with_cast.then_some(&mut cast),
+            };
+            kernels.decode(&dev_pages, geom, dtype, &batch, &mut ws, out)?;
             outputs.push(stream.clone_dtoh(&dout)?);
         }
         let gpu_out = &outputs[0];

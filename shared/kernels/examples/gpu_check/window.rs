@@ -81,18 +81,15 @@ pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
             );
             let dl = stream.clone_htod(&[rows.end as u32])?;
             // SAFETY: the table holds this pool's window pages; the length covers the rows.
-            unsafe {
-                kernels.store_window(
-                    &mut dev,
-                    wgeom,
-                    &dt.as_view(),
-                    &dk.as_view(),
-                    &dv.as_view(),
-                    &dl.as_view(),
-                    rows.len(),
-                    geo.head_dim,
-                )
-            }?;
+            let rows = WindowRows {
+                table: dt.as_view(),
+                k: dk.as_view(),
+                v: dv.as_view(),
+                lens: dl.as_view(),
+                rows_per_seq: rows.len(),
+                head_dim: geo.head_dim,
+            };
+            unsafe { kernels.store_window(&mut dev, wgeom, &rows) }?;
             Ok(())
         };
         store(0..prefill)?;
@@ -153,21 +150,17 @@ pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
             max_pages,
             context: dctx.as_view(),
             max_context: *contexts[batch_seqs.clone()].iter().max().unwrap_or(&1),
-            scales: (scales.k[LAYER], scales.v[LAYER]),
+            scales: KvScales::of_layer(&scales, LAYER),
             softmax_scale: 1.0 / (geo.head_dim as f32).sqrt(),
             window: wgeom,
             window_table: Some(dwin.as_view()),
         };
         let mut dout = stream.clone_htod(&vec![f32::NAN; batch_seqs.len() * qn])?;
-        kernels.decode(
-            &dev_pages,
-            geom,
-            dtype,
-            &batch,
-            &mut ws,
-            &mut dout.as_view_mut(),
-            None,
-        )?;
+        let out = DecodeOut {
+            values: dout.as_view_mut(),
+            bf16: None,
+        };
+        kernels.decode(&dev_pages, geom, dtype, &batch, &mut ws, out)?;
         let gpu_out = stream.clone_dtoh(&dout)?;
         for (i, ctx) in contexts[batch_seqs.clone()].iter().enumerate() {
             let c = &cpu_out[(first + i) * qn..(first + i + 1) * qn];

@@ -5,31 +5,24 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
-    CudaViewMut, DeviceRepr, LaunchConfig,
+    DeviceRepr, LaunchConfig,
 };
+use nibble_engine::paged::WorkDtype;
 use nibble_kvfmt::{KvDtype, ScaleRule};
 
 use crate::geom::{dtype_code, scale_rule_code};
 use crate::launcher::Launch;
 use crate::{nvrtc, Error, PageGeom, Result, WindowGeom};
 
-/// `DecodeArgs` of `cu/decode.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct DecodeArgs {
-    q_heads: u32,
-    group: u32,
-    max_pages: u32,
-    splits: u32,
-    tokens_per_split: u32,
-    score_scale: f32,
-    v_scale: f32,
-    window_s_mul: f32,
-    window_p_mul: f32,
-}
+mod args;
+mod decode;
 
-// SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
-unsafe impl DeviceRepr for DecodeArgs {}
+pub use args::{CachedPrefix, DecodeOut, KvScales, KvWorkspace, NewKv, PrefillBatch, WindowRows};
+
+pub(crate) use decode::DecodeArgs;
+use decode::DECODE_THREADS;
+pub(crate) use decode::DECODE_TILE;
+pub use decode::{DecodeBatch, DecodeWorkspace};
 
 /// `PrefillArgs` of `cu/prefill.cu`.
 #[repr(C)]
@@ -48,19 +41,6 @@ unsafe impl DeviceRepr for PrefillArgs {}
 
 /// Query rows per prefill block (4 warps of 16), as in `cu/prefill.cu`.
 const PREFILL_ROWS: u32 = 64;
-
-/// Threads per decode block (4 warps) and tokens per warp tile, as in `cu/decode.cu`.
-const DECODE_THREADS: u32 = 128;
-const DECODE_WARPS: usize = DECODE_THREADS as usize / 32;
-pub(crate) const DECODE_TILE: usize = 16;
-/// Whether `decode_combine_groups` (four thread groups, `COMBINE_GROUPS` in `cu/decode.cu`)
-/// merges `splits` splits rather than `decode_combine` (one group): above 16 splits (a batch of
-/// one sequence: dozens), where one group would take several rounds of loads.
-fn merges_in_groups(splits: usize) -> bool {
-    splits > 16
-}
-/// `COMBINE_GROUPS` in `cu/decode.cu`.
-const COMBINE_GROUPS: u32 = 4;
 
 /// The compiled kernels on one device.
 pub struct Kernels {
@@ -271,42 +251,64 @@ impl Kernels {
         self.sms
     }
 
-    /// Quantize-on-write: writes `n` tokens' K and V (f32 `[token][kv_head][head_dim]`) of
-    /// `geom.layer` into their `slots` (`page * page_size + offset`; `u32::MAX` is padding),
-    /// with global scales `(gk, gv)` and NVFP4 block scales chosen by `rule`. The bytes equal
-    /// `HostPages::write_kv`'s under the same rule.
-    #[allow(clippy::too_many_arguments)]
+    /// Quantize-on-write: writes the tokens of `kv` (f32 `[token][kv_head][head_dim]`) of
+    /// `geom.layer` into their `slots` (`page * page_size + offset`; `u32::MAX` is padding), one
+    /// slot per token. The bytes equal `HostPages::write_kv`'s under the same rule. Every slot is
+    /// checked against `pages` (and `geom` against `dtype`) before the slots are uploaded and
+    /// anything is launched: an error names what is out of range.
     pub fn quantize(
         &self,
         pages: &mut CudaSlice<u8>,
         geom: PageGeom,
         dtype: KvDtype,
-        rule: ScaleRule,
-        k: &CudaView<f32>,
-        v: &CudaView<f32>,
-        slots: &CudaView<u32>,
-        scales: (f32, f32),
+        kv: &NewKv<'_>,
+        slots: &[u32],
+    ) -> Result<()> {
+        check_write_slots(pages.len(), &geom, dtype, slots)?;
+        if slots.is_empty() {
+            return check_new_kv(&geom, kv, 0);
+        }
+        let slots = self.stream.clone_htod(slots)?;
+        // SAFETY: every slot was checked above against the pages and the geometry.
+        unsafe { self.quantize_unchecked(pages, geom, dtype, kv, &slots.as_view()) }
+    }
+
+    /// [`quantize`](Self::quantize) with the slots already on the device (a decode step's,
+    /// uploaded once for every layer), which are not checked.
+    ///
+    /// # Safety
+    ///
+    /// `geom` passes the checks of [`quantize`](Self::quantize) for `dtype` and `pages` (as the
+    /// [`PageGeom::new`] of the layout `pages` is made of does), and every entry of `slots` is
+    /// `u32::MAX` or a slot of one of the whole pages of `pages`:
+    /// `slot / geom.page_size < pages.len() / geom.page_bytes`.
+    pub unsafe fn quantize_unchecked(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        kv: &NewKv<'_>,
+        slots: &CudaView<'_, u32>,
     ) -> Result<()> {
         let n = slots.len();
-        let values = n * (geom.kv_heads * geom.head_dim) as usize;
-        check("K values", values, k.len())?;
-        check("V values", values, v.len())?;
+        check_new_kv(&geom, kv, n)?;
         let groups = n as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
         if groups == 0 {
             return Ok(());
         }
         let n32 = n as u32;
-        if dtype == KvDtype::Nvfp4 && rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
+        let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
+        if dtype == KvDtype::Nvfp4 && kv.rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
             // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
             let mut b = self.builder(&self.quantize_nvfp4_mse);
             b.arg(pages).arg(k).arg(v).arg(slots).arg(&n32).arg(&geom);
-            b.arg(&scales.0).arg(&scales.1);
+            b.arg(&scales.k).arg(&scales.v);
             // SAFETY: the argument list matches kv_quantize_nvfp4_mse's signature; sizes were
-            // checked above and every slot is bounds-checked by the caller's page pool.
+            // checked above and every slot is in the pages (the caller's contract).
             unsafe { b.launch(grid_1d(groups * 8)) }?;
             return Ok(());
         }
-        let (code, rule) = (dtype_code(dtype), scale_rule_code(rule));
+        let (code, rule) = (dtype_code(dtype), scale_rule_code(kv.rule));
         let mut b = self.builder(&self.quantize);
         b.arg(pages)
             .arg(k)
@@ -316,9 +318,9 @@ impl Kernels {
             .arg(&geom)
             .arg(&code)
             .arg(&rule);
-        b.arg(&scales.0).arg(&scales.1);
+        b.arg(&scales.k).arg(&scales.v);
         // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
-        // and every slot is bounds-checked by the caller's page pool.
+        // and every slot is in the pages (the caller's contract).
         unsafe { b.launch(grid_1d(groups)) }?;
         Ok(())
     }
@@ -327,25 +329,27 @@ impl Kernels {
     /// the work-dtype workspace `[token][kv_head][head_dim]`: E4M3 bytes with the work scales
     /// for nvfp4 and fp8 caches, BF16 bytes for a bf16 cache (`ws_k`/`ws_v` then hold 2 bytes
     /// per value). The bytes equal the CPU extend path's workspace.
-    #[allow(clippy::too_many_arguments)]
     pub fn gather_work(
         &self,
-        ws: (&mut CudaSlice<u8>, &mut CudaSlice<u8>),
+        ws: KvWorkspace<'_>,
         pages: &CudaSlice<u8>,
         geom: PageGeom,
         dtype: KvDtype,
-        page_table: &CudaSlice<u32>,
-        tokens: usize,
-        scales: (f32, f32),
-        work_scales: (f32, f32),
+        prefix: &CachedPrefix<'_>,
     ) -> Result<()> {
-        let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+        let CachedPrefix {
+            page_table,
+            tokens,
+            scales,
+            work_scales,
+        } = *prefix;
+        let width = WorkDtype::for_cache(dtype).bytes();
         let bytes = tokens * (geom.kv_heads * geom.head_dim) as usize * width;
-        if ws.0.len() < bytes || ws.1.len() < bytes {
+        if ws.k.len() < bytes || ws.v.len() < bytes {
             return Err(Error::Shape {
                 what: "workspace bytes (at least)",
                 expected: bytes,
-                actual: ws.0.len().min(ws.1.len()),
+                actual: ws.k.len().min(ws.v.len()),
             });
         }
         if page_table.len() * (geom.page_size as usize) < tokens {
@@ -361,17 +365,17 @@ impl Kernels {
         }
         let (n32, code) = (tokens as u32, dtype_code(dtype));
         let mut b = self.builder(&self.gather);
-        b.arg(ws.0)
-            .arg(ws.1)
+        b.arg(ws.k)
+            .arg(ws.v)
             .arg(pages)
             .arg(page_table)
             .arg(&n32)
             .arg(&geom)
             .arg(&code);
-        b.arg(&scales.0)
-            .arg(&scales.1)
-            .arg(&work_scales.0)
-            .arg(&work_scales.1);
+        b.arg(&scales.k)
+            .arg(&scales.v)
+            .arg(&work_scales.k)
+            .arg(&work_scales.v);
         // SAFETY: matches kv_gather_work's signature; sizes checked above.
         unsafe { b.launch(grid_1d(threads)) }?;
         Ok(())
@@ -420,27 +424,30 @@ impl Kernels {
         self.copy_pages(&self.pages_scatter, pool, staging, page_ids, page_bytes)
     }
 
-    /// Writes the BF16 K and V of `rows` new tokens into their sequences' recent windows
+    /// Writes the BF16 K and V of the new tokens of `rows` into their sequences' recent windows
     /// (`cu/pages.cu`'s `window_store`): row r is sequence `r / rows_per_seq`'s token at
     /// position `lens[s] - rows_per_seq + r % rows_per_seq`; `table` holds `window.pages` page ids
     /// per sequence. Nothing happens without a window.
     ///
     /// # Safety
     ///
-    /// Every id in `table` is a page of `pages` (the pool the window geometry describes) and
-    /// every `lens[s] >= rows_per_seq`.
-    #[allow(clippy::too_many_arguments)]
+    /// Every id in `rows.table` is a page of `pages` (the pool the window geometry describes)
+    /// and every `rows.lens[s] >= rows.rows_per_seq`.
     pub unsafe fn store_window(
         &self,
         pages: &mut CudaSlice<u8>,
         window: WindowGeom,
-        table: &CudaView<'_, u32>,
-        k: &CudaView<'_, f32>,
-        v: &CudaView<'_, f32>,
-        lens: &CudaView<'_, u32>,
-        rows_per_seq: usize,
-        head_dim: usize,
+        rows: &WindowRows<'_>,
     ) -> Result<()> {
+        let WindowRows {
+            table,
+            k,
+            v,
+            lens,
+            rows_per_seq,
+            head_dim,
+        } = rows;
+        let (rows_per_seq, head_dim) = (*rows_per_seq, *head_dim);
         if window.tokens == 0 || rows_per_seq == 0 {
             return Ok(());
         }
@@ -522,7 +529,7 @@ impl Kernels {
             )));
         }
         let (work_index, width, (gk, gv)) = match batch.work {
-            KvDtype::Fp8 => (0, 1, batch.work_scales),
+            KvDtype::Fp8 => (0, 1, (batch.work_scales.k, batch.work_scales.v)),
             // a BF16 workspace has no scale (docs/FORMAT.md)
             KvDtype::Bf16 => (1, 2, (1.0, 1.0)),
             KvDtype::Nvfp4 => {
@@ -567,156 +574,6 @@ impl Kernels {
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
-
-    /// Paged decode attention for one layer: one query token per sequence over its whole
-    /// context, read straight from the pages. Writes `out` (`[seq][q_head][head_dim]` f32) and,
-    /// when given `out_bf16` (at least as long), its BF16 cast (`nibble_kvfmt::bf16::encode`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode(
-        &self,
-        pages: &CudaSlice<u8>,
-        geom: PageGeom,
-        dtype: KvDtype,
-        batch: &DecodeBatch<'_>,
-        ws: &mut DecodeWorkspace,
-        out: &mut CudaViewMut<f32>,
-        mut out_bf16: Option<&mut CudaSlice<u16>>,
-    ) -> Result<()> {
-        let d = geom.head_dim as usize;
-        let dim_index = match d {
-            64 => 0,
-            128 => 1,
-            _ => {
-                return Err(Error::Unsupported(format!(
-                    "decode with head dim {d} (64 or 128)"
-                )))
-            }
-        };
-        let kv_heads = geom.kv_heads as usize;
-        let q_heads = batch.q_heads;
-        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) || q_heads / kv_heads > 8 {
-            return Err(Error::Unsupported(format!(
-                "{q_heads} query heads over {kv_heads} KV heads (a group of 1 to 8)"
-            )));
-        }
-        let seqs = batch.context.len();
-        check("queries", seqs * q_heads * d, batch.q.len())?;
-        check("outputs", seqs * q_heads * d, out.len())?;
-        if let Some(cast) = &out_bf16 {
-            if cast.len() < out.len() {
-                return Err(Error::Shape {
-                    what: "BF16 cast of the outputs",
-                    expected: out.len(),
-                    actual: cast.len(),
-                });
-            }
-        }
-        check("page table", seqs * batch.max_pages, batch.page_table.len())?;
-        if batch.max_context > batch.max_pages * geom.page_size as usize {
-            return Err(Error::Shape {
-                what: "page-table row covering the longest context",
-                expected: batch.max_context.div_ceil(geom.page_size as usize),
-                actual: batch.max_pages,
-            });
-        }
-        if geom.page_size < DECODE_TILE as u32 {
-            return Err(Error::Unsupported(format!(
-                "decode with page size {} (at least {DECODE_TILE}: a tile reads one page)",
-                geom.page_size
-            )));
-        }
-        // BF16 pages carry no scale (docs/FORMAT.md): the pool's global scales do not apply.
-        let (gk, gv) = match dtype {
-            KvDtype::Bf16 => (1.0, 1.0),
-            KvDtype::Fp8 | KvDtype::Nvfp4 => batch.scales,
-        };
-        let slots = self.decode_slots[dtype_code(dtype) as usize][dim_index];
-        let plan = split_plan(slots, seqs * kv_heads, batch.max_context);
-        ws.reserve(&self.stream, seqs * q_heads * plan.splits, d)?;
-        let args = DecodeArgs {
-            q_heads: q_heads as u32,
-            group: (q_heads / kv_heads) as u32,
-            max_pages: batch.max_pages as u32,
-            splits: plan.splits as u32,
-            tokens_per_split: plan.tokens_per_split as u32,
-            // Positive, as the kernel needs (masked scores are -inf times it); only an underflow
-            // of the product could make it 0.
-            score_scale: (batch.softmax_scale * gk * fmt_factor(dtype) * std::f32::consts::LOG2_E)
-                .max(f32::MIN_POSITIVE),
-            v_scale: gv * fmt_factor(dtype),
-            window_s_mul: 1.0 / (gk * fmt_factor(dtype)),
-            window_p_mul: 1.0 / (gv * fmt_factor(dtype)),
-        };
-        let window_table = match (&batch.window_table, batch.window.tokens) {
-            (_, 0) => &batch.page_table,
-            (Some(table), _) => {
-                check(
-                    "window table",
-                    seqs * batch.window.pages as usize,
-                    table.len(),
-                )?;
-                table
-            }
-            (None, _) => {
-                return Err(Error::Shape {
-                    what: "window table of a pool with a recent window",
-                    expected: seqs * batch.window.pages as usize,
-                    actual: 0,
-                })
-            }
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (plan.splits as u32, kv_heads as u32, seqs as u32),
-            block_dim: (DECODE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = &self.decode[dtype_code(dtype) as usize][dim_index];
-        let mut b = self.builder(f);
-        b.arg(pages)
-            .arg(&batch.q)
-            .arg(&batch.page_table)
-            .arg(&batch.context);
-        b.arg(&mut ws.part_o)
-            .arg(&mut ws.part_ml)
-            .arg(&mut *out)
-            .arg(out_bf16.as_deref_mut())
-            .arg(&geom)
-            .arg(&args)
-            .arg(window_table)
-            .arg(&batch.window);
-        // SAFETY: matches decode_*'s signature; q, out (and the cast, or null), the page table
-        // and the window table were checked against the batch, the workspace was sized for the
-        // plan, and page ids come from the pool (the window table is not read without a
-        // window).
-        unsafe { b.launch(cfg) }?;
-        if plan.splits == 1 {
-            return Ok(()); // the blocks wrote the output themselves
-        }
-        let (qh, splits, dim) = (q_heads as u32, plan.splits as u32, d as u32);
-        let (combine, groups) = if merges_in_groups(plan.splits) {
-            (&self.combine_groups, COMBINE_GROUPS)
-        } else {
-            (&self.combine, 1)
-        };
-        let mut c = self.builder(combine);
-        c.arg(&ws.part_o)
-            .arg(&ws.part_ml)
-            .arg(out)
-            .arg(out_bf16)
-            .arg(&qh)
-            .arg(&splits)
-            .arg(&dim)
-            .arg(&args.v_scale);
-        let cfg = LaunchConfig {
-            grid_dim: (qh, seqs as u32, 1),
-            block_dim: (dim, groups, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches decode_combine(_groups); the workspace holds seqs * q_heads * splits rows, out
-        // (and the cast, or null) seqs * q_heads.
-        unsafe { c.launch(cfg) }?;
-        Ok(())
-    }
 }
 
 /// The power of two the decode kernels leave out of their f16 operands (see `cu/decode.cu`):
@@ -726,128 +583,6 @@ fn fmt_factor(dtype: KvDtype) -> f32 {
         KvDtype::Nvfp4 => 128.0,
         KvDtype::Fp8 => 256.0,
         KvDtype::Bf16 => 1.0,
-    }
-}
-
-#[derive(Debug, PartialEq)]
-struct SplitPlan {
-    splits: usize,
-    tokens_per_split: usize,
-}
-
-/// The fixed work of one decode block (loading Q, the first tile's latency, merging the warps,
-/// writing the partials), in tiles of one warp, for `split_plan`'s cost model.
-const BLOCK_OVERHEAD_TILES: usize = 2;
-/// The fewest tokens one split covers.
-const MIN_SPLIT_TOKENS: usize = 128;
-/// The most waves `split_plan` considers.
-const MAX_WAVES: usize = 8;
-
-/// How to split each sequence's context over `slots` resident blocks (multiprocessors times
-/// blocks per multiprocessor), `blocks_per_split` blocks per split (sequences times KV heads).
-///
-/// Every block of a launch does about the same work, so a launch takes `ceil(blocks / slots)`
-/// waves of one block's time (tiles per warp plus a fixed cost). A split count that leaves the
-/// last wave nearly empty costs a whole wave: at 32 sequences x 8 heads x 32K tokens on 528
-/// slots, 5 splits (1,280 blocks) take 3 waves of 103 tiles where 4 splits take 2 of 128. So
-/// for each wave count the most splits that fill it are compared, and the cheapest plan wins
-/// (fewer splits on a tie: less to combine). Splits are whole 16-token tiles.
-fn split_plan(slots: usize, blocks_per_split: usize, max_context: usize) -> SplitPlan {
-    let slots = slots.max(1);
-    let blocks_per_split = blocks_per_split.max(1);
-    let max_splits = max_context.div_ceil(MIN_SPLIT_TOKENS).max(1);
-    let plan = |wanted: usize| {
-        let per_split = max_context
-            .div_ceil(wanted)
-            .next_multiple_of(DECODE_TILE)
-            .max(DECODE_TILE);
-        let splits = max_context.div_ceil(per_split).max(1);
-        let waves = (splits * blocks_per_split).div_ceil(slots);
-        let warp_tiles = per_split.div_ceil(DECODE_TILE * DECODE_WARPS);
-        let cost = waves * (warp_tiles + BLOCK_OVERHEAD_TILES);
-        (
-            cost,
-            SplitPlan {
-                splits,
-                tokens_per_split: per_split,
-            },
-        )
-    };
-    (1..=MAX_WAVES)
-        .map(|waves| (waves * slots / blocks_per_split).clamp(1, max_splits))
-        .map(plan)
-        .min_by_key(|(cost, p)| (*cost, p.splits))
-        .map(|(_, p)| p)
-        .expect("at least one wave count")
-}
-
-/// One decode step's sequences, all on the device.
-pub struct DecodeBatch<'a> {
-    /// Queries after RoPE, `[seq][q_head][head_dim]` f32 (rounded to BF16 by the kernel).
-    pub q: CudaView<'a, f32>,
-    pub q_heads: usize,
-    /// `[seq][max_pages]` page ids; row i covers sequence i's context.
-    pub page_table: CudaView<'a, u32>,
-    pub max_pages: usize,
-    /// Context length of each sequence (the new token, already written, included); >= 1.
-    pub context: CudaView<'a, u32>,
-    /// The largest entry of `context` (sizes the split).
-    pub max_context: usize,
-    /// The layer's (K, V) global scales (ignored for BF16 pages, which have none).
-    pub scales: (f32, f32),
-    /// Normally 1 / sqrt(head_dim).
-    pub softmax_scale: f32,
-    /// The recent window: its geometry (`tokens == 0`: none) and `[seq][window.pages]` page
-    /// ids; the last `window.tokens` tokens of each context are read from it in BF16.
-    pub window: WindowGeom,
-    pub window_table: Option<CudaView<'a, u32>>,
-}
-
-/// One sequence's prefill or extend step over the work-dtype workspace, on the device.
-pub struct PrefillBatch<'a> {
-    /// The new tokens' queries after RoPE, `[row][q_head][head_dim]` f32 (rounded to BF16 by
-    /// the kernel).
-    pub q: &'a CudaSlice<f32>,
-    pub n: usize,
-    /// Tokens before the first query (a cached prefix, already gathered into the workspace).
-    pub start: usize,
-    pub q_heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    /// The workspace, `[token][kv_head][head_dim]`, at least `start + n` tokens: E4M3 bytes or
-    /// little-endian BF16.
-    pub k: &'a CudaSlice<u8>,
-    pub v: &'a CudaSlice<u8>,
-    /// `Fp8` or `Bf16`: the workspace's element type.
-    pub work: KvDtype,
-    /// The E4M3 workspace's (K, V) dequantization multipliers (a BF16 workspace has none).
-    pub work_scales: (f32, f32),
-    /// Normally 1 / sqrt(head_dim).
-    pub softmax_scale: f32,
-}
-
-/// Split-KV partial results, reused across calls and grown on demand.
-pub struct DecodeWorkspace {
-    part_o: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-}
-
-impl DecodeWorkspace {
-    pub fn new(kernels: &Kernels) -> Result<Self> {
-        Ok(Self {
-            part_o: kernels.stream.alloc_zeros(1)?,
-            part_ml: kernels.stream.alloc_zeros(2)?,
-        })
-    }
-
-    fn reserve(&mut self, stream: &Arc<CudaStream>, rows: usize, head_dim: usize) -> Result<()> {
-        if self.part_o.len() < rows * head_dim {
-            self.part_o = stream.alloc_zeros(rows * head_dim)?;
-        }
-        if self.part_ml.len() < rows * 2 {
-            self.part_ml = stream.alloc_zeros(rows * 2)?;
-        }
-        Ok(())
     }
 }
 
@@ -866,6 +601,59 @@ fn check_page_copy(staging: usize, pool: usize, page_ids: &[u32], page_bytes: us
             what: "page id below the pool's page count",
             expected: pages,
             actual: *bad as usize,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that the K and V of a quantize-on-write hold `n` tokens.
+fn check_new_kv(geom: &PageGeom, kv: &NewKv<'_>, n: usize) -> Result<()> {
+    let values = n * (geom.kv_heads * geom.head_dim) as usize;
+    check("K values", values, kv.k.len())?;
+    check("V values", values, kv.v.len())
+}
+
+/// Checks that quantize-on-write stays inside a pool of `pool_bytes`: `geom` addresses `dtype`
+/// head vectors within its pages (a power-of-two page size, parts that hold every head and token
+/// of the dtype, the layer's K and V inside a page), and every slot is padding (`u32::MAX`) or
+/// a slot of one of the pool's whole pages.
+pub(crate) fn check_write_slots(
+    pool_bytes: usize,
+    geom: &PageGeom,
+    dtype: KvDtype,
+    slots: &[u32],
+) -> Result<()> {
+    let unsupported = |what: &str| Err(Error::Unsupported(format!("{what} ({geom:?})")));
+    if !geom.page_size.is_power_of_two() || geom.page_shift != geom.page_size.trailing_zeros() {
+        return unsupported("a page geometry whose page size is no power of two of its shift");
+    }
+    let d = geom.head_dim as usize;
+    if (geom.data_bytes as usize, geom.scale_bytes as usize)
+        != (dtype.data_bytes(d), dtype.scale_bytes(d))
+    {
+        return unsupported(&format!("a page geometry of another dtype than {dtype}"));
+    }
+    let vectors = geom.kv_heads as u64 * geom.page_size as u64;
+    if vectors * u64::from(geom.data_bytes + geom.scale_bytes) > u64::from(geom.part_bytes) {
+        return unsupported("a page geometry whose parts do not hold their head vectors");
+    }
+    let layer_end = (2 * u64::from(geom.layer) + 2) * u64::from(geom.part_bytes);
+    if geom.page_bytes == 0 || layer_end > geom.page_bytes {
+        return Err(Error::Shape {
+            what: "page bytes covering the layer's K and V (at least)",
+            expected: layer_end as usize,
+            actual: geom.page_bytes as usize,
+        });
+    }
+    let pages = pool_bytes as u64 / geom.page_bytes;
+    let bad = slots
+        .iter()
+        .find(|&&s| s != u32::MAX && u64::from(s >> geom.page_shift) >= pages);
+    if let Some(&slot) = bad {
+        return Err(Error::Shape {
+            what: "page of a slot (below the pool's page count)",
+            expected: pages as usize,
+            actual: (slot >> geom.page_shift) as usize,
         });
     }
     Ok(())
@@ -938,60 +726,81 @@ mod tests {
         assert_eq!(grid.grid_dim.0, 26);
     }
 
+    /// The geometry of layer `layer` of 4-layer pages of 16 tokens, 2 KV heads of 64.
+    fn geom(dtype: KvDtype, layer: usize) -> PageGeom {
+        let layout = nibble_kvfmt::PageLayout::new(4, 2, 64, 16, dtype).unwrap();
+        PageGeom::new(&layout, layer).unwrap()
+    }
+
+    #[test]
+    fn quantize_slots_are_checked_before_launch() {
+        for dtype in [KvDtype::Nvfp4, KvDtype::Fp8, KvDtype::Bf16] {
+            let g = geom(dtype, 3);
+            let pool = 8 * g.page_bytes as usize;
+            let last = 8 * 16 - 1;
+            assert!(check_write_slots(pool, &g, dtype, &[0, 17, last, u32::MAX]).is_ok());
+            assert!(check_write_slots(pool, &g, dtype, &[]).is_ok());
+            let err = check_write_slots(pool, &g, dtype, &[3, last + 1]).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Shape {
+                        expected: 8,
+                        actual: 8,
+                        ..
+                    }
+                ),
+                "slot {} is on page 8 of 8: {err}",
+                last + 1
+            );
+            assert!(check_write_slots(pool, &g, dtype, &[u32::MAX - 1]).is_err());
+            // A pool of 7.5 pages has 7 whole ones.
+            let short = pool - g.page_bytes as usize / 2;
+            assert!(check_write_slots(short, &g, dtype, &[7 * 16]).is_err());
+            assert!(check_write_slots(short, &g, dtype, &[7 * 16 - 1]).is_ok());
+        }
+    }
+
+    #[test]
+    fn quantize_geometry_is_checked_before_launch() {
+        let g = geom(KvDtype::Fp8, 3);
+        let ok = |g: &PageGeom, dtype| check_write_slots(1 << 20, g, dtype, &[0]).is_ok();
+        assert!(ok(&g, KvDtype::Fp8));
+        // Another dtype's vectors are larger (bf16) or laid out otherwise (nvfp4).
+        assert!(!ok(&g, KvDtype::Bf16));
+        assert!(!ok(&g, KvDtype::Nvfp4));
+        let layer = PageGeom { layer: 4, ..g };
+        assert!(!ok(&layer, KvDtype::Fp8), "a layer past the page");
+        let parts = PageGeom {
+            part_bytes: g.part_bytes - 16,
+            ..g
+        };
+        assert!(
+            !ok(&parts, KvDtype::Fp8),
+            "parts too small for their vectors"
+        );
+        let shift = PageGeom { page_shift: 3, ..g };
+        assert!(
+            !ok(&shift, KvDtype::Fp8),
+            "a shift that is not the page size's"
+        );
+        let empty = PageGeom { page_bytes: 0, ..g };
+        assert!(!ok(&empty, KvDtype::Fp8));
+    }
+
+    #[test]
+    fn work_scales_follow_the_engine() {
+        let g = KvScales { k: 0.5, v: 2.0 };
+        assert_eq!(g.work(KvDtype::Fp8), g);
+        assert_eq!(g.work(KvDtype::Bf16), g);
+        assert_eq!(g.work(KvDtype::Nvfp4), KvScales { k: 3.0, v: 12.0 });
+    }
+
     #[test]
     fn arch_follows_the_device() {
         assert_eq!(arch_for(9, 0).unwrap(), "sm_90");
         assert_eq!(arch_for(8, 0).unwrap(), "sm_80");
         assert_eq!(arch_for(8, 9).unwrap(), "sm_89");
         assert!(arch_for(7, 5).is_err());
-    }
-
-    #[test]
-    fn splits_cover_the_context_in_whole_tiles() {
-        for (slots, blocks, ctx) in [
-            (528, 8, 4096),
-            (528, 64, 32768),
-            (396, 1024, 131072),
-            (528, 8, 1),
-            (528, 24, 17),
-            (1, 1, 1 << 20),
-            (100_000, 1, 4096),
-        ] {
-            let plan = split_plan(slots, blocks, ctx);
-            assert_eq!(plan.tokens_per_split % DECODE_TILE, 0);
-            assert!(plan.tokens_per_split >= MIN_SPLIT_TOKENS.min(ctx.next_multiple_of(16)));
-            assert!(plan.splits * plan.tokens_per_split >= ctx);
-            assert!((plan.splits - 1) * plan.tokens_per_split < ctx);
-        }
-    }
-
-    #[test]
-    fn splits_fill_whole_waves() {
-        // 8 sequences x 8 KV heads on 132 SMs x 4 blocks: 8 splits (512 blocks, one wave of 64
-        // tiles per warp) beat 17 (1,088 blocks: two full waves and a 32-block third).
-        assert_eq!(split_plan(528, 64, 32768).splits, 8);
-        // 32 sequences: 2 splits, one wave, rather than 5 splits in 2.4 waves.
-        let plan = split_plan(528, 256, 32768);
-        assert_eq!((plan.splits * 256).div_ceil(528), 1);
-        // One sequence: as many splits as fill the device, down to the shortest split.
-        assert_eq!(split_plan(528, 8, 32768).splits, 64);
-        assert_eq!(split_plan(528, 8, 4096).splits, 32);
-        // Enough sequences to fill the device alone: no split.
-        assert_eq!(split_plan(528, 1024, 32768).splits, 1);
-    }
-
-    #[test]
-    fn many_splits_merge_in_four_groups() {
-        assert!(!merges_in_groups(2));
-        assert!(!merges_in_groups(16));
-        assert!(merges_in_groups(17));
-        assert!(merges_in_groups(64));
-        // gpu_check's batch of its longest sequence alone (2,100 tokens, 8 or 3 KV heads) must
-        // take the four-group merge on any device of at least 136 slots, or that path goes
-        // unchecked against the CPU.
-        for (slots, kv_heads) in [(528, 8), (396, 8), (528, 3), (136, 8)] {
-            let splits = split_plan(slots, kv_heads, 2100).splits;
-            assert!(merges_in_groups(splits), "{splits} splits on {slots} slots");
-        }
     }
 }
