@@ -81,7 +81,7 @@ pub enum KvCommand {
 #[derive(Debug, Args)]
 pub struct CodecArgs {
     /// KV dtype: nvfp4, fp8 or bf16.
-    #[arg(long, env = "NIBBLE_KV_DTYPE", value_parser = parse_dtype)]
+    #[arg(long, env = "NIBBLE_KV_DTYPE", value_parser = KvDtype::parse)]
     pub dtype: KvDtype,
     /// Values per head vector (D); a positive multiple of 16, at most 1024.
     #[arg(long, value_name = "D", value_parser = parse_head_dim)]
@@ -128,7 +128,7 @@ pub struct LayoutArgs {
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
     pub page_size: usize,
     /// KV dtype: nvfp4, fp8 or bf16.
-    #[arg(long, env = "NIBBLE_KV_DTYPE", value_parser = parse_dtype)]
+    #[arg(long, env = "NIBBLE_KV_DTYPE", value_parser = KvDtype::parse)]
     pub dtype: KvDtype,
     /// Tokens of each sequence's BF16 recent window [default: 64 for nvfp4, 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
@@ -136,10 +136,6 @@ pub struct LayoutArgs {
     /// Also report one sequence of this many tokens: its pages, bytes and tokens per GiB.
     #[arg(long, value_name = "TOKENS")]
     pub context: Option<usize>,
-}
-
-pub(crate) fn parse_dtype(s: &str) -> Result<KvDtype, nibble_kvfmt::Error> {
-    s.parse()
 }
 
 fn parse_head_dim(s: &str) -> Result<usize, String> {

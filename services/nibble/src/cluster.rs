@@ -24,7 +24,7 @@ use nibble_worker::WorkerArgs;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::cli::{parse_dtype, GenerateArgs, DEFAULT_MODEL};
+use crate::cli::{GenerateArgs, DEFAULT_MODEL};
 use crate::{Error, Result};
 
 /// The shares of one GPU's memory the KV pages of `nibble up`'s two workers take when no budget
@@ -52,7 +52,7 @@ pub struct UpArgs {
     pub decode_listen: SocketAddr,
     /// KV cache dtype of both workers: bf16, fp8 or nvfp4.
     #[arg(long, value_name = "DTYPE", env = "NIBBLE_KV_DTYPE", default_value = "nvfp4",
-          value_parser = parse_dtype)]
+          value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
     /// Tokens per KV page.
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]

@@ -62,6 +62,14 @@ impl fmt::Display for KvDtype {
     }
 }
 
+impl KvDtype {
+    /// Parses a dtype name (the one parser of every command line and config): `bf16`, `fp8`
+    /// (also `fp8_e4m3`, `e4m3`) or `nvfp4`, in any case.
+    pub fn parse(s: &str) -> Result<Self, Error> {
+        s.parse()
+    }
+}
+
 impl FromStr for KvDtype {
     type Err = Error;
 

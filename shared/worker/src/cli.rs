@@ -44,7 +44,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "NIBBLE_WORKER_ID")]
     pub worker_id: Option<String>,
     /// KV-cache element format.
-    #[arg(long, env = "NIBBLE_KV_DTYPE", default_value = "nvfp4", value_parser = parse_dtype)]
+    #[arg(long, env = "NIBBLE_KV_DTYPE", default_value = "nvfp4", value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
     /// Tokens per KV page.
     #[arg(long, env = "NIBBLE_PAGE_SIZE", default_value_t = 16)]
@@ -240,13 +240,6 @@ pub fn kv_budget_bytes(args: &WorkerArgs, gpu: Option<DeviceMemory>) -> Result<u
         "KV pool: --kv-memory-fraction of the GPU, at most its free memory less 10%"
     );
     Ok(budget)
-}
-
-fn parse_dtype(s: &str) -> std::result::Result<KvDtype, String> {
-    KvDtype::ALL
-        .into_iter()
-        .find(|d| d.to_string() == s)
-        .ok_or_else(|| format!("unknown KV dtype {s:?} (expected bf16, fp8 or nvfp4)"))
 }
 
 /// The KV cache the worker's flags ask for, its calibration file read and checked against the

@@ -14,8 +14,6 @@ use nibble_engine::sampling::SamplingParams;
 use nibble_kernels::Device;
 use nibble_kvfmt::{KvDtype, ScaleRule};
 
-use super::parse_dtype;
-
 /// The model `--model` names when neither the flag nor `NIBBLE_MODEL` is given, relative to the
 /// current directory; `scripts/fetch-model.sh` puts it there.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -88,7 +86,7 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     /// KV cache dtype: bf16, fp8 or nvfp4.
     #[arg(long, value_name = "DTYPE", env = "NIBBLE_KV_DTYPE", default_value = "nvfp4",
-          value_parser = parse_dtype)]
+          value_parser = KvDtype::parse)]
     pub kv_dtype: KvDtype,
     #[command(flatten)]
     pub quant: QuantArgs,
@@ -268,7 +266,7 @@ fn parse_eval_dtype(s: &str) -> Result<EvalDtype, String> {
     if s.eq_ignore_ascii_case("f32") {
         return Ok(EvalDtype::F32);
     }
-    s.parse::<KvDtype>()
+    KvDtype::parse(s)
         .map(EvalDtype::Kv)
         .map_err(|_| format!("unknown KV dtype {s:?}: expected bf16, fp8, nvfp4 or f32"))
 }
