@@ -132,10 +132,7 @@ impl Opened {
     /// `kv`: the cache the model will run with, if any (`auto` keeps a cache the CUDA backend
     /// cannot run on the CPU).
     pub fn load(self, kv: Option<&KvConfig>) -> Result<(LoadedModel, Tokenizer)> {
-        let needs = KvNeeds {
-            head_dim: self.config.head_dim,
-            page_size: kv.map_or(16, |kv| kv.page_size),
-        };
+        let needs = KvNeeds::of(&self.config, kv.map_or(16, |kv| kv.page_size));
         let cuda = self
             .device
             .start(needs, |why| {

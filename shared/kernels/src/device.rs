@@ -50,6 +50,9 @@ impl Device {
             return Ok(None);
         }
         if self == Device::Cuda {
+            if let Some(reason) = kv.unsupported() {
+                return Err(crate::Error::Unsupported(reason));
+            }
             return crate::CudaBackend::new(0).map(Some);
         }
         if let Some(reason) = kv.unsupported() {
@@ -82,32 +85,61 @@ impl DeviceMemory {
     }
 }
 
-/// What a model's KV cache asks of the attention kernels.
+/// What a model and its KV cache ask of the attention kernels: the one capability check, made
+/// when `--device` picks a backend ([`Device::start`]), and again by the kernels that depend on
+/// each part (pages by `CudaBackend::new_pages`, the query group by the decode launch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvNeeds {
     pub head_dim: usize,
     pub page_size: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
 }
 
 impl KvNeeds {
-    /// Why the CUDA backend cannot run this cache, if it cannot (the same checks as
-    /// `CudaBackend::new_pages`).
-    pub fn unsupported(self) -> Option<String> {
-        if !matches!(self.head_dim, 64 | 128) {
-            return Some(format!(
-                "the CUDA attention kernels take head dim 64 or 128, not {}",
-                self.head_dim
-            ));
+    /// The needs of `model` with pages of `page_size` tokens.
+    pub fn of(model: &nibble_engine::ModelConfig, page_size: usize) -> Self {
+        Self {
+            head_dim: model.head_dim,
+            page_size,
+            q_heads: model.num_heads,
+            kv_heads: model.num_kv_heads,
         }
-        if self.page_size < crate::launch::DECODE_TILE {
-            return Some(format!(
-                "the CUDA decode kernel reads pages of at least {} tokens, not {}",
-                crate::launch::DECODE_TILE,
-                self.page_size
-            ));
-        }
-        None
     }
+
+    /// Why the CUDA backend cannot run this model and cache, if it cannot.
+    pub fn unsupported(self) -> Option<String> {
+        pages_unsupported(self.head_dim, self.page_size)
+            .or_else(|| group_unsupported(self.q_heads, self.kv_heads))
+    }
+}
+
+/// Why the CUDA kernels cannot hold pages of `head_dim`-value vectors, `page_size` tokens each.
+pub(crate) fn pages_unsupported(head_dim: usize, page_size: usize) -> Option<String> {
+    if !matches!(head_dim, 64 | 128) {
+        return Some(format!(
+            "the CUDA attention kernels take head dim 64 or 128, not {head_dim}"
+        ));
+    }
+    if page_size < crate::launch::DECODE_TILE {
+        return Some(format!(
+            "the CUDA decode kernel reads pages of at least {} tokens, not {page_size}",
+            crate::launch::DECODE_TILE
+        ));
+    }
+    None
+}
+
+/// Why the CUDA decode kernel cannot read `q_heads` query heads over `kv_heads` KV heads.
+pub(crate) fn group_unsupported(q_heads: usize, kv_heads: usize) -> Option<String> {
+    if q_heads == 0 || kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) || q_heads / kv_heads > 8
+    {
+        return Some(format!(
+            "the CUDA decode kernel reads groups of 1 to 8 query heads per KV head, not \
+             {q_heads} query heads over {kv_heads} KV heads"
+        ));
+    }
+    None
 }
 
 impl fmt::Display for Device {
@@ -147,12 +179,20 @@ mod tests {
         let ok = KvNeeds {
             head_dim: 128,
             page_size: 16,
+            q_heads: 32,
+            kv_heads: 8,
         };
         assert_eq!(ok.unsupported(), None);
         assert_eq!(KvNeeds { head_dim: 64, ..ok }.unsupported(), None);
         let reason = |kv: KvNeeds| kv.unsupported().unwrap();
         assert!(reason(KvNeeds { head_dim: 96, ..ok }).contains("head dim 64 or 128, not 96"));
         assert!(reason(KvNeeds { page_size: 8, ..ok }).contains("not 8"));
+        let wide = KvNeeds { q_heads: 96, ..ok };
+        assert!(
+            reason(wide).contains("96 query heads over 8 KV heads"),
+            "{wide:?}"
+        );
+        assert!(KvNeeds { q_heads: 12, ..ok }.unsupported().is_some());
         // `cpu` never starts CUDA; `auto` passes a GPU by for a cache it cannot run (here, or on
         // a machine with no GPU, it settles on the CPU either way).
         let bad = KvNeeds { head_dim: 96, ..ok };
@@ -165,5 +205,11 @@ mod tests {
         if !crate::cuda_available() {
             assert!(Device::Cuda.start(ok, |_| panic!("no note")).is_err());
         }
+        // `cuda` refuses what the kernels cannot run before it starts anything.
+        let err = Device::Cuda
+            .start(wide, |_| panic!("no note"))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("groups of 1 to 8"), "{err}");
     }
 }

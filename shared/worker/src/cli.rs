@@ -301,10 +301,7 @@ pub fn start_engine(
     let source = ModelSource::open(&args.model)?;
     let tokenizer = Arc::new(source.load_tokenizer()?);
     let kv = kv_config(args, source.config()?.num_layers)?;
-    let needs = KvNeeds {
-        head_dim: source.config()?.head_dim,
-        page_size: args.page_size,
-    };
+    let needs = KvNeeds::of(&source.config()?, args.page_size);
     let cuda = args
         .device
         .start(needs, |why| {

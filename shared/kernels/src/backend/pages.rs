@@ -60,11 +60,9 @@ impl CudaBackend {
         } = encoding;
         let layout = plan.layout;
         let window = WindowLayout::new(&layout, window).map_err(nibble_kvcache::Error::from)?;
-        let needs = crate::KvNeeds {
-            head_dim: layout.head_dim(),
-            page_size: layout.page_size(),
-        };
-        if let Some(reason) = needs.unsupported() {
+        if let Some(reason) =
+            crate::device::pages_unsupported(layout.head_dim(), layout.page_size())
+        {
             return Err(EngineError::Unsupported(reason));
         }
         PageGeom::new(&layout, 0).map_err(|e| EngineError::Unsupported(e.to_string()))?;

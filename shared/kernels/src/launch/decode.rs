@@ -71,10 +71,8 @@ impl Kernels {
         };
         let kv_heads = geom.kv_heads as usize;
         let q_heads = batch.q_heads;
-        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) || q_heads / kv_heads > 8 {
-            return Err(Error::Unsupported(format!(
-                "{q_heads} query heads over {kv_heads} KV heads (a group of 1 to 8)"
-            )));
+        if let Some(reason) = crate::device::group_unsupported(q_heads, kv_heads) {
+            return Err(Error::Unsupported(reason));
         }
         let seqs = batch.context.len();
         check("queries", seqs * q_heads * d, batch.q.len())?;
