@@ -167,7 +167,7 @@ pub fn stream<B: Backend>(engine: &mut Engine<B>, out: &mut impl Write) -> Resul
                 write(&text)?;
                 write("\n")?;
                 if let Some(error) = error {
-                    return Err(Error::Generation(error));
+                    return Err(Error::Generation(error.to_string()));
                 }
                 let end = Instant::now();
                 let first = first_token.unwrap_or(end);

@@ -331,7 +331,7 @@ impl<B: Backend> KvBatch<B> for Recorder<'_, B> {
             (step.v, &mut m.v, &mut m.v_rotated, false),
         ] {
             self.host.clear();
-            backend.download_rows(tensor, rows.clone(), &mut self.host);
+            backend.download_rows(tensor, rows.clone(), &mut self.host)?;
             plain[layer] = amax(plain[layer], &self.host);
             if is_k {
                 let channels = &mut m.k_channels[layer];

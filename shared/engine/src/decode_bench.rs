@@ -450,7 +450,7 @@ fn collect(
             }
             Event::Finished {
                 error: Some(error), ..
-            } => return Err(BenchError::StepFailed(error.clone())),
+            } => return Err(BenchError::StepFailed(error.to_string())),
             Event::Finished { .. } => {}
             Event::Prefilled { id, .. } => {
                 return Err(BenchError::Config(format!(

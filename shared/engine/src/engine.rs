@@ -87,8 +87,20 @@ pub enum Event {
         text: String,
         usage: Usage,
         /// Set when the request ended because the engine failed.
-        error: Option<String>,
+        error: Option<Failure>,
     },
+}
+
+/// Why a step failed its requests, classified where it happened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Failure {
+    /// The device failed ([`Error::Device`]): the engine's state is unknown and it takes no
+    /// more work ([`Engine::device_failure`]); the requests can run on another worker.
+    #[error("{0}")]
+    Device(String),
+    /// The step failed for another reason (a bug or bad state); the engine goes on.
+    #[error("{0}")]
+    Step(String),
 }
 
 /// Per-request state beside the scheduler's.
@@ -185,6 +197,8 @@ pub struct Engine<B: Backend> {
     eos: Vec<u32>,
     /// The last step's phases.
     phases: StepPhases,
+    /// The first device failure, after which the engine's state is unknown.
+    device_failure: Option<String>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -226,6 +240,7 @@ impl<B: Backend> Engine<B> {
             logits: Vec::new(),
             requests: HashMap::new(),
             phases: StepPhases::default(),
+            device_failure: None,
         })
     }
 
@@ -319,6 +334,12 @@ impl<B: Backend> Engine<B> {
             }
             Err(e) => self.fail(&batch, &e),
         }
+    }
+
+    /// The device failure that failed a step, if one did: the engine's device state is unknown
+    /// from then on, and its owner should stop it (a worker stops serving).
+    pub fn device_failure(&self) -> Option<&str> {
+        self.device_failure.as_deref()
     }
 
     /// Where the last [`step`](Self::step)'s time went.
@@ -476,7 +497,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         id: SeqId,
         reason: FinishReason,
-        error: Option<String>,
+        error: Option<Failure>,
         flush: bool,
     ) -> Event {
         let mut text = String::new();
@@ -616,12 +637,19 @@ impl<B: Backend> Engine<B> {
 
     /// A failed step ends every request in it, releasing their pages.
     fn fail(&mut self, batch: &Batch, error: &Error) -> Vec<Event> {
+        let failure = match error {
+            Error::Device(message) => Failure::Device(message.clone()),
+            other => Failure::Step(other.to_string()),
+        };
+        if let Failure::Device(message) = &failure {
+            self.device_failure.get_or_insert_with(|| message.clone());
+        }
         let mut events = Vec::new();
         for item in &batch.items {
             let event = self.close(
                 item.seq,
                 FinishReason::Aborted,
-                Some(error.to_string()),
+                Some(failure.clone()),
                 false,
             );
             self.state.abort(item.seq);

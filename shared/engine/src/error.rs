@@ -113,6 +113,11 @@ pub enum Error {
     /// A forward-pass input is invalid (token out of range, context full, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+
+    /// The device failed: a launch, a copy or an allocation (a GPU backend's driver error).
+    /// The backend's state is unknown afterwards; its engine stops.
+    #[error("device: {0}")]
+    Device(String),
     /// The paged KV cache refused an operation (pool exhausted, bad slot, ...).
     #[error("KV cache: {0}")]
     Kv(#[from] nibble_kvcache::Error),

@@ -233,14 +233,15 @@ impl<B: Backend> ContiguousKv<B> {
         self.len = self.len.min(len);
     }
 
-    fn grow(&mut self, backend: &B, needed: usize) {
+    fn grow(&mut self, backend: &B, needed: usize) -> Result<()> {
         let new_cap = needed.max(self.capacity * 2).min(self.max_len);
         for t in self.k.iter_mut().chain(self.v.iter_mut()) {
             let mut bigger = backend.zeros(new_cap, self.kv_dim);
-            backend.copy_rows(t, 0, &mut bigger, 0, self.len);
+            backend.copy_rows(t, 0, &mut bigger, 0, self.len)?;
             *t = bigger;
         }
         self.capacity = new_cap;
+        Ok(())
     }
 }
 
@@ -258,7 +259,7 @@ impl<B: Backend> KvStore<B> for ContiguousKv<B> {
             )));
         }
         if needed > self.capacity {
-            self.grow(backend, needed);
+            self.grow(backend, needed)?;
         }
         Ok(())
     }
@@ -278,8 +279,8 @@ impl<B: Backend> KvStore<B> for ContiguousKv<B> {
             )));
         }
         let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
-        backend.copy_rows(new.k, new.rows.start, k, self.len, n);
-        backend.copy_rows(new.v, new.rows.start, v, self.len, n);
+        backend.copy_rows(new.k, new.rows.start, k, self.len, n)?;
+        backend.copy_rows(new.v, new.rows.start, v, self.len, n)?;
         backend.attention(
             &AttentionArgs {
                 q: new.q,
@@ -290,7 +291,7 @@ impl<B: Backend> KvStore<B> for ContiguousKv<B> {
                 geometry: new.geometry,
             },
             out,
-        );
+        )?;
         Ok(())
     }
 

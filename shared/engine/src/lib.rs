@@ -47,7 +47,7 @@ pub use backend::cpu::{CpuBackend, CpuTensor};
 pub use backend::{AttentionArgs, AttnGeometry, Backend, PageEncoding, PagedSeq, RopeArgs};
 pub use chat::ChatMessage;
 pub use config::{Architecture, ModelConfig, RopeStyle};
-pub use engine::{Engine, EngineConfig, Event, RequestError, StepPhases, Usage};
+pub use engine::{Engine, EngineConfig, Event, Failure, RequestError, StepPhases, Usage};
 pub use error::{Error, Result};
 pub use hf::HfModelDir;
 pub use kv::{ContiguousKv, KvBatch, KvStore, NewTokens, PagedBatch, PerSequence, StepTokens};

@@ -297,14 +297,14 @@ impl<B: Backend> Model<B> {
         };
 
         be.resize(&mut ws.x, rows, c.hidden_size);
-        be.embed(&self.weights.embed, &ws.tokens, &mut ws.x);
+        be.embed(&self.weights.embed, &ws.tokens, &mut ws.x)?;
         // Each residual add is fused with the RMSNorm that reads its result (add_rms_norm):
         // the first attention norm stands alone, the last add (the final norm reads only the
         // selected rows, in `logits`) too.
         let layers = &self.weights.layers;
         be.resize(&mut ws.normed, rows, c.hidden_size);
         if let Some(first) = layers.first() {
-            be.rms_norm(&ws.x, &first.attn_norm, c.rms_norm_eps, &mut ws.normed);
+            be.rms_norm(&ws.x, &first.attn_norm, c.rms_norm_eps, &mut ws.normed)?;
         }
         for (layer, w) in layers.iter().enumerate() {
             // Attention block (`normed` holds this layer's attention norm of x).
@@ -315,26 +315,26 @@ impl<B: Backend> Model<B> {
                 &ws.normed,
                 &[&w.wq, &w.wk, &w.wv],
                 &mut [&mut ws.q, &mut ws.k, &mut ws.v],
-            );
+            )?;
             if let Some([bq, bk, bv]) = &w.qkv_bias {
-                be.add_bias(&mut ws.q, bq);
-                be.add_bias(&mut ws.k, bk);
-                be.add_bias(&mut ws.v, bv);
+                be.add_bias(&mut ws.q, bq)?;
+                be.add_bias(&mut ws.k, bk)?;
+                be.add_bias(&mut ws.v, bv)?;
             }
             if let Some([qn, kn]) = &w.qk_norm {
                 // Per-head norm; `attn`/`proj` are free until attention runs.
                 be.resize(&mut ws.attn, rows, c.q_dim());
-                be.rms_norm(&ws.q, qn, c.rms_norm_eps, &mut ws.attn);
+                be.rms_norm(&ws.q, qn, c.rms_norm_eps, &mut ws.attn)?;
                 std::mem::swap(&mut ws.q, &mut ws.attn);
                 be.resize(&mut ws.proj, rows, c.kv_dim());
-                be.rms_norm(&ws.k, kn, c.rms_norm_eps, &mut ws.proj);
+                be.rms_norm(&ws.k, kn, c.rms_norm_eps, &mut ws.proj)?;
                 std::mem::swap(&mut ws.k, &mut ws.proj);
             }
-            be.rope_qk(&mut ws.q, &mut ws.k, &ws.positions, &rope);
+            be.rope_qk(&mut ws.q, &mut ws.k, &ws.positions, &rope)?;
             if let Some(smoothing) = &self.smoothing {
                 let [sq, sk] = &smoothing[layer];
-                be.mul_cols(&mut ws.q, sq);
-                be.mul_cols(&mut ws.k, sk);
+                be.mul_cols(&mut ws.q, sq)?;
+                be.mul_cols(&mut ws.k, sk)?;
             }
             be.resize(&mut ws.attn, rows, c.q_dim());
             let step = StepTokens {
@@ -346,7 +346,7 @@ impl<B: Backend> Model<B> {
             };
             kv.attend(be, layer, &step, &mut ws.attn)?;
             be.resize(&mut ws.proj, rows, c.hidden_size);
-            be.matmul_t(&ws.attn, &w.wo, &mut ws.proj);
+            be.matmul_t(&ws.attn, &w.wo, &mut ws.proj)?;
 
             // SwiGLU FFN block.
             be.add_rms_norm(
@@ -355,28 +355,28 @@ impl<B: Backend> Model<B> {
                 &w.ffn_norm,
                 c.rms_norm_eps,
                 &mut ws.normed,
-            );
+            )?;
             be.resize(&mut ws.gate, rows, c.intermediate_size);
             be.resize(&mut ws.up, rows, c.intermediate_size);
             be.matmul_t_many(
                 &ws.normed,
                 &[&w.w_gate, &w.w_up],
                 &mut [&mut ws.gate, &mut ws.up],
-            );
-            be.silu_mul(&mut ws.gate, &ws.up);
-            be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj);
+            )?;
+            be.silu_mul(&mut ws.gate, &ws.up)?;
+            be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj)?;
             match layers.get(layer + 1) {
                 Some(next) => {
                     let eps = c.rms_norm_eps;
-                    be.add_rms_norm(&mut ws.x, &ws.proj, &next.attn_norm, eps, &mut ws.normed);
+                    be.add_rms_norm(&mut ws.x, &ws.proj, &next.attn_norm, eps, &mut ws.normed)?;
                 }
-                None => be.add(&mut ws.x, &ws.proj),
+                None => be.add(&mut ws.x, &ws.proj)?,
             }
         }
         ws.counts.clear();
         ws.counts.extend(ws.spans.iter().map(|s| s.len()));
         kv.commit(&ws.counts);
-        self.logits(ws, which, out);
+        self.logits(ws, which, out)?;
         Ok(())
     }
 
@@ -434,16 +434,16 @@ impl<B: Backend> Model<B> {
     }
 
     /// Final norm and LM head for the rows `which` selects, then their logits or greedy tokens.
-    fn logits(&self, ws: &mut Workspace<B>, which: Logits, out: Output<'_>) {
+    fn logits(&self, ws: &mut Workspace<B>, which: Logits, out: Output<'_>) -> Result<()> {
         let be = &*self.backend;
         let c = &self.config;
         let source = match which {
-            Logits::None => return,
+            Logits::None => return Ok(()),
             Logits::All => &ws.x,
             Logits::Last => {
                 be.resize(&mut ws.selected, ws.spans.len(), c.hidden_size);
                 for (i, span) in ws.spans.iter().enumerate() {
-                    be.copy_rows(&ws.x, span.end - 1, &mut ws.selected, i, 1);
+                    be.copy_rows(&ws.x, span.end - 1, &mut ws.selected, i, 1)?;
                 }
                 &ws.selected
             }
@@ -455,9 +455,9 @@ impl<B: Backend> Model<B> {
             &self.weights.final_norm,
             c.rms_norm_eps,
             &mut ws.normed,
-        );
+        )?;
         be.resize(&mut ws.logits, rows, c.vocab_size);
-        be.matmul_t(&ws.normed, self.weights.lm_head(), &mut ws.logits);
+        be.matmul_t(&ws.normed, self.weights.lm_head(), &mut ws.logits)?;
         match out {
             Output::Logits(v) => be.download_rows(&ws.logits, 0..rows, v),
             Output::Greedy(v) => be.argmax_rows(&ws.logits, v),

@@ -76,7 +76,7 @@ fn main() -> Result<()> {
                 for group in &weights {
                     let ws: Vec<_> = group.iter().collect();
                     let mut os: Vec<_> = outs.iter_mut().collect();
-                    gpu.matmul_t_many(&x, &ws, &mut os);
+                    gpu.matmul_t_many(&x, &ws, &mut os).unwrap();
                 }
                 stream.synchronize()?;
                 Ok(t.elapsed().as_secs_f64() / copies as f64)

@@ -218,8 +218,11 @@ impl EngineHandle {
                 let _ = ready_tx.send(Ok(info));
                 let actor = Actor::new(engine, publisher);
                 let run = std::panic::AssertUnwindSafe(move || actor.run(rx));
-                if let Err(payload) = std::panic::catch_unwind(run) {
-                    let reason = panic_message(payload.as_ref());
+                let failure = match std::panic::catch_unwind(run) {
+                    Ok(failure) => failure,
+                    Err(payload) => Some(panic_message(payload.as_ref())),
+                };
+                if let Some(reason) = failure {
                     tracing::error!(%reason, "the engine failed");
                     guard
                         .0
@@ -436,7 +439,10 @@ where
         }
     }
 
-    fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+    /// Serves commands until every handle is gone and no work is left; returns early, with the
+    /// reason, when a device failure leaves the engine unusable (its requests were failed, and
+    /// dropping the actor ends every other request's stream).
+    fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) -> Option<String> {
         let mut open = true;
         loop {
             if !self.engine.has_work() {
@@ -462,9 +468,13 @@ where
             if self.engine.has_work() {
                 let events = self.engine.step();
                 self.route(events);
+                if let Some(failure) = self.engine.device_failure() {
+                    return Some(failure.to_string());
+                }
             }
             self.publisher.publish(self.engine.state());
         }
+        None
     }
 
     fn handle(&mut self, command: Command) {

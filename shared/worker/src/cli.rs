@@ -469,7 +469,7 @@ pub async fn run_on(
     served?;
     // A worker whose engine failed exits with an error, for its supervisor to restart it.
     match state.engine().stop_reason() {
-        Some(reason) => Err(Error::Failed(reason)),
+        Some(reason) => Err(Error::EngineFailed(reason)),
         None => Ok(()),
     }
 }

@@ -46,9 +46,13 @@ pub enum Error {
     /// The request was aborted (by Abort, or a cancelled peer).
     #[error("request {0} was aborted")]
     Aborted(String),
-    /// The engine failed while running the request.
+    /// The engine failed while running the request: a device failure (UNAVAILABLE: the worker
+    /// is stopping, another can serve it) or a failed step (INTERNAL).
     #[error("request failed: {0}")]
-    Failed(String),
+    Failed(nibble_engine::Failure),
+    /// The engine thread ended with this reason (a device failure): the worker stops.
+    #[error("{0}")]
+    EngineFailed(String),
     /// The decode worker refused or failed a page push.
     #[error("page push to {address}: {status}")]
     Push {
@@ -126,13 +130,16 @@ impl From<Error> for tonic::Status {
             Error::Aborted(_) => Status::aborted(message),
             // The peer's classification stands (a fingerprint refusal stays FAILED_PRECONDITION).
             Error::Push { status, .. } => Status::new(status.code(), message),
-            Error::Connect { .. } | Error::EngineStopped => Status::unavailable(message),
+            Error::Connect { .. }
+            | Error::EngineStopped
+            | Error::Failed(nibble_engine::Failure::Device(_)) => Status::unavailable(message),
             Error::Security(nibble_security::Error::Address { .. }) => {
                 Status::invalid_argument(message)
             }
             Error::Engine(_)
             | Error::Kernels(_)
-            | Error::Failed(_)
+            | Error::Failed(nibble_engine::Failure::Step(_))
+            | Error::EngineFailed(_)
             | Error::Security(_)
             | Error::Discovery(_)
             | Error::Serve(_)

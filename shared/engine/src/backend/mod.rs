@@ -5,7 +5,12 @@
 //! Tensors are 2-D, row-major, f32 (`rows × cols`); token-major activations have one row per
 //! token. Kernels write into caller-owned outputs so a forward pass can reuse its buffers, and
 //! the shapes they expect are stated on each method (the CPU backend checks them with asserts:
-//! a mismatch is a bug in the caller, not a runtime condition).
+//! a mismatch is a bug in the caller, not a runtime condition). Every kernel returns a
+//! `Result`: a device backend's launch, copy or allocation can fail at run time, and that is
+//! [`Error::Device`](crate::Error::Device), classified where it happens and passed up through the
+//! forward pass to the engine, which stops (the worker then stops serving). Only `zeros` and
+//! `resize` stay infallible; a device allocation failing there panics, and the worker's engine
+//! thread turns that panic into the same stop.
 
 pub mod cpu;
 
@@ -143,20 +148,22 @@ pub trait Backend: Send + Sync + 'static {
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
 
     /// Copies rows `rows` of `t` to the host, appending to `out`.
-    fn download_rows(&self, t: &Self::Tensor, rows: Range<usize>, out: &mut Vec<f32>);
+    fn download_rows(&self, t: &Self::Tensor, rows: Range<usize>, out: &mut Vec<f32>)
+        -> Result<()>;
 
     /// Appends, for every row of `t`, the first column holding the row's largest value (NaNs
     /// ignored; 0 for a row that starts with a NaN): greedy decoding's token, as
     /// `sampling::argmax` picks it. A device backend computes it where the rows are and copies
     /// back one index per row instead of the rows.
-    fn argmax_rows(&self, t: &Self::Tensor, out: &mut Vec<u32>) {
+    fn argmax_rows(&self, t: &Self::Tensor, out: &mut Vec<u32>) -> Result<()> {
         let (rows, cols) = self.shape(t);
         let mut host = Vec::with_capacity(rows * cols);
-        self.download_rows(t, 0..rows, &mut host);
+        self.download_rows(t, 0..rows, &mut host)?;
         out.extend(
             host.chunks_exact(cols.max(1))
                 .map(|row| crate::sampling::argmax(row) as u32),
         );
+        Ok(())
     }
 
     /// `dst[dst_row + i] = src[src_row + i]` for `i < n`; same column count.
@@ -167,14 +174,14 @@ pub trait Backend: Send + Sync + 'static {
         dst: &mut Self::Tensor,
         dst_row: usize,
         n: usize,
-    );
+    ) -> Result<()>;
 
     /// `out[i] = table[tokens[i]]`; `out` is `[tokens.len(), table.cols]`. Tokens are in range.
-    fn embed(&self, table: &Self::Tensor, tokens: &[u32], out: &mut Self::Tensor);
+    fn embed(&self, table: &Self::Tensor, tokens: &[u32], out: &mut Self::Tensor) -> Result<()>;
 
     /// `out = x · wᵀ`: `x` is `[n, k]`, `w` is `[m, k]` (a weight matrix, one row per output
     /// feature), `out` is `[n, m]`.
-    fn matmul_t(&self, x: &Self::Tensor, w: &Self::Tensor, out: &mut Self::Tensor);
+    fn matmul_t(&self, x: &Self::Tensor, w: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
 
     /// `outs[i] = x · ws[i]ᵀ` for several weight matrices of one input (Q, K and V; gate and
     /// up). A backend may serve them in one pass (one launch over all the matrices on a GPU);
@@ -184,22 +191,29 @@ pub trait Backend: Send + Sync + 'static {
         x: &Self::Tensor,
         ws: &[&Self::Tensor],
         outs: &mut [&mut Self::Tensor],
-    ) {
+    ) -> Result<()> {
         assert_eq!(ws.len(), outs.len(), "matmul_t_many: one output per weight");
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.matmul_t(x, w, out);
+            self.matmul_t(x, w, out)?;
         }
+        Ok(())
     }
 
     /// `x[r] += bias` for every row; `bias` is `[1, x.cols]`.
-    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor);
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()>;
 
     /// `x += y`, same shapes.
-    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
 
     /// RMSNorm over consecutive groups of `weight.cols` values (a row, or one head of a row):
     /// `out = x / sqrt(mean(x²) + eps) * weight`. `out` has `x`'s shape.
-    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32, out: &mut Self::Tensor);
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
 
     /// The residual add and the next RMSNorm in one: `x += y`, then `out = rms_norm(x)` over
     /// whole rows (`weight` is `[1, x.cols]`). A backend may fuse them (one kernel instead of
@@ -211,13 +225,18 @@ pub trait Backend: Send + Sync + 'static {
         weight: &Self::Tensor,
         eps: f32,
         out: &mut Self::Tensor,
-    ) {
-        self.add(x, y);
-        self.rms_norm(x, weight, eps, out);
+    ) -> Result<()> {
+        self.add(x, y)?;
+        self.rms_norm(x, weight, eps, out)
     }
 
     /// Rotates every head of row `i` of `x` in place by position `positions[i]`.
-    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], rope: &RopeArgs<'_, Self::Tensor>);
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        positions: &[u32],
+        rope: &RopeArgs<'_, Self::Tensor>,
+    ) -> Result<()>;
 
     /// [`Backend::rope`] of the queries and of the keys of the same rows. A backend may rotate
     /// both in one pass (one launch on a GPU); the results must equal two `rope` calls.
@@ -227,20 +246,24 @@ pub trait Backend: Send + Sync + 'static {
         k: &mut Self::Tensor,
         positions: &[u32],
         rope: &RopeArgs<'_, Self::Tensor>,
-    ) {
-        self.rope(q, positions, rope);
-        self.rope(k, positions, rope);
+    ) -> Result<()> {
+        self.rope(q, positions, rope)?;
+        self.rope(k, positions, rope)
     }
 
     /// `x[r][c] *= scale[c]` for every row `r`: a per-channel multiplier (K smoothing).
-    fn mul_cols(&self, x: &mut Self::Tensor, scale: &Self::Tensor);
+    fn mul_cols(&self, x: &mut Self::Tensor, scale: &Self::Tensor) -> Result<()>;
 
     /// `gate = silu(gate) * up`, elementwise, same shapes.
-    fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor);
+    fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
 
     /// Causal GQA attention of one sequence (see [`AttentionArgs`]); writes rows `q_rows` of
     /// `out` (`[rows, num_heads * head_dim]`) and leaves its other rows alone.
-    fn attention(&self, args: &AttentionArgs<'_, Self::Tensor>, out: &mut Self::Tensor);
+    fn attention(
+        &self,
+        args: &AttentionArgs<'_, Self::Tensor>,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
 
     /// The bytes of a KV page pool, in this backend's memory.
     type Pages: Send;

@@ -217,7 +217,7 @@ fn check_prefill(
             scale: 1.0 / (d as f32).sqrt(),
         },
     };
-    cpu.attention(&args, &mut ct);
+    cpu.attention(&args, &mut ct)?;
     let (dq, dk, dv) = (
         stream.clone_htod(&q)?,
         stream.clone_htod(&wk)?,

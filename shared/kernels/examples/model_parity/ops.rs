@@ -22,7 +22,7 @@ fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
 fn down<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
     let (rows, _) = b.shape(t);
     let mut out = Vec::new();
-    b.download_rows(t, 0..rows, &mut out);
+    b.download_rows(t, 0..rows, &mut out).expect("download");
     out
 }
 
@@ -64,8 +64,8 @@ fn check_matmul(
         gpu.upload_matrix(m, k, w)?,
     );
     let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
-    cpu.matmul_t(&xc, &wc, &mut oc);
-    gpu.matmul_t(&xg, &wg, &mut og);
+    cpu.matmul_t(&xc, &wc, &mut oc)?;
+    gpu.matmul_t(&xg, &wg, &mut og)?;
     Ok(report(
         &format!("{name} {n}x{k}x{m}"),
         &down(cpu, &oc),
@@ -114,24 +114,24 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
     let (wc, wg) = p.up(1, cols, &w)?;
     {
         let (mut a, mut b) = (cpu.zeros(rows, cols), gpu.zeros(rows, cols));
-        cpu.rms_norm(&xc, &wc, 1e-5, &mut a);
-        gpu.rms_norm(&xg, &wg, 1e-5, &mut b);
+        cpu.rms_norm(&xc, &wc, 1e-5, &mut a)?;
+        gpu.rms_norm(&xg, &wg, 1e-5, &mut b)?;
         ok &= report("rms_norm", &down(cpu, &a), &down(gpu, &b), 1e-6);
         let (hc, hg) = p.up(1, 64, &w[..64])?;
-        cpu.rms_norm(&xc, &hc, 1e-6, &mut a);
-        gpu.rms_norm(&xg, &hg, 1e-6, &mut b);
+        cpu.rms_norm(&xc, &hc, 1e-6, &mut a)?;
+        gpu.rms_norm(&xg, &hg, 1e-6, &mut b)?;
         ok &= report("rms_norm per head", &down(cpu, &a), &down(gpu, &b), 1e-6);
     }
     {
         let (mut a, mut b) = (p.up(rows, cols, &x)?.0, p.up(rows, cols, &x)?.1);
-        cpu.add(&mut a, &yc);
-        gpu.add(&mut b, &yg);
+        cpu.add(&mut a, &yc)?;
+        gpu.add(&mut b, &yg)?;
         ok &= report("add", &down(cpu, &a), &down(gpu, &b), 0.0);
-        cpu.add_bias(&mut a, &wc);
-        gpu.add_bias(&mut b, &wg);
+        cpu.add_bias(&mut a, &wc)?;
+        gpu.add_bias(&mut b, &wg)?;
         ok &= report("add_bias", &down(cpu, &a), &down(gpu, &b), 0.0);
-        cpu.mul_cols(&mut a, &wc);
-        gpu.mul_cols(&mut b, &wg);
+        cpu.mul_cols(&mut a, &wc)?;
+        gpu.mul_cols(&mut b, &wg)?;
         ok &= report("mul_cols", &down(cpu, &a), &down(gpu, &b), 0.0);
         // The Hadamard rotation of head vectors, bit-identical to the CPU's.
         for d in [64, 128] {
@@ -141,10 +141,10 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             let mut host = original.clone();
             nibble_engine::hadamard::rotate(&mut host, d);
             let mut dst = gpu.zeros(0, 0);
-            gpu.rotate_heads(&src, &mut dst, d);
+            gpu.rotate_heads(&src, &mut dst, d)?;
             ok &= report(&format!("hadamard {d}"), &host, &down(gpu, &dst), 0.0);
             // H is its own inverse: rotating again (in place) gives the input back.
-            gpu.rotate_heads_in_place(&mut dst, d);
+            gpu.rotate_heads_in_place(&mut dst, d)?;
             ok &= report(
                 &format!("hadamard {d} twice"),
                 &original,
@@ -158,15 +158,15 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
                 .iter()
                 .map(|x| p.up(1, x.len(), x).map(|t| t.1))
                 .collect::<Result<Vec<_>>>()?;
-            gpu.rotate_qkv([&ups[0], &ups[1], &ups[2]], &mut out, d);
+            gpu.rotate_qkv([&ups[0], &ups[1], &ups[2]], &mut out, d)?;
             for (i, (x, y)) in parts.iter().zip(&out).enumerate() {
                 let mut want = x.to_vec();
                 nibble_engine::hadamard::rotate(&mut want, d);
                 ok &= report(&format!("hadamard {d} qkv[{i}]"), &want, &down(gpu, y), 0.0);
             }
         }
-        cpu.silu_mul(&mut a, &yc);
-        gpu.silu_mul(&mut b, &yg);
+        cpu.silu_mul(&mut a, &yc)?;
+        gpu.silu_mul(&mut b, &yg)?;
         ok &= report("silu_mul", &down(cpu, &a), &down(gpu, &b), 1e-6);
     }
     {
@@ -174,14 +174,14 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         // kernel, which must give the bits of the GPU's own two kernels.
         let (mut a, mut b) = (p.up(rows, cols, &x)?.0, p.up(rows, cols, &x)?.1);
         let (mut na, mut nb) = (cpu.zeros(rows, cols), gpu.zeros(rows, cols));
-        cpu.add_rms_norm(&mut a, &yc, &wc, 1e-5, &mut na);
-        gpu.add_rms_norm(&mut b, &yg, &wg, 1e-5, &mut nb);
+        cpu.add_rms_norm(&mut a, &yc, &wc, 1e-5, &mut na)?;
+        gpu.add_rms_norm(&mut b, &yg, &wg, 1e-5, &mut nb)?;
         ok &= report("add_rms_norm: sum", &down(cpu, &a), &down(gpu, &b), 0.0);
         ok &= report("add_rms_norm: norm", &down(cpu, &na), &down(gpu, &nb), 1e-6);
         let mut two = p.up(rows, cols, &x)?.1;
         let mut n2 = gpu.zeros(rows, cols);
-        gpu.add(&mut two, &yg);
-        gpu.rms_norm(&two, &wg, 1e-5, &mut n2);
+        gpu.add(&mut two, &yg)?;
+        gpu.rms_norm(&two, &wg, 1e-5, &mut n2)?;
         ok &= report(
             "add_rms_norm = add, rms_norm (cuda)",
             &down(gpu, &nb),
@@ -194,8 +194,8 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         let (tc, tg) = p.up(50, cols, &table)?;
         let tokens = [3u32, 49, 0, 7];
         let (mut a, mut b) = (cpu.zeros(4, cols), gpu.zeros(4, cols));
-        cpu.embed(&tc, &tokens, &mut a);
-        gpu.embed(&tg, &tokens, &mut b);
+        cpu.embed(&tc, &tokens, &mut a)?;
+        gpu.embed(&tg, &tokens, &mut b)?;
         ok &= report("embed", &down(cpu, &a), &down(gpu, &b), 0.0);
     }
     {
@@ -213,8 +213,8 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
         let flat: Vec<f32> = rows.concat();
         let (tc, tg) = p.up(rows.len(), vocab, &flat)?;
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        cpu.argmax_rows(&tc, &mut a);
-        gpu.argmax_rows(&tg, &mut b);
+        cpu.argmax_rows(&tc, &mut a)?;
+        gpu.argmax_rows(&tg, &mut b)?;
         let same = a == b;
         println!("{{\"op\":\"argmax_rows\",\"cpu\":{a:?},\"cuda\":{b:?},\"ok\":{same}}}");
         ok &= same;
@@ -240,7 +240,7 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
                 style,
                 head_dim: hd,
             },
-        );
+        )?;
         gpu.rope(
             &mut b,
             &positions,
@@ -250,7 +250,7 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
                 style,
                 head_dim: hd,
             },
-        );
+        )?;
         ok &= report(
             &format!("rope {style:?}"),
             &down(cpu, &a),
@@ -266,9 +266,9 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             head_dim: hd,
         };
         let (mut q1, mut k1) = (p.up(rows, cols, &x)?.1, p.up(rows, 3 * hd, &keys)?.1);
-        gpu.rope_qk(&mut q1, &mut k1, &positions, &args);
+        gpu.rope_qk(&mut q1, &mut k1, &positions, &args)?;
         let mut k2 = p.up(rows, 3 * hd, &keys)?.1;
-        gpu.rope(&mut k2, &positions, &args);
+        gpu.rope(&mut k2, &positions, &args)?;
         let same = down(gpu, &q1) == down(gpu, &b) && down(gpu, &k1) == down(gpu, &k2);
         println!("{{\"op\":\"rope_qk {style:?}\",\"bits_equal_rope\":{same},\"ok\":{same}}}");
         ok &= same;
@@ -305,8 +305,8 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             kv_len: ctx,
             geometry,
         };
-        cpu.attention(&args_c, &mut a);
-        gpu.attention(&args_g, &mut b);
+        cpu.attention(&args_c, &mut a)?;
+        gpu.attention(&args_g, &mut b)?;
         ok &= report(
             "attention (contiguous f32)",
             &down(cpu, &a),
@@ -477,8 +477,8 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
     let (mut oc, mut og) = (cpu.zeros(n, m), gpu.zeros(n, m));
     for (name, first) in [("first", true), ("same input", false)] {
         let (wc, wg) = if first { (&w1c, &w1g) } else { (&w2c, &w2g) };
-        cpu.matmul_t(&xc, wc, &mut oc);
-        gpu.matmul_t(&xg, wg, &mut og);
+        cpu.matmul_t(&xc, wc, &mut oc)?;
+        gpu.matmul_t(&xg, wg, &mut og)?;
         ok &= report(
             &format!("matmul_t bf16 weights, {name}"),
             &down(cpu, &oc),
@@ -486,10 +486,10 @@ pub fn check_bf16_cast(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             1e-2,
         );
     }
-    cpu.add(&mut xc, &yc);
-    gpu.add(&mut xg, &yg);
-    cpu.matmul_t(&xc, &w1c, &mut oc);
-    gpu.matmul_t(&xg, &w1g, &mut og);
+    cpu.add(&mut xc, &yc)?;
+    gpu.add(&mut xg, &yg)?;
+    cpu.matmul_t(&xc, &w1c, &mut oc)?;
+    gpu.matmul_t(&xg, &w1g, &mut og)?;
     ok &= report(
         "matmul_t bf16 weights, input changed",
         &down(cpu, &oc),
@@ -524,11 +524,11 @@ fn check_fused_casts(gpu: &CudaBackend, rng: &mut StdRng) -> Result<bool> {
             "rms_norm" => gpu.rms_norm(&x, &norm_w, 1e-5, &mut out),
             "add_rms_norm" => gpu.add_rms_norm(&mut x, &y, &norm_w, 1e-5, &mut out),
             _ => gpu.silu_mul(&mut out, &up),
-        }
+        }?;
         let (mut fused, mut fresh) = (gpu.zeros(n, m), gpu.zeros(n, m));
-        gpu.matmul_t(&out, &w, &mut fused);
-        gpu.add(&mut out, &zeros);
-        gpu.matmul_t(&out, &w, &mut fresh);
+        gpu.matmul_t(&out, &w, &mut fused)?;
+        gpu.add(&mut out, &zeros)?;
+        gpu.matmul_t(&out, &w, &mut fresh)?;
         let same = down(gpu, &fused)
             .iter()
             .zip(down(gpu, &fresh))
@@ -556,11 +556,11 @@ fn check_matmul_many(gpu: &CudaBackend, rng: &mut StdRng, n: usize, parts: usize
     let mut fused: Vec<_> = rows[..parts].iter().map(|&m| gpu.zeros(n, m)).collect();
     let weights: Vec<_> = ws.iter().collect();
     let mut outs: Vec<_> = fused.iter_mut().collect();
-    gpu.matmul_t_many(&x, &weights, &mut outs);
+    gpu.matmul_t_many(&x, &weights, &mut outs)?;
     let mut same = true;
     for (w, got) in ws.iter().zip(&fused) {
         let mut one = gpu.zeros(n, gpu.shape(w).0);
-        gpu.matmul_t(&x, w, &mut one);
+        gpu.matmul_t(&x, w, &mut one)?;
         same &= down(gpu, &one)
             .iter()
             .zip(down(gpu, got))

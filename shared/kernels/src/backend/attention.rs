@@ -141,7 +141,7 @@ impl CudaBackend {
         &self,
         args: &AttentionArgs<'_, CudaTensor>,
         out: &mut CudaTensor,
-    ) {
+    ) -> EngineResult<()> {
         let g = args.geometry;
         let n = args.q_rows.len();
         assert!(
@@ -155,7 +155,7 @@ impl CudaBackend {
              (use the paged cache)"
         );
         if n == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let (row0, n32, kv_len) = (args.q_rows.start as u32, n as u32, args.kv_len as u32);
@@ -179,7 +179,8 @@ impl CudaBackend {
             .arg(&g.scale);
         // SAFETY: matches attention_f32; q/out rows and the kv_len context rows exist (the
         // caller's contract), and the scores fit the shared memory requested.
-        launched(unsafe { b.launch(cfg) }.map(|_| ()), "attention");
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "attention")?;
+        Ok(())
     }
 
     /// `Backend::paged_attention`: [`Self::attend`], between rotations for a Hadamard pool.
@@ -212,13 +213,13 @@ impl CudaBackend {
                 self.zeros_f32(0, 0),
             ]
         });
-        self.rotate_qkv([step.q, step.k, step.v], &mut rotated, d);
+        self.rotate_qkv([step.q, step.k, step.v], &mut rotated, d)?;
         let [q, k, v] = &rotated;
         let step = StepTokens { q, k, v, ..*step };
         let result = self.attend(pages, pool, layer, &step, seqs, out);
         pages.rotated = Some(rotated);
         result.map_err(unsupported)?;
-        self.rotate_heads_in_place(out, d);
+        self.rotate_heads_in_place(out, d)?;
         Ok(())
     }
 

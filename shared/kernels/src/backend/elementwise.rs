@@ -11,7 +11,8 @@ use nibble_engine::backend::RopeArgs;
 use nibble_engine::RopeStyle;
 
 use super::tensor::Data;
-use super::{grid, launched, CudaBackend, CudaTensor};
+use super::{device_err, grid, launched, CudaBackend, CudaTensor};
+use nibble_engine::Result as EngineResult;
 
 /// The input of [`CudaBackend::launch_norm`].
 enum NormInput<'a> {
@@ -23,21 +24,26 @@ enum NormInput<'a> {
 
 impl CudaBackend {
     /// Rows `tokens` of `table` (f32 or BF16 codes, widened exactly) into `out`.
-    pub(super) fn embed_tokens(&self, table: &CudaTensor, tokens: &[u32], out: &mut CudaTensor) {
+    pub(super) fn embed_tokens(
+        &self,
+        table: &CudaTensor,
+        tokens: &[u32],
+        out: &mut CudaTensor,
+    ) -> EngineResult<()> {
         assert_eq!(
             (out.rows, out.cols),
             (tokens.len(), table.cols),
             "embed: output shape"
         );
         if tokens.is_empty() {
-            return;
+            return Ok(());
         }
         assert!(
             tokens.iter().all(|&t| (t as usize) < table.rows),
             "embed: token out of range"
         );
         self.bind();
-        let dev = self.htod_u32(tokens);
+        let dev = self.htod_u32(tokens)?;
         let (n, cols) = (tokens.len() as u32, table.cols as u32);
         let mut b;
         match &table.data {
@@ -56,24 +62,32 @@ impl CudaBackend {
         launched(
             unsafe { b.launch(grid(n as u64 * cols as u64)) }.map(|_| ()),
             "embed",
-        );
+        )?;
+        Ok(())
     }
 
     /// `x += y`.
-    pub(super) fn add_in_place(&self, x: &mut CudaTensor, y: &CudaTensor) {
+    pub(super) fn add_in_place(&self, x: &mut CudaTensor, y: &CudaTensor) -> EngineResult<()> {
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
         let n = x.len() as u64;
         if n == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let mut b = self.kernels.builder(&self.ops.add);
         b.arg(x.f32_mut()).arg(y.f32()).arg(&n);
         // SAFETY: matches add_f32; both hold n values.
-        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add");
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "add")?;
+        Ok(())
     }
 
-    pub(super) fn norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32, out: &mut CudaTensor) {
+    pub(super) fn norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> EngineResult<()> {
         let w = weight.len();
         assert!(
             w > 0 && x.cols.is_multiple_of(w),
@@ -86,9 +100,10 @@ impl CudaBackend {
             "rms_norm: output shape"
         );
         if x.len() == 0 {
-            return;
+            return Ok(());
         }
-        self.launch_norm(NormInput::Plain(x), weight, eps, out);
+        self.launch_norm(NormInput::Plain(x), weight, eps, out)?;
+        Ok(())
     }
 
     /// `x += y`, then RMSNorm of `x` into `out`: one launch when the norm covers whole rows.
@@ -99,7 +114,7 @@ impl CudaBackend {
         weight: &CudaTensor,
         eps: f32,
         out: &mut CudaTensor,
-    ) {
+    ) -> EngineResult<()> {
         assert_eq!(
             (x.rows, x.cols),
             (y.rows, y.cols),
@@ -112,15 +127,16 @@ impl CudaBackend {
         );
         if weight.len() != x.cols || x.len() == 0 {
             // Per-head norms (or nothing to do): the two kernels.
-            self.add_in_place(x, y);
-            self.norm(x, weight, eps, out);
-            return;
+            self.add_in_place(x, y)?;
+            self.norm(x, weight, eps, out)?;
+            return Ok(());
         }
-        self.launch_norm(NormInput::Residual(x, y), weight, eps, out);
+        self.launch_norm(NormInput::Residual(x, y), weight, eps, out)?;
+        Ok(())
     }
 
     /// `gate = silu(gate) * up`.
-    pub(super) fn silu(&self, gate: &mut CudaTensor, up: &CudaTensor) {
+    pub(super) fn silu(&self, gate: &mut CudaTensor, up: &CudaTensor) -> EngineResult<()> {
         assert_eq!(
             (gate.rows, gate.cols),
             (up.rows, up.cols),
@@ -128,7 +144,7 @@ impl CudaBackend {
         );
         let n = gate.len() as u64;
         if n == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let mut cast = self.cast_target(gate.len());
@@ -139,10 +155,11 @@ impl CudaBackend {
             .arg(cast.as_mut().map(|c| &mut c.buf));
         // SAFETY: matches silu_mul_f32; both hold n values, the cast buffer (or null) at least
         // n.
-        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "silu_mul");
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), "silu_mul")?;
         if let Some(c) = &mut cast {
             c.of = Some(gate.stamp());
         }
+        Ok(())
     }
 
     /// RoPE of `x`, and of `y` (the keys of the same rows) in the same launch when given.
@@ -152,7 +169,7 @@ impl CudaBackend {
         mut y: Option<&mut CudaTensor>,
         positions: &[u32],
         rope: &RopeArgs<'_, CudaTensor>,
-    ) {
+    ) -> EngineResult<()> {
         let d = rope.head_dim;
         for t in std::iter::once(&*x).chain(y.as_deref()) {
             assert_eq!(positions.len(), t.rows, "rope: one position per row");
@@ -169,7 +186,7 @@ impl CudaBackend {
         let y_cols = y.as_ref().map_or(0, |t| t.cols);
         let pairs = (x.rows * (x.cols + y_cols) / 2) as u64;
         if pairs == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let mut uploaded = self
@@ -178,7 +195,7 @@ impl CudaBackend {
             .unwrap_or_else(PoisonError::into_inner);
         let pos = uploaded
             .upload(self.stream(), positions.to_vec())
-            .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"));
+            .map_err(|e| device_err("host-to-device copy of positions", e))?;
         let (rows, x_cols, y_cols, hd) = (x.rows as u32, x.cols as u32, y_cols as u32, d as u32);
         let half_split = u32::from(rope.style == RopeStyle::HalfSplit);
         let mut b = self.kernels.builder(&self.ops.rope);
@@ -194,7 +211,8 @@ impl CudaBackend {
             .arg(&half_split);
         // SAFETY: matches rope_f32; x holds rows * x_cols values, y (or null, with y_cols 0)
         // rows * y_cols; positions index rows of the tables (checked above).
-        launched(unsafe { b.launch(grid(pairs)) }.map(|_| ()), "rope");
+        launched(unsafe { b.launch(grid(pairs)) }.map(|_| ()), "rope")?;
+        Ok(())
     }
 
     /// RMSNorm over groups of `weight.len()` values of the input into `out` (shapes checked by
@@ -206,7 +224,7 @@ impl CudaBackend {
         weight: &CudaTensor,
         eps: f32,
         out: &mut CudaTensor,
-    ) {
+    ) -> EngineResult<()> {
         self.bind();
         let width = weight.len() as u32;
         let cfg = LaunchConfig {
@@ -239,9 +257,10 @@ impl CudaBackend {
         // SAFETY: matches rms_norm_f32 (x, w, out, width, eps, out_bf16) and add_rms_norm_f32
         // (x, y, w, out, width, eps, out_bf16); x, y and out hold whole groups of width values,
         // the cast buffer (or null) at least out's.
-        launched(unsafe { b.launch(cfg) }.map(|_| ()), what);
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), what)?;
         if let Some(c) = &mut cast {
             c.of = Some(out.stamp());
         }
+        Ok(())
     }
 }

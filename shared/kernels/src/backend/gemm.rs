@@ -11,8 +11,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::tensor::Data;
 use super::weights::{Bf16Gemm, WeightPrecision};
-use super::{grid, launched, CudaBackend, CudaTensor};
+use super::{device_err, grid, launched, CudaBackend, CudaTensor};
 use crate::libs::Search;
+use nibble_engine::Result as EngineResult;
 
 /// Which GEMM `matmul_t` runs.
 pub(super) enum GemmImpl {
@@ -120,7 +121,7 @@ impl CudaBackend {
         x: &CudaTensor,
         ws: &[&CudaTensor],
         outs: &mut [&mut CudaTensor],
-    ) {
+    ) -> EngineResult<()> {
         assert_eq!(ws.len(), outs.len(), "matmul_t_many: one output per weight");
         let (n, k) = (x.rows, x.cols);
         let features = ws.iter().map(|w| w.rows).sum();
@@ -133,9 +134,9 @@ impl CudaBackend {
         });
         let Some(kernel) = ours else {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.gemm(x, w, out);
+                self.gemm(x, w, out)?;
             }
-            return;
+            return Ok(());
         };
         for (w, out) in ws.iter().zip(outs.iter()) {
             assert_eq!(
@@ -145,17 +146,23 @@ impl CudaBackend {
             );
         }
         self.bind();
-        let cast = self.cast_bf16(x);
-        self.launch_rows(kernel, &cast.buf, ws, outs, n, k);
+        let cast = self.cast_bf16(x)?;
+        self.launch_rows(kernel, &cast.buf, ws, outs, n, k)?;
+        Ok(())
     }
 
     /// `out = x · wᵀ`.
-    pub(super) fn gemm(&self, x: &CudaTensor, w: &CudaTensor, out: &mut CudaTensor) {
+    pub(super) fn gemm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        out: &mut CudaTensor,
+    ) -> EngineResult<()> {
         let (n, k, m) = (x.rows, x.cols, w.rows);
         assert_eq!(w.cols, k, "matmul_t: inner dims differ");
         assert_eq!((out.rows, out.cols), (n, m), "matmul_t: output shape");
         if n == 0 || m == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         match (&self.gemm, &w.data) {
@@ -179,17 +186,15 @@ impl CudaBackend {
                 let r = unsafe {
                     blas.gemm(cfg, &wb.slice(0..m * k), &x.f32().slice(0..n * k), &mut o)
                 };
-                if let Err(e) = r {
-                    panic!("cuBLAS SGEMM failed: {e:?}");
-                }
+                r.map_err(|e| device_err("cuBLAS SGEMM", format!("{e:?}")))?;
             }
             (GemmImpl::Cublas(blas), Data::Bf16(wb)) => {
                 let values = n * k;
-                let cast = self.cast_bf16(x);
+                let cast = self.cast_bf16(x)?;
                 let xs = &cast.buf;
                 if let Some(kernel) = RowsKernel::pick(n, k, m) {
-                    self.launch_rows(kernel, xs, &[w], &mut [out], n, k);
-                    return;
+                    self.launch_rows(kernel, xs, &[w], &mut [out], n, k)?;
+                    return Ok(());
                 }
                 let gemm = Bf16Gemm { n, m, k };
                 let mut o = out.f32_mut().slice_mut(0..n * m);
@@ -203,9 +208,7 @@ impl CudaBackend {
                         &mut o,
                     )
                 };
-                if let Err(e) = r {
-                    panic!("cuBLAS GemmEx (BF16) failed: {e:?}");
-                }
+                r.map_err(|e| device_err("cuBLAS GemmEx (BF16)", format!("{e:?}")))?;
             }
             (GemmImpl::Tiled, Data::F32(wb)) => {
                 let (n32, m32, k32) = (n as u32, m as u32, k as u32);
@@ -222,11 +225,12 @@ impl CudaBackend {
                     .arg(&m32)
                     .arg(&k32);
                 // SAFETY: matches gemm_nt_f32; buffers hold at least n*k, m*k, n*m values.
-                launched(unsafe { b.launch(cfg) }.map(|_| ()), "gemm");
+                launched(unsafe { b.launch(cfg) }.map(|_| ()), "gemm")?;
             }
             // `with_weights` keeps weights f32 whenever the GEMM is the tiled kernel.
             (GemmImpl::Tiled, Data::Bf16(_)) => unreachable!("the tiled GEMM has f32 weights"),
         }
+        Ok(())
     }
 
     /// `outs[i] = x · ws[i]ᵀ` for 1 to 3 BF16 weight matrices on one of nibble's kernels, one
@@ -240,7 +244,7 @@ impl CudaBackend {
         outs: &mut [&mut CudaTensor],
         n: usize,
         k: usize,
-    ) {
+    ) -> EngineResult<()> {
         let (rows_per_block, threads) = kernel.block();
         let blocks: u32 = ws
             .iter()
@@ -286,7 +290,8 @@ impl CudaBackend {
         launched(
             unsafe { b.launch(cfg) }.map(|_| ()),
             "BF16 GEMM (rows kernel)",
-        );
+        )?;
+        Ok(())
     }
 
     /// The cast buffer, at least `values` long, for a kernel whose output feeds BF16-weight
@@ -316,7 +321,7 @@ impl CudaBackend {
     /// The BF16 cast of `x` for the BF16-weight GEMMs, made unless the buffer already holds this
     /// state of `x` (GEMMs of one input cast it once, and RMSNorm and SwiGLU write it with their
     /// output). Held until the GEMM is queued.
-    fn cast_bf16(&self, x: &CudaTensor) -> MutexGuard<'_, Bf16Cast> {
+    fn cast_bf16(&self, x: &CudaTensor) -> EngineResult<MutexGuard<'_, Bf16Cast>> {
         let values = x.len();
         let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
         if cast.of != Some(x.stamp()) {
@@ -325,10 +330,10 @@ impl CudaBackend {
             let mut b = self.kernels.builder(&self.ops.to_bf16);
             b.arg(&mut cast.buf).arg(x.f32()).arg(&count);
             // SAFETY: matches f32_to_bf16; both hold at least `values` values.
-            launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16");
+            launched(unsafe { b.launch(grid(count)) }.map(|_| ()), "f32_to_bf16")?;
             cast.of = Some(x.stamp());
         }
-        cast
+        Ok(cast)
     }
 }
 

@@ -255,10 +255,17 @@ fn grid(n: u64) -> LaunchConfig {
     }
 }
 
-fn launched(r: std::result::Result<(), cudarc::driver::DriverError>, what: &str) {
-    if let Err(e) = r {
-        panic!("CUDA: {what} failed: {e}");
-    }
+/// A launch's result as the engine's [`EngineError::Device`], naming the kernel.
+fn launched(
+    r: std::result::Result<(), cudarc::driver::DriverError>,
+    what: &str,
+) -> EngineResult<()> {
+    r.map_err(|e| device_err(what, e))
+}
+
+/// A device failure (a launch, copy or allocation) of `what`, as the engine's error.
+fn device_err(what: &str, e: impl Display) -> EngineError {
+    EngineError::Device(format!("CUDA: {what} failed: {e}"))
 }
 
 fn engine_err(e: impl Display) -> EngineError {
@@ -305,12 +312,19 @@ impl Backend for CudaBackend {
         (t.rows, t.cols)
     }
 
-    fn download_rows(&self, t: &CudaTensor, rows: Range<usize>, out: &mut Vec<f32>) {
-        self.download(t, rows, out);
+    fn download_rows(
+        &self,
+        t: &CudaTensor,
+        rows: Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> EngineResult<()> {
+        self.download(t, rows, out)?;
+        Ok(())
     }
 
-    fn argmax_rows(&self, t: &CudaTensor, out: &mut Vec<u32>) {
-        self.argmax(t, out);
+    fn argmax_rows(&self, t: &CudaTensor, out: &mut Vec<u32>) -> EngineResult<()> {
+        self.argmax(t, out)?;
+        Ok(())
     }
 
     fn copy_rows(
@@ -320,36 +334,55 @@ impl Backend for CudaBackend {
         dst: &mut CudaTensor,
         dst_row: usize,
         n: usize,
-    ) {
-        self.copy_tensor_rows(src, src_row, dst, dst_row, n);
+    ) -> EngineResult<()> {
+        self.copy_tensor_rows(src, src_row, dst, dst_row, n)?;
+        Ok(())
     }
 
-    fn embed(&self, table: &CudaTensor, tokens: &[u32], out: &mut CudaTensor) {
-        self.embed_tokens(table, tokens, out);
+    fn embed(&self, table: &CudaTensor, tokens: &[u32], out: &mut CudaTensor) -> EngineResult<()> {
+        self.embed_tokens(table, tokens, out)?;
+        Ok(())
     }
 
-    fn matmul_t_many(&self, x: &CudaTensor, ws: &[&CudaTensor], outs: &mut [&mut CudaTensor]) {
-        self.gemm_many(x, ws, outs);
+    fn matmul_t_many(
+        &self,
+        x: &CudaTensor,
+        ws: &[&CudaTensor],
+        outs: &mut [&mut CudaTensor],
+    ) -> EngineResult<()> {
+        self.gemm_many(x, ws, outs)?;
+        Ok(())
     }
 
-    fn matmul_t(&self, x: &CudaTensor, w: &CudaTensor, out: &mut CudaTensor) {
-        self.gemm(x, w, out);
+    fn matmul_t(&self, x: &CudaTensor, w: &CudaTensor, out: &mut CudaTensor) -> EngineResult<()> {
+        self.gemm(x, w, out)?;
+        Ok(())
     }
 
-    fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) {
-        self.per_column(&self.ops.add_bias, x, bias, "add_bias");
+    fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) -> EngineResult<()> {
+        self.per_column(&self.ops.add_bias, x, bias, "add_bias")?;
+        Ok(())
     }
 
-    fn mul_cols(&self, x: &mut CudaTensor, scale: &CudaTensor) {
-        self.per_column(&self.ops.mul_cols, x, scale, "mul_cols");
+    fn mul_cols(&self, x: &mut CudaTensor, scale: &CudaTensor) -> EngineResult<()> {
+        self.per_column(&self.ops.mul_cols, x, scale, "mul_cols")?;
+        Ok(())
     }
 
-    fn add(&self, x: &mut CudaTensor, y: &CudaTensor) {
-        self.add_in_place(x, y);
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> EngineResult<()> {
+        self.add_in_place(x, y)?;
+        Ok(())
     }
 
-    fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32, out: &mut CudaTensor) {
-        self.norm(x, weight, eps, out);
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> EngineResult<()> {
+        self.norm(x, weight, eps, out)?;
+        Ok(())
     }
 
     fn add_rms_norm(
@@ -359,12 +392,19 @@ impl Backend for CudaBackend {
         weight: &CudaTensor,
         eps: f32,
         out: &mut CudaTensor,
-    ) {
-        self.add_norm(x, y, weight, eps, out);
+    ) -> EngineResult<()> {
+        self.add_norm(x, y, weight, eps, out)?;
+        Ok(())
     }
 
-    fn rope(&self, x: &mut CudaTensor, positions: &[u32], rope: &RopeArgs<'_, CudaTensor>) {
-        self.launch_rope(x, None, positions, rope);
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        positions: &[u32],
+        rope: &RopeArgs<'_, CudaTensor>,
+    ) -> EngineResult<()> {
+        self.launch_rope(x, None, positions, rope)?;
+        Ok(())
     }
 
     fn rope_qk(
@@ -373,16 +413,23 @@ impl Backend for CudaBackend {
         k: &mut CudaTensor,
         positions: &[u32],
         rope: &RopeArgs<'_, CudaTensor>,
-    ) {
-        self.launch_rope(q, Some(k), positions, rope);
+    ) -> EngineResult<()> {
+        self.launch_rope(q, Some(k), positions, rope)?;
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) {
-        self.silu(gate, up);
+    fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) -> EngineResult<()> {
+        self.silu(gate, up)?;
+        Ok(())
     }
 
-    fn attention(&self, args: &AttentionArgs<'_, CudaTensor>, out: &mut CudaTensor) {
-        self.attend_contiguous(args, out);
+    fn attention(
+        &self,
+        args: &AttentionArgs<'_, CudaTensor>,
+        out: &mut CudaTensor,
+    ) -> EngineResult<()> {
+        self.attend_contiguous(args, out)?;
+        Ok(())
     }
 
     type Pages = CudaPages;

@@ -6,6 +6,7 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use nibble_engine::Backend;
 
 use super::{grid, launched, CudaBackend, CudaTensor};
+use nibble_engine::Result as EngineResult;
 
 impl CudaBackend {
     /// Launches `kernel(x, v, n, cols)`, an elementwise op of every row of `x` with the
@@ -16,11 +17,11 @@ impl CudaBackend {
         x: &mut CudaTensor,
         v: &CudaTensor,
         what: &str,
-    ) {
+    ) -> EngineResult<()> {
         assert_eq!(v.len(), x.cols, "{what}: vector width");
         let n = x.len() as u64;
         if n == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let cols = x.cols as u32;
@@ -28,7 +29,8 @@ impl CudaBackend {
         b.arg(x.f32_mut()).arg(v.f32()).arg(&n).arg(&cols);
         // SAFETY: matches add_bias_f32 and mul_cols_f32 (x, v, n, cols): x holds n values, v
         // holds cols.
-        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), what);
+        launched(unsafe { b.launch(grid(n)) }.map(|_| ()), what)?;
+        Ok(())
     }
 }
 
@@ -44,14 +46,26 @@ struct Segment<'a> {
 impl CudaBackend {
     /// `y = H x / sqrt(head_dim)` for each `head_dim`-value vector of `x` (64 or 128); `y` takes
     /// `x`'s shape.
-    pub fn rotate_heads(&self, x: &CudaTensor, y: &mut CudaTensor, head_dim: usize) {
-        self.rotate_many([x], [y], head_dim);
+    pub fn rotate_heads(
+        &self,
+        x: &CudaTensor,
+        y: &mut CudaTensor,
+        head_dim: usize,
+    ) -> EngineResult<()> {
+        self.rotate_many([x], [y], head_dim)?;
+        Ok(())
     }
 
     /// [`Self::rotate_heads`] of Q, K and V into `out`, in one launch.
-    pub fn rotate_qkv(&self, qkv: [&CudaTensor; 3], out: &mut [CudaTensor; 3], d: usize) {
+    pub fn rotate_qkv(
+        &self,
+        qkv: [&CudaTensor; 3],
+        out: &mut [CudaTensor; 3],
+        d: usize,
+    ) -> EngineResult<()> {
         let [q, k, v] = out;
-        self.rotate_many(qkv, [q, k, v], d);
+        self.rotate_many(qkv, [q, k, v], d)?;
+        Ok(())
     }
 
     fn rotate_many<const N: usize>(
@@ -59,7 +73,7 @@ impl CudaBackend {
         src: [&CudaTensor; N],
         dst: [&mut CudaTensor; N],
         head_dim: usize,
-    ) {
+    ) -> EngineResult<()> {
         const { assert!(N <= 3, "hadamard_f32 takes up to three tensors") };
         let mut segments: [Option<Segment<'_>>; 3] = [None, None, None];
         for ((x, y), segment) in src.into_iter().zip(dst).zip(&mut segments) {
@@ -71,11 +85,12 @@ impl CudaBackend {
                 vectors: (x.len() / head_dim) as u64,
             });
         }
-        self.launch_hadamard(segments, head_dim);
+        self.launch_hadamard(segments, head_dim)?;
+        Ok(())
     }
 
     /// [`Self::rotate_heads`] in place.
-    pub fn rotate_heads_in_place(&self, x: &mut CudaTensor, head_dim: usize) {
+    pub fn rotate_heads_in_place(&self, x: &mut CudaTensor, head_dim: usize) -> EngineResult<()> {
         check_heads(x, head_dim);
         let vectors = (x.len() / head_dim) as u64;
         let segment = Segment {
@@ -83,15 +98,20 @@ impl CudaBackend {
             dst: x.f32_mut(),
             vectors,
         };
-        self.launch_hadamard([Some(segment), None, None], head_dim);
+        self.launch_hadamard([Some(segment), None, None], head_dim)?;
+        Ok(())
     }
 
     /// One `hadamard_f32` launch over up to three segments (it allocates nothing: it runs in
     /// every layer of a Hadamard cache's steps).
-    fn launch_hadamard(&self, mut segments: [Option<Segment<'_>>; 3], head_dim: usize) {
+    fn launch_hadamard(
+        &self,
+        mut segments: [Option<Segment<'_>>; 3],
+        head_dim: usize,
+    ) -> EngineResult<()> {
         let total: u64 = segments.iter().flatten().map(|s| s.vectors).sum();
         if total == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let dim = head_dim as u32;
@@ -118,7 +138,8 @@ impl CudaBackend {
         launched(
             unsafe { b.launch(grid(total * 32)) }.map(|_| ()),
             "hadamard",
-        );
+        )?;
+        Ok(())
     }
 }
 

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, LaunchConfig};
 use nibble_engine::{Backend, Error as EngineError, Result as EngineResult};
 
 use super::weights::{to_bf16, WeightPrecision};
-use super::{engine_err, launched, CudaBackend};
+use super::{device_err, engine_err, launched, CudaBackend};
 use crate::Result;
 
 /// A device tensor: `rows × cols`, row-major, in the first `rows * cols` values of `data`.
@@ -125,13 +125,12 @@ impl CudaBackend {
             .unwrap_or_else(|e| panic!("CUDA: cannot allocate {n} f32: {e}"))
     }
 
-    pub(super) fn htod_u32(&self, data: &[u32]) -> CudaSlice<u32> {
-        if data.is_empty() {
-            return self.stream().alloc_zeros(1).expect("CUDA alloc");
-        }
-        self.stream()
-            .clone_htod(data)
-            .unwrap_or_else(|e| panic!("CUDA: host-to-device copy: {e}"))
+    pub(super) fn htod_u32(&self, data: &[u32]) -> EngineResult<CudaSlice<u32>> {
+        let copied = match data.is_empty() {
+            true => self.stream().alloc_zeros(1),
+            false => self.stream().clone_htod(data),
+        };
+        copied.map_err(|e| device_err("host-to-device copy", e))
     }
 
     /// Rows `rows` of `t` into a new exactly-sized buffer.
@@ -206,28 +205,34 @@ impl CudaBackend {
         t.cols = cols;
     }
 
-    pub(super) fn download(&self, t: &CudaTensor, rows: Range<usize>, out: &mut Vec<f32>) {
+    pub(super) fn download(
+        &self,
+        t: &CudaTensor,
+        rows: Range<usize>,
+        out: &mut Vec<f32>,
+    ) -> EngineResult<()> {
         if rows.is_empty() {
-            return;
+            return Ok(());
         }
         self.bind();
         let host = self
             .stream()
             .clone_dtoh(&t.f32().slice(rows.start * t.cols..rows.end * t.cols))
-            .unwrap_or_else(|e| panic!("CUDA: device-to-host copy: {e}"));
+            .map_err(|e| device_err("device-to-host copy", e))?;
         out.extend_from_slice(&host);
+        Ok(())
     }
 
     /// Each row's first largest value (`argmax_rows_f32`), copied to the host.
-    pub(super) fn argmax(&self, t: &CudaTensor, out: &mut Vec<u32>) {
+    pub(super) fn argmax(&self, t: &CudaTensor, out: &mut Vec<u32>) -> EngineResult<()> {
         if t.rows == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let mut dev: CudaSlice<u32> = self
             .stream()
             .alloc_zeros(t.rows)
-            .unwrap_or_else(|e| panic!("CUDA: cannot allocate {} u32: {e}", t.rows));
+            .map_err(|e| device_err("allocation of the argmax rows", e))?;
         let cols = t.cols as u32;
         let mut b = self.kernels.builder(&self.ops.argmax);
         b.arg(t.f32()).arg(&mut dev).arg(&cols);
@@ -237,12 +242,13 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         // SAFETY: matches argmax_rows_f32; t holds rows * cols values, dev one per row.
-        launched(unsafe { b.launch(cfg) }.map(|_| ()), "argmax_rows");
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "argmax_rows")?;
         let host = self
             .stream()
             .clone_dtoh(&dev)
-            .unwrap_or_else(|e| panic!("CUDA: device-to-host copy: {e}"));
+            .map_err(|e| device_err("device-to-host copy", e))?;
         out.extend_from_slice(&host);
+        Ok(())
     }
 
     pub(super) fn copy_tensor_rows(
@@ -252,14 +258,14 @@ impl CudaBackend {
         dst: &mut CudaTensor,
         dst_row: usize,
         n: usize,
-    ) {
+    ) -> EngineResult<()> {
         assert_eq!(src.cols, dst.cols, "copy_rows: column counts differ");
         assert!(
             src_row + n <= src.rows && dst_row + n <= dst.rows,
             "copy_rows: rows"
         );
         if n == 0 {
-            return;
+            return Ok(());
         }
         self.bind();
         let c = src.cols;
@@ -269,6 +275,7 @@ impl CudaBackend {
                 &mut dst.f32_mut().slice_mut(dst_row * c..(dst_row + n) * c),
             ),
             "copy_rows",
-        );
+        )?;
+        Ok(())
     }
 }

@@ -199,8 +199,9 @@ impl Backend for CpuBackend {
         (t.rows, t.cols)
     }
 
-    fn download_rows(&self, t: &CpuTensor, rows: Range<usize>, out: &mut Vec<f32>) {
+    fn download_rows(&self, t: &CpuTensor, rows: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
         out.extend_from_slice(&t.data[rows.start * t.cols..rows.end * t.cols]);
+        Ok(())
     }
 
     fn copy_rows(
@@ -210,14 +211,15 @@ impl Backend for CpuBackend {
         dst: &mut CpuTensor,
         dst_row: usize,
         n: usize,
-    ) {
+    ) -> Result<()> {
         assert_eq!(src.cols, dst.cols, "copy_rows: column counts differ");
         let c = src.cols;
         dst.data[dst_row * c..(dst_row + n) * c]
             .copy_from_slice(&src.data[src_row * c..(src_row + n) * c]);
+        Ok(())
     }
 
-    fn embed(&self, table: &CpuTensor, tokens: &[u32], out: &mut CpuTensor) {
+    fn embed(&self, table: &CpuTensor, tokens: &[u32], out: &mut CpuTensor) -> Result<()> {
         assert_eq!(
             (out.rows, out.cols),
             (tokens.len(), table.cols),
@@ -230,24 +232,25 @@ impl Backend for CpuBackend {
                 None => row.copy_from_slice(table.row(t)),
             }
         }
+        Ok(())
     }
 
-    fn matmul_t(&self, x: &CpuTensor, w: &CpuTensor, out: &mut CpuTensor) {
+    fn matmul_t(&self, x: &CpuTensor, w: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
         let (n, k, m) = (x.rows, x.cols, w.rows);
         assert_eq!(w.cols, k, "matmul_t: inner dims differ");
         assert_eq!((out.rows, out.cols), (n, m), "matmul_t: output shape");
         if n == 0 {
-            return;
+            return Ok(());
         }
         if let Some(blocks) = &w.blocks {
             self.pool
                 .install(|| qmatmul::matmul_t(self.isa, &x.data, blocks, &mut out.data, n));
-            return;
+            return Ok(());
         }
         if n <= gemv::MAX_ROWS {
             self.pool
                 .install(|| gemv::matmul_t_small(&x.data, &w.data, &mut out.data, n, k, m));
-            return;
+            return Ok(());
         }
         let par = if self.threads > 1 {
             gemm::Parallelism::Rayon(self.threads)
@@ -281,30 +284,40 @@ impl Backend for CpuBackend {
                 )
             }
         });
+        Ok(())
     }
 
-    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
+    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) -> Result<()> {
         assert_eq!(bias.data.len(), x.cols, "add_bias: bias width");
         for row in x.data.chunks_exact_mut(x.cols) {
             simd::add(row, &bias.data);
         }
+        Ok(())
     }
 
-    fn mul_cols(&self, x: &mut CpuTensor, scale: &CpuTensor) {
+    fn mul_cols(&self, x: &mut CpuTensor, scale: &CpuTensor) -> Result<()> {
         assert_eq!(scale.data.len(), x.cols, "mul_cols: scale width");
         for row in x.data.chunks_exact_mut(x.cols) {
             for (x, s) in row.iter_mut().zip(&scale.data) {
                 *x *= s;
             }
         }
+        Ok(())
     }
 
-    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) {
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
         simd::add(&mut x.data, &y.data);
+        Ok(())
     }
 
-    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32, out: &mut CpuTensor) {
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        eps: f32,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
         let w = weight.data.len();
         assert!(
             w > 0 && x.cols.is_multiple_of(w),
@@ -323,9 +336,15 @@ impl Backend for CpuBackend {
                 .zip(out.data.par_chunks_mut(chunk))
                 .for_each(|(xs, os)| simd::rms_norm(xs, &weight.data, eps, os));
         });
+        Ok(())
     }
 
-    fn rope(&self, x: &mut CpuTensor, positions: &[u32], rope: &RopeArgs<'_, CpuTensor>) {
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        positions: &[u32],
+        rope: &RopeArgs<'_, CpuTensor>,
+    ) -> Result<()> {
         let d = rope.head_dim;
         let half = d / 2;
         assert_eq!(positions.len(), x.rows, "rope: one position per row");
@@ -340,9 +359,10 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &mut CpuTensor, up: &CpuTensor) {
+    fn silu_mul(&self, gate: &mut CpuTensor, up: &CpuTensor) -> Result<()> {
         assert_eq!(
             (gate.rows, gate.cols),
             (up.rows, up.cols),
@@ -355,10 +375,12 @@ impl Backend for CpuBackend {
                 .zip(up.data.par_chunks(chunk))
                 .for_each(|(g, u)| simd::silu_mul(g, u));
         });
+        Ok(())
     }
 
-    fn attention(&self, args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) {
+    fn attention(&self, args: &AttentionArgs<'_, CpuTensor>, out: &mut CpuTensor) -> Result<()> {
         self.pool.install(|| attention::causal_gqa(args, out));
+        Ok(())
     }
 
     type Pages = CpuPages;

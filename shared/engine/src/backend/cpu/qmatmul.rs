@@ -266,7 +266,7 @@ mod tests {
                 let x = backend.upload(n, k, &inputs(n * k, m)).unwrap();
 
                 let mut f32_path = backend.zeros(n, m);
-                backend.matmul_t(&x, &f32_weights, &mut f32_path);
+                backend.matmul_t(&x, &f32_weights, &mut f32_path).unwrap();
                 let mut outs = vec![("f32 path".to_string(), f32_path)];
                 for isa in Isa::all() {
                     let mut out = backend.zeros(n, m);
@@ -341,7 +341,7 @@ mod tests {
         let mut want = vec![0.0f32; rows * cols];
         assert!(dequantize(GgmlType::Q8_0, &bytes, &mut want));
         let mut out = backend.zeros(2, cols);
-        backend.embed(&table, &[4, 1], &mut out);
+        backend.embed(&table, &[4, 1], &mut out).unwrap();
         assert_eq!(out.row(0), &want[4 * cols..]);
         assert_eq!(out.row(1), &want[cols..2 * cols]);
     }
