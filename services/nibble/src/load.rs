@@ -8,9 +8,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use nibble_cuda::{CudaBackend, Device, KvNeeds};
 use nibble_engine::calibrate::Calibration;
 use nibble_engine::{Backend, CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
-use nibble_kernels::{CudaBackend, Device, KvNeeds};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::progress::{Bar, Unit};
 

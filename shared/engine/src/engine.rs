@@ -584,15 +584,22 @@ impl<B: Backend> Engine<B> {
         Ok(self.state.reserve(id, prompt)?)
     }
 
-    /// The backend, its page store and the allocator, for transfers that move pages inside the
-    /// backend's memory (GPU to GPU). Writers must only write pages the allocator shows
-    /// allocated to a reservation, as [`import_page`](Self::import_page) does.
-    pub fn page_store(&mut self) -> (&B, &mut B::Pages, &PagePool) {
-        (
-            self.model.backend().as_ref(),
-            &mut self.pages,
-            &self.state.pool,
-        )
+    /// Pages `ids` in one staging buffer in the backend's memory, for a device link (GPU to
+    /// GPU) to send.
+    pub fn stage_pages(&self, ids: &[PageId]) -> Result<B::Staging> {
+        self.model.backend().stage_pages(&self.pages, ids)
+    }
+
+    /// Writes a received staging buffer into the reserved pages `ids`.
+    pub fn unstage_pages(&mut self, ids: &[PageId], staging: &B::Staging) -> Result<()> {
+        self.model
+            .backend()
+            .unstage_pages(&mut self.pages, &self.state.pool, ids, staging)
+    }
+
+    /// The bytes of a staging buffer.
+    pub fn staging_bytes(&self, staging: &B::Staging) -> usize {
+        self.model.backend().staging_bytes(staging)
     }
 
     /// Writes one received page into a reserved page.

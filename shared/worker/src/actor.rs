@@ -25,15 +25,14 @@ use nibble_engine::calibrate::KSmoothing;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
 use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
-use nibble_kernels::{CudaBackend, CudaPages};
-use nibble_kvcache::{CacheStats, PageId, PagePool};
+use nibble_kvcache::{CacheStats, PageId};
 use nibble_proto::v1;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::codegen::Bytes;
 
 use crate::error::{Error, Result};
 use crate::kv_events::KvPublisher;
-use crate::transfer::link::Staging;
+use nibble_nccl::link::{Stageable, Staging};
 
 /// Events of one request, in order.
 pub type EventStream = mpsc::UnboundedReceiver<Event>;
@@ -183,6 +182,7 @@ impl EngineHandle {
     where
         B: Backend + 'static,
         B::Pages: 'static,
+        B::Staging: Stageable,
         Model<B>: Send,
     {
         let layout = config.kv.layout(&model)?;
@@ -430,6 +430,7 @@ struct Actor<B: Backend> {
 impl<B: Backend> Actor<B>
 where
     B::Pages: 'static,
+    B::Staging: Stageable,
 {
     fn new(engine: Engine<B>, publisher: KvPublisher) -> Self {
         Self {
@@ -602,19 +603,8 @@ where
         Ok(())
     }
 
-    /// The CUDA backend and its device pages, when this engine runs on one.
-    fn cuda(&mut self) -> Option<(&CudaBackend, &mut CudaPages, &PagePool)> {
-        let (backend, pages, pool) = self.engine.page_store();
-        let backend = (backend as &dyn Any).downcast_ref::<CudaBackend>()?;
-        let pages = (pages as &mut dyn Any).downcast_mut::<CudaPages>()?;
-        Some((backend, pages, pool))
-    }
-
     fn gather(&mut self, pages: &[PageId]) -> Result<Staging> {
-        match self.cuda() {
-            Some((backend, store, _)) => Ok(Staging::Device(backend.gather_pages(store, pages)?)),
-            None => Ok(Staging::Host(self.export(pages)?)),
-        }
+        Ok(self.engine.stage_pages(pages)?.into_staging())
     }
 
     fn scatter(&mut self, pages: &[PageId], staging: Staging) -> Result<()> {
@@ -626,16 +616,13 @@ where
                 staging.len()
             )));
         }
-        match staging {
-            Staging::Host(bytes) => self.import(pages, &bytes),
-            Staging::Device(buf) => match self.cuda() {
-                Some((backend, store, pool)) => {
-                    Ok(backend.scatter_pages(store, pool, pages, &buf)?)
-                }
-                None => Err(Error::Link(
-                    "device pages arrived at an engine running on the CPU".into(),
-                )),
-            },
+        match B::Staging::from_staging(staging) {
+            Ok(staged) => Ok(self.engine.unstage_pages(pages, &staged)?),
+            // Host bytes reach any engine page by page.
+            Err(Staging::Host(bytes)) => self.import(pages, &bytes),
+            Err(Staging::Device(_)) => Err(Error::Link(
+                "device pages arrived at an engine running on the CPU".into(),
+            )),
         }
     }
 

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::CudaContext;
+use nibble_cuda::CudaContext;
+use nibble_cuda::{Device, DeviceMemory, KvNeeds};
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
 use nibble_engine::calibrate::Calibration;
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
-use nibble_kernels::{Device, DeviceMemory, KvNeeds};
 use nibble_kvfmt::{KvDtype, ScaleRule};
 use nibble_proto::progress::{Bar, Unit};
 use nibble_proto::v1;
@@ -21,9 +21,9 @@ use tokio::net::TcpListener;
 use crate::actor::EngineHandle;
 use crate::error::{Error, Result};
 use crate::service::{WorkerIdentity, WorkerState};
-use crate::transfer::link::NcclLinks;
 use crate::transfer::nccl::{offer_nccl, NcclTimeouts, NcclTransport, TransferMode};
 use crate::AbortOnDrop;
+use nibble_nccl::link::NcclLinks;
 
 /// A worker's configuration.
 #[derive(Debug, Clone, clap::Args)]
@@ -168,7 +168,7 @@ fn configure_nccl(
         return Ok(());
     };
     let host = args.host_id.clone().unwrap_or_else(hostname);
-    let (version, path) = nibble_kernels::nccl::version()?;
+    let (version, path) = nibble_nccl::version()?;
     tracing::info!(%version, path = %path.display(), %host, %gpu, "offering NCCL page transfer");
     state.set_nccl(Arc::new(NcclTransport::new(
         Arc::new(links),

@@ -76,9 +76,12 @@ pub enum Error {
     /// This worker does not offer NCCL.
     #[error("NCCL is not available on this worker ({0})")]
     NcclUnavailable(String),
-    /// A CUDA or NCCL call failed.
+    /// A CUDA call failed.
     #[error(transparent)]
-    Kernels(#[from] nibble_kernels::Error),
+    Cuda(#[from] nibble_cuda::Error),
+    /// NCCL or a device link failed; the transfer falls back to the gRPC stream.
+    #[error("NCCL link: {0}")]
+    Nccl(#[from] nibble_nccl::Error),
     /// The engine thread is gone.
     #[error("the engine has stopped")]
     EngineStopped,
@@ -123,7 +126,9 @@ impl From<Error> for tonic::Status {
                 Status::not_found(message)
             }
             Error::NcclUnavailable(_) => Status::failed_precondition(message),
-            Error::Link(_) | Error::Discovery(nibble_discovery::Error::Timeout { .. }) => {
+            Error::Link(_)
+            | Error::Nccl(_)
+            | Error::Discovery(nibble_discovery::Error::Timeout { .. }) => {
                 Status::unavailable(message)
             }
             Error::DuplicatePage(_) => Status::already_exists(message),
@@ -137,7 +142,7 @@ impl From<Error> for tonic::Status {
                 Status::invalid_argument(message)
             }
             Error::Engine(_)
-            | Error::Kernels(_)
+            | Error::Cuda(_)
             | Error::Failed(nibble_engine::Failure::Step(_))
             | Error::EngineFailed(_)
             | Error::Security(_)

@@ -1,7 +1,7 @@
 //! The NCCL transfer protocol on the CPU: prefill and decode workers as in-process gRPC servers
 //! whose device links are `MemoryLinks` (the in-process twin of NCCL), with unique ids exchanged
 //! through the in-process registry or a real etcd. What NCCL itself does on GPUs is checked by
-//! `nibble-kernels`' `nccl_check` example on the GPU machine.
+//! `nibble-cuda`' `nccl_check` example on the GPU machine.
 
 #[path = "../../discovery/tests/support/etcd_server.rs"]
 #[allow(dead_code)] // restarts are not needed here
@@ -19,9 +19,9 @@ use nibble_discovery::{
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
+use nibble_nccl::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
-use nibble_worker::transfer::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
 use nibble_worker::transfer::nccl::{NcclTimeouts, NcclTransport};
 use nibble_worker::EngineHandle;
 use support::{handoff_over, model, Handoff, Server};
@@ -336,11 +336,11 @@ struct BreakingLinks(MemoryLinks);
 struct BrokenOnSend;
 
 impl Link for BrokenOnSend {
-    fn send(&mut self, _: Staging, _: Duration) -> nibble_worker::Result<()> {
-        Err(nibble_worker::Error::Link("injected failure".into()))
+    fn send(&mut self, _: Staging, _: Duration) -> nibble_nccl::Result<()> {
+        Err(nibble_nccl::Error::Link("injected failure".into()))
     }
-    fn recv(&mut self, _: usize, _: Duration) -> nibble_worker::Result<Staging> {
-        Err(nibble_worker::Error::Link("injected failure".into()))
+    fn recv(&mut self, _: usize, _: Duration) -> nibble_nccl::Result<Staging> {
+        Err(nibble_nccl::Error::Link("injected failure".into()))
     }
 }
 
@@ -348,7 +348,7 @@ impl LinkFactory for BreakingLinks {
     fn name(&self) -> &'static str {
         "breaking"
     }
-    fn new_id(&self) -> nibble_worker::Result<Vec<u8>> {
+    fn new_id(&self) -> nibble_nccl::Result<Vec<u8>> {
         self.0.new_id()
     }
     fn join(
@@ -357,7 +357,7 @@ impl LinkFactory for BreakingLinks {
         rank: Rank,
         timeout: Duration,
         cancel: &std::sync::atomic::AtomicBool,
-    ) -> nibble_worker::Result<Box<dyn Link>> {
+    ) -> nibble_nccl::Result<Box<dyn Link>> {
         self.0.join(id, rank, timeout, cancel)?;
         Ok(Box::new(BrokenOnSend))
     }

@@ -9,9 +9,9 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
 use clap::Args;
+use nibble_cuda::Device;
 use nibble_engine::eval::EvalPath;
 use nibble_engine::sampling::SamplingParams;
-use nibble_kernels::Device;
 use nibble_kvfmt::{KvDtype, ScaleRule};
 
 /// The model `--model` names when neither the flag nor `NIBBLE_MODEL` is given, relative to the

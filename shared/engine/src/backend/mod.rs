@@ -297,6 +297,26 @@ pub trait Backend: Send + Sync + 'static {
         page: PageId,
         bytes: &[u8],
     ) -> Result<()>;
+
+    /// Whole pages back to back for a page transfer, in this backend's memory (host bytes on
+    /// the CPU, a device buffer on a GPU): what a device link (NCCL) sends and receives.
+    type Staging: Send + 'static;
+
+    /// Copies pages `ids` (data and scales) into one new staging buffer, in that order.
+    fn stage_pages(&self, pages: &Self::Pages, ids: &[PageId]) -> Result<Self::Staging>;
+
+    /// Writes `staging` (exactly `ids.len()` pages) into the allocated pages `ids`; refuses a
+    /// page the allocator does not show allocated.
+    fn unstage_pages(
+        &self,
+        pages: &mut Self::Pages,
+        pool: &PagePool,
+        ids: &[PageId],
+        staging: &Self::Staging,
+    ) -> Result<()>;
+
+    /// The bytes a staging buffer holds.
+    fn staging_bytes(&self, staging: &Self::Staging) -> usize;
 }
 
 /// One sequence's pages in a paged attention step.

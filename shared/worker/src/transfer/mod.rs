@@ -12,7 +12,6 @@
 //! it or fails (counted in `nibble_worker_kv_transfer_fallbacks_total`).
 
 pub mod grpc;
-pub mod link;
 pub mod nccl;
 
 pub use grpc::{

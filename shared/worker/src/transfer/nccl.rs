@@ -31,10 +31,10 @@ use nibble_proto::v1::nccl_pages_progress::Stage;
 use nibble_security::Peers;
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
-use super::link::{Link, LinkFactory, Rank, Staging};
 use super::PushSummary;
 use crate::actor::EngineHandle;
 use crate::error::{Error, Result};
+use nibble_nccl::link::{Link, LinkFactory, Rank, Staging};
 
 /// The longest a receiver waits for a sender's id and rank, whatever the sender asks.
 const MAX_CONNECT_WAIT: Duration = Duration::from_secs(300);
@@ -326,7 +326,7 @@ impl NcclTransport {
         // Past `ready`, every failure breaks the link on both sides.
         let sent = self
             .on_link(&mut pair.link, move |link, timeout| {
-                link.send(staging, timeout)
+                Ok(link.send(staging, timeout)?)
             })
             .await;
         if let Err(e) = sent {
@@ -412,7 +412,7 @@ impl NcclTransport {
         let joined = joining
             .await
             .map_err(|_| Error::Link("the join task panicked".into()))
-            .and_then(|r| r);
+            .and_then(|r| Ok(r?));
         if let Err(e) = self.discovery.delete(&key).await {
             tracing::debug!(%key, error = %e, "deleting the NCCL id failed; it goes with the lease");
         }
@@ -542,7 +542,7 @@ impl NcclTransport {
     ) -> Result<Staging> {
         let result = self
             .on_link(&mut pair.0.link, move |link, timeout| {
-                link.recv(bytes, timeout)
+                Ok(link.recv(bytes, timeout)?)
             })
             .await;
         if result.is_err() {

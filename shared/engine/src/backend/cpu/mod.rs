@@ -426,4 +426,39 @@ impl Backend for CpuBackend {
         dst.copy_from_slice(bytes);
         Ok(())
     }
+
+    type Staging = Vec<u8>;
+
+    fn stage_pages(&self, pages: &CpuPages, ids: &[PageId]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for &id in ids {
+            out.extend_from_slice(pages.store().page(id)?);
+        }
+        Ok(out)
+    }
+
+    fn unstage_pages(
+        &self,
+        pages: &mut CpuPages,
+        pool: &PagePool,
+        ids: &[PageId],
+        staging: &Vec<u8>,
+    ) -> Result<()> {
+        let page_bytes = pages.store().layout().page_bytes();
+        if staging.len() != ids.len() * page_bytes {
+            return Err(Error::InvalidInput(format!(
+                "staging holds {} bytes, not {} pages of {page_bytes}",
+                staging.len(),
+                ids.len()
+            )));
+        }
+        for (&id, bytes) in ids.iter().zip(staging.chunks_exact(page_bytes.max(1))) {
+            self.write_page(pages, pool, id, bytes)?;
+        }
+        Ok(())
+    }
+
+    fn staging_bytes(&self, staging: &Vec<u8>) -> usize {
+        staging.len()
+    }
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// How to find one library.
-pub(crate) struct Search {
+pub struct Search {
     /// The variable that names the file or its directory.
     pub env: &'static str,
     /// File names, preferred first.
@@ -73,7 +73,7 @@ impl Search {
 }
 
 /// The `site-packages` (or `dist-packages`) directories of `python3`, if it runs.
-pub(crate) fn python_site_dirs() -> Vec<PathBuf> {
+pub fn python_site_dirs() -> Vec<PathBuf> {
     let script = "import site,sys; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))";
     let Ok(out) = Command::new("python3").args(["-c", script]).output() else {
         return Vec::new();

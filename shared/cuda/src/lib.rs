@@ -31,11 +31,13 @@ mod error;
 mod geom;
 mod launch;
 mod launcher;
-mod libs;
-pub mod nccl;
+pub mod libs;
 pub mod nvrtc;
 
 pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrecision};
+/// The device context a backend runs on (NCCL communicators and staging buffers of the same
+/// worker use it too).
+pub use cudarc::driver::CudaContext;
 pub use device::{Device, DeviceMemory, KvNeeds};
 pub use error::{Error, Result};
 pub use geom::{PageGeom, WindowGeom};

@@ -1,6 +1,9 @@
-//! NCCL, opened at run time: unique ids, two-rank communicators (rank 0 the prefill worker that
-//! sends, rank 1 the decode worker that receives) and the send/receive of device buffers that
-//! moves a request's pages from one GPU to another.
+//! nibble's GPU-to-GPU page transfer: NCCL, opened at run time (unique ids, two-rank
+//! communicators, rank 0 the prefill worker that sends, rank 1 the decode worker that receives,
+//! and the send/receive of device buffers that moves a request's pages from one GPU to another),
+//! and the device-link seam over it ([`link`]: [`link::LinkFactory`] and [`link::Link`], NCCL's
+//! [`link::NcclLinks`] and the in-process [`link::MemoryLinks`], the [`link::Staging`] buffers
+//! they move).
 //!
 //! * [`available`] / [`version`]: whether the library loads (the worker advertises NCCL only
 //!   then).
@@ -9,17 +12,18 @@
 //! * [`Communicator`]: a non-blocking communicator on its own stream; every wait has a deadline.
 //!
 //! Pages reach a communicator through a contiguous *staging* buffer: the sender gathers a
-//! request's scattered pages into one buffer with [`crate::Kernels::gather_pages`] and sends it
+//! request's scattered pages into one buffer with [`nibble_cuda::Kernels::gather_pages`] and sends it
 //! whole, the receiver receives one buffer and scatters it into its own page ids with
-//! [`crate::Kernels::scatter_pages`]. Each page is one contiguous range of the pool (every layer's
+//! [`nibble_cuda::Kernels::scatter_pages`]. Each page is one contiguous range of the pool (every layer's
 //! K and V data and scales, docs/FORMAT.md), so gather and scatter copy whole pages.
 
 mod comm;
+mod error;
 mod ffi;
+pub mod link;
 
 pub use comm::Communicator;
-
-use crate::{Error, Result};
+pub use error::{Error, Result};
 
 /// Whether NCCL (2.17 or newer) loads on this machine.
 pub fn available() -> bool {
@@ -33,7 +37,7 @@ pub fn version() -> Result<(String, std::path::PathBuf)> {
 }
 
 pub(crate) fn api() -> Result<&'static ffi::Api> {
-    ffi::api().map_err(Error::NcclNotFound)
+    ffi::api().map_err(Error::NotFound)
 }
 
 /// An NCCL unique id: names one communicator; every rank joins with the same id.

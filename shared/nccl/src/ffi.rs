@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, Symbol, RTLD_GLOBAL, RTLD_NOW};
 
-use crate::libs::Search;
+use nibble_cuda::libs::Search;
 
 /// `ncclResult_t`.
 pub(crate) type NcclResult = c_int;
@@ -151,7 +151,7 @@ pub(crate) fn api() -> std::result::Result<&'static Api, String> {
     API.get_or_init(open).as_ref().map_err(Clone::clone)
 }
 
-/// Where NCCL is looked for (`crate::libs`'s order).
+/// Where NCCL is looked for (`nibble_cuda::libs`'s order).
 const SEARCH: Search = Search {
     env: "NIBBLE_NCCL_LIB",
     names: &["libnccl.so.2", "libnccl.so"],

@@ -12,7 +12,7 @@ typedef unsigned long long u64;
 #define NIBBLE_BF16 2
 
 // One page's geometry (kvfmt's PageLayout) plus the layer being addressed. Matches
-// `nibble_kernels::PageGeom` (#[repr(C)]).
+// `nibble_cuda::PageGeom` (#[repr(C)]).
 struct PageGeom {
     u64 page_bytes;   // bytes of one page (every layer's K and V)
     u32 part_bytes;   // bytes of one (layer, K|V) part: kv_heads * page_size * vector bytes
@@ -28,7 +28,7 @@ struct PageGeom {
 // A sequence's recent window (kvfmt's WindowLayout) at one layer: the BF16 K/V of its last
 // `tokens` tokens in a ring over `pages` pages of the pool, one (layer, slot) unit of
 // [K|V][kv_head][head_dim] BF16 per `unit_bytes`, `units_per_page` units per page. Matches
-// `nibble_kernels::WindowGeom` (#[repr(C)]). tokens == 0: no window.
+// `nibble_cuda::WindowGeom` (#[repr(C)]). tokens == 0: no window.
 struct WindowGeom {
     u64 page_bytes;
     u32 tokens;

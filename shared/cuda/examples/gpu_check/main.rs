@@ -12,7 +12,7 @@
 //!   the CPU backend's causal attention (`CpuBackend::attention`) on the same decoded workspace.
 //!
 //! Exits 1 on any mismatch and also when there is no GPU, driver or NVRTC: it never passes
-//! without running. Run: `cargo run --release -p nibble-kernels --example gpu_check`.
+//! without running. Run: `cargo run --release -p nibble-cuda --example gpu_check`.
 
 use std::process::ExitCode;
 
@@ -20,12 +20,12 @@ mod window;
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaSlice;
-use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
-use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
-use nibble_kernels::{
+use nibble_cuda::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
     PageGeom, PrefillBatch, WindowGeom, WindowRows,
 };
+use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
+use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
 use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};

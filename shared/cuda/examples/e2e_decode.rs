@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use nibble_cuda::CudaBackend;
 use nibble_engine::decode_bench::{DecodeBench, Outcome, Timing};
 use nibble_engine::synthetic::{llama3_8b, random_model, tiny_llama, tokenizer};
 use nibble_engine::{Backend, CpuBackend, ModelConfig};
-use nibble_kernels::CudaBackend;
 use nibble_kvfmt::KvDtype;
 use serde_json::json;
 

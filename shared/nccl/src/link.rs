@@ -12,16 +12,48 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::{Communicator, Error, Result, UniqueId};
 use cudarc::driver::{CudaContext, CudaSlice};
-use nibble_kernels::nccl::{Communicator, UniqueId};
-
-use crate::error::{Error, Result};
 
 /// A request's pages, contiguous, in the order of the transfer: in device memory on a CUDA
 /// worker, in host memory on a CPU worker.
 pub enum Staging {
     Host(Vec<u8>),
     Device(CudaSlice<u8>),
+}
+
+/// A backend's staging buffer (`Backend::Staging`) as the links carry it: host bytes for the
+/// CPU backend, a device buffer for the CUDA backend.
+pub trait Stageable: Send + Sized + 'static {
+    fn into_staging(self) -> Staging;
+    /// The backend's buffer from a received one; the other kind comes back as it was.
+    fn from_staging(staging: Staging) -> std::result::Result<Self, Staging>;
+}
+
+impl Stageable for Vec<u8> {
+    fn into_staging(self) -> Staging {
+        Staging::Host(self)
+    }
+
+    fn from_staging(staging: Staging) -> std::result::Result<Self, Staging> {
+        match staging {
+            Staging::Host(bytes) => Ok(bytes),
+            other => Err(other),
+        }
+    }
+}
+
+impl Stageable for CudaSlice<u8> {
+    fn into_staging(self) -> Staging {
+        Staging::Device(self)
+    }
+
+    fn from_staging(staging: Staging) -> std::result::Result<Self, Staging> {
+        match staging {
+            Staging::Device(buf) => Ok(buf),
+            other => Err(other),
+        }
+    }
 }
 
 impl Staging {
@@ -90,13 +122,13 @@ pub struct NcclLinks {
 impl NcclLinks {
     /// NCCL links on `ctx`'s device; fails when NCCL does not load.
     pub fn new(ctx: Arc<CudaContext>) -> Result<Self> {
-        nibble_kernels::nccl::version()?;
+        crate::version()?;
         Ok(Self { ctx })
     }
 
     /// The UUID of the device, as NCCL endpoints advertise it.
     pub fn gpu_uuid(&self) -> Result<String> {
-        let uuid = self.ctx.uuid().map_err(nibble_kernels::Error::from)?;
+        let uuid = self.ctx.uuid()?;
         let hex: String = uuid
             .bytes
             .iter()
@@ -174,10 +206,7 @@ impl Link for NcclLink {
     fn recv(&mut self, bytes: usize, timeout: Duration) -> Result<Staging> {
         let peer = self.peer;
         let comm = self.comm()?;
-        let mut buf = comm
-            .stream()
-            .alloc_zeros::<u8>(bytes)
-            .map_err(nibble_kernels::Error::from)?;
+        let mut buf = comm.stream().alloc_zeros::<u8>(bytes)?;
         let received = comm
             .recv(&mut buf, peer, timeout)
             .and_then(|()| comm.wait(timeout));
@@ -187,7 +216,7 @@ impl Link for NcclLink {
                 // Abort first: NCCL may still be writing into `buf`, freed after this.
                 drop(self.comm.take());
                 drop(buf);
-                Err(e.into())
+                Err(e)
             }
         }
     }

@@ -1,6 +1,5 @@
-//! Errors of the kernel crate: NVRTC or NCCL missing, a source that does not compile, a driver or
-//! NCCL error, a deadline passed, a geometry the kernels do not handle, or a bad `NIBBLE_CUDA_*`
-//! setting.
+//! Errors of the CUDA crate: NVRTC missing, a source that does not compile, a driver error, a
+//! geometry the kernels do not handle, or a bad `NIBBLE_CUDA_*` setting.
 
 use cudarc::driver::DriverError;
 
@@ -25,21 +24,6 @@ pub enum Error {
         var: &'static str,
         value: String,
         expected: &'static str,
-    },
-    #[error("NCCL: {0}")]
-    NcclNotFound(String),
-    #[error("NCCL {op} failed ({code}): {message}")]
-    Nccl {
-        op: &'static str,
-        code: i32,
-        message: String,
-    },
-    #[error("{0}: cancelled")]
-    Cancelled(&'static str),
-    #[error("{what}: no completion after {after:?}")]
-    Timeout {
-        what: &'static str,
-        after: std::time::Duration,
     },
     #[error("{what}: expected {expected}, got {actual}")]
     Shape {

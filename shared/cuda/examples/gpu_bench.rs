@@ -14,7 +14,7 @@
 //!
 //! Inputs are random, never zero; small shapes rotate over disjoint page sets so repeated runs do
 //! not read from L2; times are CUDA events around each call, after warm-up, median of many.
-//! Run: `cargo run --release -p nibble-kernels --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16] [--shapes 8x32768,1x4096]`
+//! Run: `cargo run --release -p nibble-cuda --example gpu_bench [-- --quick] [--dtypes nvfp4,fp8] [--page 16] [--shapes 8x32768,1x4096]`
 //! (`--dtypes` runs only those decode sweeps; `--kv-window 64` has every decode also read its
 //! last 64 tokens from a BF16 recent window, without prefill; `--shapes` only those batch x
 //! context shapes of them). `--profile` runs a few calls of batch 32 x 32K (or `--shapes`) per
@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
-use nibble_kernels::{
+use nibble_cuda::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
     PageGeom, PrefillBatch, WindowGeom,
 };

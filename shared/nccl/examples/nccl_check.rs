@@ -17,7 +17,7 @@
 //!
 //! Exits 0 only when the two-GPU transfer ran and every check passed. With one GPU it runs the
 //! single-GPU checks, says the two-GPU transfer was NOT tested, and exits 1; without a GPU, NVRTC
-//! or NCCL it exits 1. Run: `cargo run --release -p nibble-kernels --example nccl_check`
+//! or NCCL it exits 1. Run: `cargo run --release -p nibble-cuda --example nccl_check`
 //! (NCCL found on the loader path, under python3's `nvidia/nccl/lib`, or at `NIBBLE_NCCL_LIB`).
 
 use std::process::ExitCode;
@@ -27,9 +27,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice};
-use nibble_kernels::nccl::{self, Communicator, UniqueId};
-use nibble_kernels::{Kernels, PageGeom};
+use nibble_cuda::{Kernels, PageGeom};
 use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_nccl::{self as nccl, Communicator, UniqueId};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 
 /// Llama-3-8B: 32 layers, 8 KV heads of 128, 16-token pages: 589,824 NVFP4 bytes a page.
@@ -96,7 +96,7 @@ fn run(report: &mut Report) -> Result<()> {
         "the two-GPU NCCL transfer (GPU 0 -> GPU 1)".into(),
     ];
     ensure!(
-        nibble_kernels::cuda_available(),
+        nibble_cuda::cuda_available(),
         "no CUDA driver with a device on this machine"
     );
     let devices = CudaContext::device_count().context("counting CUDA devices")?;

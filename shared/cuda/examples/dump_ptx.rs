@@ -1,5 +1,5 @@
 //! Writes the PTX of every kernel source (the backend's dense ops included) for one target, for reading or for `ptxas -v`:
-//! `cargo run -p nibble-kernels --example dump_ptx -- sm_90 DIR`.
+//! `cargo run -p nibble-cuda --example dump_ptx -- sm_90 DIR`.
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -11,8 +11,8 @@ fn main() -> anyhow::Result<()> {
     };
     let dir = std::path::PathBuf::from(args.next().unwrap_or_else(|| ".".into()));
     std::fs::create_dir_all(&dir)?;
-    let ops = nibble_kernels::backend::compile_ops(arch)?;
-    for compiled in nibble_kernels::nvrtc::compile_all(arch)?
+    let ops = nibble_cuda::backend::compile_ops(arch)?;
+    for compiled in nibble_cuda::nvrtc::compile_all(arch)?
         .into_iter()
         .chain([ops])
     {

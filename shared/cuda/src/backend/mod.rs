@@ -30,7 +30,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use nibble_engine::backend::{AttentionArgs, Backend, PageEncoding, PagedSeq, RopeArgs};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult};
@@ -263,6 +263,15 @@ fn launched(
     r.map_err(|e| device_err(what, e))
 }
 
+/// A CUDA crate error of `what` as the engine's: a driver error is a device failure, anything
+/// else (a page not allocated, a shape) a refused input.
+fn classified(what: &str, e: Error) -> EngineError {
+    match e {
+        Error::Driver(e) => device_err(what, e),
+        other => EngineError::InvalidInput(format!("{what}: {other}")),
+    }
+}
+
 /// A device failure (a launch, copy or allocation) of `what`, as the engine's error.
 fn device_err(what: &str, e: impl Display) -> EngineError {
     EngineError::Device(format!("CUDA: {what} failed: {e}"))
@@ -462,5 +471,27 @@ impl Backend for CudaBackend {
         bytes: &[u8],
     ) -> EngineResult<()> {
         self.write_page_bytes(pages, pool, page, bytes)
+    }
+
+    type Staging = CudaSlice<u8>;
+
+    fn stage_pages(&self, pages: &CudaPages, ids: &[PageId]) -> EngineResult<CudaSlice<u8>> {
+        self.gather_pages(pages, ids)
+            .map_err(|e| classified("staging pages", e))
+    }
+
+    fn unstage_pages(
+        &self,
+        pages: &mut CudaPages,
+        pool: &PagePool,
+        ids: &[PageId],
+        staging: &CudaSlice<u8>,
+    ) -> EngineResult<()> {
+        self.scatter_pages(pages, pool, ids, staging)
+            .map_err(|e| classified("writing staged pages", e))
+    }
+
+    fn staging_bytes(&self, staging: &CudaSlice<u8>) -> usize {
+        staging.len()
     }
 }

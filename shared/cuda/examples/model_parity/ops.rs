@@ -4,12 +4,12 @@
 //! with their page bytes, for each KV dtype.
 
 use anyhow::Result;
+use nibble_cuda::CudaBackend;
 use nibble_engine::backend::{
     AttentionArgs, AttnGeometry, Backend, PageEncoding, PagedSeq, RopeArgs,
 };
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{CpuBackend, RopeStyle};
-use nibble_kernels::CudaBackend;
 use nibble_kvcache::{GlobalScales, PagePool, PageTable, PoolPlan};
 use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
 use rand::rngs::StdRng;

@@ -33,12 +33,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use nibble_cuda::{CudaBackend, WeightPrecision};
 use nibble_engine::calibrate::KSmoothing;
 use nibble_engine::gguf::GgufFile;
 use nibble_engine::{
     Backend, CpuBackend, KvConfig, Logits, Model, PagedSession, SeqInput, Tokenizer,
 };
-use nibble_kernels::{CudaBackend, WeightPrecision};
 use nibble_kvfmt::KvDtype;
 
 const PROMPT: &str = "The history of the printing press begins in the fifteenth century, when \

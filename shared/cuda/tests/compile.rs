@@ -2,7 +2,7 @@
 //! kernels support) with no GPU. NVRTC missing is a failure, not a skip: CI installs it
 //! (scripts/deps.sh, PyPI `nvidia-cuda-nvrtc`).
 
-use nibble_kernels::{nvrtc, ENTRY_POINTS};
+use nibble_cuda::{nvrtc, ENTRY_POINTS};
 
 #[test]
 fn every_kernel_compiles_for_sm_90_and_sm_80() {
@@ -65,11 +65,11 @@ fn every_entry_syncs_with_the_grid_before_it(ptx: &str, arch: &str, source: &str
 #[test]
 fn the_backend_ops_compile_for_sm_90_and_sm_80() {
     for arch in ["sm_90", "sm_80"] {
-        let ptx = nibble_kernels::backend::compile_ops(arch)
+        let ptx = nibble_cuda::backend::compile_ops(arch)
             .unwrap_or_else(|e| panic!("{e}"))
             .ptx
             .to_src();
-        for entry in nibble_kernels::backend::OPS_ENTRY_POINTS {
+        for entry in nibble_cuda::backend::OPS_ENTRY_POINTS {
             assert!(
                 ptx.contains(&format!(".entry {entry}(")),
                 "ops.cu for {arch} lacks kernel {entry}"

@@ -17,8 +17,8 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use nibble_cuda::CudaBackend;
 use nibble_engine::Backend;
-use nibble_kernels::CudaBackend;
 use serde_json::json;
 
 /// Llama-3-8B's decode GEMMs: (name, output features m of each matrix, input features k). A
