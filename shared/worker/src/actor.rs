@@ -31,7 +31,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::codegen::Bytes;
 
 use crate::error::{Error, Result};
-use crate::kv_events::KvPublisher;
+use crate::kv_events::{KvCacheSnapshot, KvEventBatch, KvPublisher};
 use nibble_nccl::link::{Stageable, Staging};
 
 /// Events of one request, in order.
@@ -127,7 +127,7 @@ enum Command {
         reply: oneshot::Sender<LoadSnapshot>,
     },
     KvSnapshot {
-        reply: oneshot::Sender<v1::KvSnapshotResponse>,
+        reply: oneshot::Sender<KvCacheSnapshot>,
     },
     /// Fails the engine thread as a device error does (tests of the failure path).
     #[cfg(feature = "testing")]
@@ -139,7 +139,7 @@ enum Command {
 #[derive(Clone)]
 pub struct EngineHandle {
     commands: mpsc::UnboundedSender<Command>,
-    kv_events: broadcast::Sender<v1::KvEventBatch>,
+    kv_events: broadcast::Sender<KvEventBatch>,
     info: Arc<EngineInfo>,
     /// Why the engine thread ended, once it has.
     stopped: watch::Receiver<Option<String>>,
@@ -409,13 +409,13 @@ impl EngineHandle {
     }
 
     /// Every block of the prefix cache, with the id of the last published event it reflects.
-    pub async fn kv_snapshot(&self) -> Result<v1::KvSnapshotResponse> {
+    pub async fn kv_snapshot(&self) -> Result<KvCacheSnapshot> {
         self.call(|reply| Command::KvSnapshot { reply }).await
     }
 
     /// Prefix-cache events from now on. A lagging receiver misses batches: it sees a gap in
     /// ids and resyncs from [`kv_snapshot`](Self::kv_snapshot).
-    pub fn subscribe_kv_events(&self) -> broadcast::Receiver<v1::KvEventBatch> {
+    pub fn subscribe_kv_events(&self) -> broadcast::Receiver<KvEventBatch> {
         self.kv_events.subscribe()
     }
 }

@@ -307,7 +307,7 @@ pub fn start_engine(
         .start(needs, |why| {
             tracing::warn!("--device auto: {why}; using the CPU")
         })
-        .map_err(|e| Error::InvalidArgument(format!("--device cuda: {e}")))?;
+        .map_err(Error::DeviceStart)?;
     let context = cuda.as_ref().map(|b| Arc::clone(b.context()));
     let config = |gpu: Option<DeviceMemory>| -> Result<EngineConfig> {
         let _worker = tracing::info_span!("worker", %role).entered();

@@ -79,6 +79,9 @@ pub enum Error {
     /// A CUDA call failed.
     #[error(transparent)]
     Cuda(#[from] nibble_cuda::Error),
+    /// `--device cuda` (or `auto` on a GPU it chose) could not start the CUDA backend.
+    #[error("--device cuda: {0}")]
+    DeviceStart(#[source] nibble_cuda::Error),
     /// NCCL or a device link failed; the transfer falls back to the gRPC stream.
     #[error("NCCL link: {0}")]
     Nccl(#[from] nibble_nccl::Error),
@@ -143,6 +146,7 @@ impl From<Error> for tonic::Status {
             }
             Error::Engine(_)
             | Error::Cuda(_)
+            | Error::DeviceStart(_)
             | Error::Failed(nibble_engine::Failure::Step(_))
             | Error::EngineFailed(_)
             | Error::Security(_)

@@ -1,4 +1,5 @@
-//! Publishing the prefix cache's changes as numbered [`v1::KvEvent`]s.
+//! Publishing the prefix cache's changes as numbered [`KvEvent`]s (the domain type; the
+//! `Worker` service puts them on the wire).
 //!
 //! The engine thread calls [`KvPublisher::publish`] after every step and command. When the
 //! cache's counters moved, it compares the cache's snapshot with the set it last published and
@@ -11,13 +12,26 @@ use std::collections::{HashMap, HashSet};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use nibble_engine::scheduler::State;
-use nibble_kvcache::BlockHash;
-use nibble_proto::v1;
+use nibble_kvcache::{BlockHash, KvEvent, KvEventData, KvSnapshot};
 use tokio::sync::broadcast;
+
+/// One publish's events, from one life (`instance_id`) of the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventBatch {
+    pub instance_id: u64,
+    pub events: Vec<KvEvent>,
+}
+
+/// The published set at one moment, from one life of the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvCacheSnapshot {
+    pub instance_id: u64,
+    pub snapshot: KvSnapshot,
+}
 
 /// The engine thread's publishing state.
 pub(crate) struct KvPublisher {
-    sender: broadcast::Sender<v1::KvEventBatch>,
+    sender: broadcast::Sender<KvEventBatch>,
     instance_id: u64,
     last_id: u64,
     /// Cache counters at the last publish: (inserted, evicted, len).
@@ -27,7 +41,7 @@ pub(crate) struct KvPublisher {
 }
 
 impl KvPublisher {
-    pub(crate) fn new(sender: broadcast::Sender<v1::KvEventBatch>) -> Self {
+    pub(crate) fn new(sender: broadcast::Sender<KvEventBatch>) -> Self {
         Self {
             sender,
             instance_id: new_instance_id(),
@@ -54,7 +68,7 @@ impl KvPublisher {
         self.blocks = now;
         if !events.is_empty() {
             // No subscriber is not an error: the snapshot covers whoever comes later.
-            let _ = self.sender.send(v1::KvEventBatch {
+            let _ = self.sender.send(KvEventBatch {
                 instance_id: self.instance_id,
                 events,
             });
@@ -62,64 +76,58 @@ impl KvPublisher {
     }
 
     /// The events that turn the published set into `now`.
-    fn diff(&mut self, now: &[(BlockHash, Option<BlockHash>)]) -> Vec<v1::KvEvent> {
+    fn diff(&mut self, now: &[(BlockHash, Option<BlockHash>)]) -> Vec<KvEvent> {
         let old: HashSet<BlockHash> = self.blocks.iter().map(|(h, _)| *h).collect();
         let new: HashSet<BlockHash> = now.iter().map(|(h, _)| *h).collect();
         let mut data = Vec::new();
-        let removed: Vec<u64> = self
+        let removed: Vec<BlockHash> = self
             .blocks
             .iter()
             .filter(|(h, _)| !new.contains(h))
-            .map(|(h, _)| h.0)
+            .map(|(h, _)| *h)
             .collect();
         if !removed.is_empty() {
-            data.push(v1::kv_event::Data::Removed(v1::BlocksRemoved {
-                blocks: removed,
-            }));
+            data.push(KvEventData::Removed { blocks: removed });
         }
-        // `now` lists parents first, so a chain grows at its tail.
-        let mut chains: Vec<v1::BlocksStored> = Vec::new();
+        // `now` lists parents first, so a chain grows at its tail: (parent, blocks).
+        let mut chains: Vec<(Option<BlockHash>, Vec<BlockHash>)> = Vec::new();
         let mut tails: HashMap<BlockHash, usize> = HashMap::new();
         for (hash, parent) in now.iter().filter(|(h, _)| !old.contains(h)) {
             match parent.and_then(|p| tails.remove(&p)) {
                 Some(i) => {
-                    chains[i].blocks.push(hash.0);
+                    chains[i].1.push(*hash);
                     tails.insert(*hash, i);
                 }
                 None => {
-                    chains.push(v1::BlocksStored {
-                        parent: parent.map(|p| p.0),
-                        blocks: vec![hash.0],
-                    });
+                    chains.push((*parent, vec![*hash]));
                     tails.insert(*hash, chains.len() - 1);
                 }
             }
         }
-        data.extend(chains.into_iter().map(v1::kv_event::Data::Stored));
+        data.extend(
+            chains
+                .into_iter()
+                .map(|(parent, blocks)| KvEventData::Stored { parent, blocks }),
+        );
         data.into_iter()
-            .map(|d| {
+            .map(|data| {
                 self.last_id += 1;
-                v1::KvEvent {
+                KvEvent {
                     id: self.last_id,
-                    data: Some(d),
+                    data,
                 }
             })
             .collect()
     }
 
     /// The published set and the last event id it reflects.
-    pub(crate) fn snapshot(&self) -> v1::KvSnapshotResponse {
-        v1::KvSnapshotResponse {
+    pub(crate) fn snapshot(&self) -> KvCacheSnapshot {
+        KvCacheSnapshot {
             instance_id: self.instance_id,
-            last_event_id: self.last_id,
-            blocks: self
-                .blocks
-                .iter()
-                .map(|(h, p)| v1::CachedBlock {
-                    hash: h.0,
-                    parent: p.map(|p| p.0),
-                })
-                .collect(),
+            snapshot: KvSnapshot {
+                last_event_id: self.last_id,
+                blocks: self.blocks.clone(),
+            },
         }
     }
 }
@@ -152,10 +160,10 @@ mod tests {
         assert_eq!(events[0].id, 1);
         assert_eq!(
             events[0].data,
-            Some(v1::kv_event::Data::Stored(v1::BlocksStored {
+            KvEventData::Stored {
                 parent: None,
-                blocks: vec![1, 2, 3]
-            }))
+                blocks: vec![b(1), b(2), b(3)]
+            }
         );
         let second = vec![(b(1), None), (b(2), Some(b(1))), (b(4), Some(b(2)))];
         let events = p.diff(&second);
@@ -165,20 +173,15 @@ mod tests {
             vec![2, 3],
             "ids continue without gaps"
         );
-        assert_eq!(
-            events[0].data,
-            Some(v1::kv_event::Data::Removed(v1::BlocksRemoved {
-                blocks: vec![3]
-            }))
-        );
+        assert_eq!(events[0].data, KvEventData::Removed { blocks: vec![b(3)] });
         assert_eq!(
             events[1].data,
-            Some(v1::kv_event::Data::Stored(v1::BlocksStored {
-                parent: Some(2),
-                blocks: vec![4]
-            }))
+            KvEventData::Stored {
+                parent: Some(b(2)),
+                blocks: vec![b(4)]
+            }
         );
-        let snap = p.snapshot();
+        let snap = p.snapshot().snapshot;
         assert_eq!(snap.last_event_id, 3);
         assert_eq!(snap.blocks.len(), 3);
     }

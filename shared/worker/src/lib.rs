@@ -24,7 +24,7 @@ pub mod actor;
 pub mod cli;
 pub mod convert;
 pub mod error;
-mod kv_events;
+pub mod kv_events;
 pub mod metrics;
 pub mod registration;
 pub mod server;

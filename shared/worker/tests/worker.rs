@@ -474,15 +474,16 @@ async fn the_actor_publishes_kv_events_and_aborts_dropped_requests() {
         .unwrap();
     while events.recv().await.is_some() {}
     // The snapshot publishes pending changes first, so every batch is queued once it returns.
-    let snapshot = e.kv_snapshot().await.unwrap();
+    let cache = e.kv_snapshot().await.unwrap();
+    let snapshot = &cache.snapshot;
     let mut ids = Vec::new();
     let mut stored = 0;
     while let Ok(batch) = kv.try_recv() {
-        assert_eq!(batch.instance_id, snapshot.instance_id);
+        assert_eq!(batch.instance_id, cache.instance_id);
         for event in batch.events {
             ids.push(event.id);
-            if let Some(v1::kv_event::Data::Stored(s)) = event.data {
-                stored += s.blocks.len();
+            if let nibble_kvcache::KvEventData::Stored { blocks, .. } = event.data {
+                stored += blocks.len();
             }
         }
     }

@@ -277,8 +277,9 @@ fn device_err(what: &str, e: impl Display) -> EngineError {
     EngineError::Device(format!("CUDA: {what} failed: {e}"))
 }
 
-fn engine_err(e: impl Display) -> EngineError {
-    EngineError::InvalidInput(format!("CUDA backend: {e}"))
+/// A CUDA (driver or crate) error as the engine's, classified ([`classified`]).
+fn engine_err(e: impl Into<Error>) -> EngineError {
+    classified("CUDA backend", e.into())
 }
 
 impl Backend for CudaBackend {

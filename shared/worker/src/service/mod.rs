@@ -671,8 +671,15 @@ impl Worker for WorkerService {
         _: Request<v1::SubscribeKvEventsRequest>,
     ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
         // A lagging subscriber skips batches: it sees the gap in ids and resyncs.
-        let stream = BroadcastStream::new(self.0.engine.subscribe_kv_events())
-            .filter_map(|batch| batch.ok().map(Ok));
+        let stream =
+            BroadcastStream::new(self.0.engine.subscribe_kv_events()).filter_map(|batch| {
+                batch.ok().map(|batch| {
+                    Ok(v1::KvEventBatch {
+                        instance_id: batch.instance_id,
+                        events: batch.events.iter().map(v1::KvEvent::from).collect(),
+                    })
+                })
+            });
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -680,6 +687,10 @@ impl Worker for WorkerService {
         &self,
         _: Request<v1::KvSnapshotRequest>,
     ) -> Result<Response<v1::KvSnapshotResponse>, Status> {
-        Ok(Response::new(self.0.engine.kv_snapshot().await?))
+        let cache = self.0.engine.kv_snapshot().await?;
+        Ok(Response::new(v1::KvSnapshotResponse::new(
+            cache.instance_id,
+            &cache.snapshot,
+        )))
     }
 }
