@@ -19,7 +19,6 @@ use std::sync::Arc;
 
 use nibble_discovery::{Role, WorkerEvent, WorkerId, WorkerInfo};
 use nibble_kvcache::{KvEvent, KvSnapshot};
-use nibble_proto::v1;
 
 use crate::decision::{Decision, Placement, Reason, Routed, Ticket};
 use crate::index::{PrefixDepths, PrefixIndex, DEFAULT_MAX_BUFFERED_EVENTS};
@@ -343,22 +342,6 @@ impl Router {
             .expect("tracked workers are registered in the index"))
     }
 
-    /// [`apply_kv_events`](Self::apply_kv_events) for a batch off the wire; a batch with an
-    /// invalid event is refused whole.
-    pub fn apply_kv_batch(
-        &mut self,
-        role: Role,
-        id: &WorkerId,
-        batch: v1::KvEventBatch,
-    ) -> Result<SyncReport> {
-        let events = batch
-            .events
-            .into_iter()
-            .map(KvEvent::try_from)
-            .collect::<Result<Vec<_>, _>>()?;
-        self.apply_kv_events(role, id, batch.instance_id, &events)
-    }
-
     /// Replaces a worker's blocks with a snapshot of its cache life `instance_id` and replays the
     /// events buffered since the gap.
     pub fn apply_kv_snapshot(
@@ -373,16 +356,6 @@ impl Router {
             .index
             .apply_snapshot(slot, instance_id, snapshot)
             .expect("tracked workers are registered in the index"))
-    }
-
-    /// [`apply_kv_snapshot`](Self::apply_kv_snapshot) for a snapshot off the wire.
-    pub fn apply_kv_snapshot_response(
-        &mut self,
-        role: Role,
-        id: &WorkerId,
-        snapshot: &v1::KvSnapshotResponse,
-    ) -> Result<SyncReport> {
-        self.apply_kv_snapshot(role, id, snapshot.instance_id, &snapshot.to_domain())
     }
 
     /// Records a worker's load report.

@@ -444,58 +444,40 @@ fn a_failed_prefill_moves_to_another_prefill_worker() {
 }
 
 #[test]
-fn wire_batches_and_snapshots_feed_the_index() {
+fn batches_and_snapshots_feed_the_index() {
     let mut router = router(&[], &["d0"]);
     let p = prompt(0, 64);
-    let batch = v1::KvEventBatch {
-        instance_id: 9,
-        events: vec![v1::KvEvent {
-            id: 3,
-            data: Some(v1::kv_event::Data::Stored(v1::BlocksStored {
-                parent: None,
-                blocks: p.hashes().iter().map(|h| h.0).collect(),
-            })),
-        }],
+    let stored = KvEvent {
+        id: 3,
+        data: KvEventData::Stored {
+            parent: None,
+            blocks: p.hashes().to_vec(),
+        },
     };
     let report = router
-        .apply_kv_batch(Role::Decode, &id("d0"), batch)
+        .apply_kv_events(Role::Decode, &id("d0"), 9, &[stored])
         .unwrap();
-    assert!(report.status.needs_snapshot());
+    assert!(
+        report.status.needs_snapshot(),
+        "a first event after id 1 is a gap"
+    );
     assert!(
         router
             .worker(Role::Decode, &id("d0"))
             .unwrap()
             .needs_snapshot
     );
-
-    let snapshot = v1::KvSnapshotResponse {
-        instance_id: 9,
+    let snapshot = KvSnapshot {
         last_event_id: 3,
-        blocks: p
-            .hashes()
-            .iter()
-            .map(|h| v1::CachedBlock {
-                hash: h.0,
-                parent: None,
-            })
-            .collect(),
+        blocks: p.hashes().iter().map(|h| (*h, None)).collect(),
     };
     let report = router
-        .apply_kv_snapshot_response(Role::Decode, &id("d0"), &snapshot)
+        .apply_kv_snapshot(Role::Decode, &id("d0"), 9, &snapshot)
         .unwrap();
     assert_eq!(report.status, SyncStatus::InSync);
     assert_eq!(report.skipped, 1);
     let decision = router.decide(&p, WorkerSet::EMPTY).unwrap();
     assert_eq!(decision.decode.cached_tokens, 64);
-
-    let invalid = v1::KvEventBatch {
-        instance_id: 9,
-        events: vec![v1::KvEvent { id: 4, data: None }],
-    };
-    assert!(matches!(
-        router.apply_kv_batch(Role::Decode, &id("d0"), invalid),
-        Err(Error::Convert(_))
-    ));
 }
 
 #[test]

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use tonic::Status;
 
 use super::Shared;
-use crate::{metrics, LoadReport, SyncStatus};
+use crate::{metrics, KvEvent, LoadReport, SyncStatus};
 
 /// Pause before a worker's KV-event subscription is retried.
 const RESUBSCRIBE_DELAY: Duration = Duration::from_millis(200);
@@ -123,9 +123,16 @@ async fn subscribe_once(shared: &Shared, info: &WorkerInfo) -> Result<(), Status
         .await?
         .into_inner();
     while let Some(batch) = stream.message().await? {
+        // A batch with an invalid event is refused whole.
+        let events = batch
+            .events
+            .into_iter()
+            .map(KvEvent::try_from)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(Status::from)?;
         let report = shared
             .router()
-            .apply_kv_batch(info.role, &info.id, batch)
+            .apply_kv_events(info.role, &info.id, batch.instance_id, &events)
             .map_err(Status::from)?;
         metrics::kv_sync(info.role, &report);
         if matches!(report.status, SyncStatus::SnapshotNeeded(_)) {
@@ -135,7 +142,12 @@ async fn subscribe_once(shared: &Shared, info: &WorkerInfo) -> Result<(), Status
                 .into_inner();
             let report = shared
                 .router()
-                .apply_kv_snapshot_response(info.role, &info.id, &snapshot)
+                .apply_kv_snapshot(
+                    info.role,
+                    &info.id,
+                    snapshot.instance_id,
+                    &snapshot.to_domain(),
+                )
                 .map_err(Status::from)?;
             metrics::kv_sync(info.role, &report);
         }
