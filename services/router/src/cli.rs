@@ -140,8 +140,12 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         "--etcd-endpoints: the router needs etcd to find its workers (`nibble up` runs a \
          cluster without etcd)"
     );
-    let discovery: Arc<dyn Discovery> =
-        Arc::new(EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?);
+    // Started before etcd (or while it is down), the router waits for it.
+    let connecting = EtcdDiscovery::connect_retrying(EtcdConfig::new(endpoints));
+    let discovery: Arc<dyn Discovery> = tokio::select! {
+        discovery = connecting => Arc::new(discovery),
+        () = nibble_proto::serving::interrupted() => return Ok(()),
+    };
     let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
     let _metrics = nibble_telemetry::start(metrics_listen, "nibble-router").await?;
     let listener = tokio::net::TcpListener::bind(args.listen)

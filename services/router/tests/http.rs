@@ -534,6 +534,23 @@ async fn errors_have_openais_shape_and_status() {
     // 413 past the body limit.
     let big = with(&ok_completion, "prompt", json!("x".repeat(4096)));
     assert_error(&post_json(http, "/v1/completions", &big).await, 413, None);
+    // A declared length over the limit is refused at once, without waiting for the body.
+    let mut conn = tokio::net::TcpStream::connect(http).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                Content-Length: 10000000000\r\n\r\n";
+    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut conn, &mut answer),
+    )
+    .await
+    .expect("an answer without the body")
+    .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
 
     // 503 while no worker is known, for requests and readiness; liveness stays up.
     for (path, body) in [

@@ -382,9 +382,12 @@ pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
     let discovery: Option<Arc<dyn Discovery>> = if endpoints.is_empty() {
         None
     } else {
-        Some(Arc::new(
-            EtcdDiscovery::connect(EtcdConfig::new(endpoints)).await?,
-        ))
+        // Started before etcd (or while it is down), the worker waits for it.
+        let connecting = EtcdDiscovery::connect_retrying(EtcdConfig::new(endpoints));
+        tokio::select! {
+            discovery = connecting => Some(Arc::new(discovery)),
+            () = nibble_proto::serving::interrupted() => return Ok(()),
+        }
     };
     let shutdown = nibble_proto::serving::interrupted();
     let result = run_on(role, args, listener, discovery.clone(), shutdown).await;

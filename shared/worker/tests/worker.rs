@@ -298,6 +298,20 @@ async fn cancelled_decode_and_expired_reservations_free_pages() {
         .unwrap()
         .into_inner();
     assert!(kept.page_count > 0);
+    // A caller cannot hold pages longer than the worker allows.
+    let greedy_ttl = client
+        .reserve(reserve("greedy-ttl", Some(u32::MAX)))
+        .await
+        .unwrap()
+        .into_inner();
+    let cap = d.state.identity().reservation_ttl.as_millis() as u32;
+    assert_eq!(greedy_ttl.ttl_ms, cap);
+    client
+        .abort(v1::AbortRequest {
+            request_id: "greedy-ttl".into(),
+        })
+        .await
+        .unwrap();
     let aborted = client
         .abort(v1::AbortRequest {
             request_id: "aborted".into(),

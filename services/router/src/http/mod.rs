@@ -126,8 +126,23 @@ pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(limit, refuse_oversized))
         .layer(middleware::from_fn(count))
         .with_state(state)
+}
+
+/// Answers 413 at once to a request whose `Content-Length` is over the body limit, before
+/// anything waits for (or reads) a body that will be refused anyway.
+async fn refuse_oversized(State(limit): State<usize>, request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match declared {
+        Some(bytes) if bytes > limit as u64 => ApiError::too_large(limit).into_response(),
+        _ => next.run(request).await,
+    }
 }
 
 /// Counts every response by route and status ([`crate::metrics::HTTP_RESPONSES_TOTAL`]).

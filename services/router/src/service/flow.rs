@@ -131,7 +131,11 @@ impl Flow {
                 }
                 Stop::Failed(status) => {
                     metrics::request(Outcome::Failed, status.code());
-                    tracing::warn!(%status, "request failed");
+                    if nibble_proto::serving::is_server_fault(status.code()) {
+                        tracing::warn!(%status, "request failed");
+                    } else {
+                        tracing::info!(%status, "request refused by a worker");
+                    }
                     let _ = tx.send(Err(status)).await;
                 }
             }

@@ -214,6 +214,26 @@ impl std::fmt::Debug for EtcdDiscovery {
 }
 
 impl EtcdDiscovery {
+    /// [`connect`](Self::connect), retried until it succeeds: a process started while etcd is
+    /// down (or not yet up) waits for it with backoff (0.2 s doubling to 5 s), logging one line
+    /// per failed attempt, instead of exiting. Cancel it by dropping the future.
+    pub async fn connect_retrying(config: EtcdConfig) -> Self {
+        let mut delay = Duration::from_millis(200);
+        loop {
+            match Self::connect(config.clone()).await {
+                Ok(discovery) => return discovery,
+                Err(err) => tracing::warn!(
+                    endpoints = ?config.endpoints,
+                    %err,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "etcd is unreachable; retrying"
+                ),
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(5));
+        }
+    }
+
     /// Connects, grants the session's lease and starts keeping it alive.
     pub async fn connect(config: EtcdConfig) -> Result<Self> {
         let options = ConnectOptions::new()

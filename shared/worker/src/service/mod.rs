@@ -206,8 +206,10 @@ impl WorkerState {
                 filled: vec![false; count],
             },
         );
+        // A caller may shorten the reservation's life, never lengthen it past the worker's
+        // --reservation-ttl-ms: pages held for a peer that never pushes come back in time.
         let ttl = r.ttl_ms.map_or(self.identity.reservation_ttl, |ms| {
-            Duration::from_millis(ms.into())
+            Duration::from_millis(ms.into()).min(self.identity.reservation_ttl)
         });
         tracing::debug!(
             reservation = id.0,
@@ -514,7 +516,11 @@ impl Tracked {
             }
             Err(status) => {
                 self.outcome = Some(status.code());
-                tracing::warn!(%status, "decode failed");
+                if nibble_proto::serving::is_server_fault(status.code()) {
+                    tracing::warn!(%status, "decode failed");
+                } else {
+                    tracing::debug!(%status, "decode refused");
+                }
             }
         }
     }
@@ -569,7 +575,11 @@ impl Call {
             Ok(_) => self.code = tonic::Code::Ok,
             Err(status) => {
                 self.code = status.code();
-                tracing::warn!(%status, "{} failed", self.call);
+                if nibble_proto::serving::is_server_fault(status.code()) {
+                    tracing::warn!(%status, "{} failed", self.call);
+                } else {
+                    tracing::debug!(%status, "{} refused", self.call);
+                }
             }
         }
         result
