@@ -83,6 +83,21 @@ where
     }
 }
 
+/// Whether a failure with `code` is the server's (worth a WARN in its log) rather than the
+/// client's (a bad argument, a missing or refused thing, a cancellation: logged at info or debug,
+/// so a client cannot flood the warnings).
+pub fn is_server_fault(code: tonic::Code) -> bool {
+    use tonic::Code;
+    matches!(
+        code,
+        Code::Internal
+            | Code::Unknown
+            | Code::DataLoss
+            | Code::Unavailable
+            | Code::DeadlineExceeded
+    )
+}
+
 #[cfg(test)]
 mod drain_tests {
     use super::*;
@@ -113,19 +128,4 @@ mod drain_tests {
         .await;
         assert_eq!(result, Err("drained"));
     }
-}
-
-/// Whether a failure with `code` is the server's (worth a WARN in its log) rather than the
-/// client's (a bad argument, a missing or refused thing, a cancellation: logged at info or debug,
-/// so a client cannot flood the warnings).
-pub fn is_server_fault(code: tonic::Code) -> bool {
-    use tonic::Code;
-    matches!(
-        code,
-        Code::Internal
-            | Code::Unknown
-            | Code::DataLoss
-            | Code::Unavailable
-            | Code::DeadlineExceeded
-    )
 }
