@@ -21,16 +21,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
 
+use bytes::Bytes;
 use nibble_engine::calibrate::KSmoothing;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
 use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
 use nibble_kvcache::{CacheStats, PageId};
-use nibble_proto::v1;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tonic::codegen::Bytes;
 
 use crate::error::{Error, Result};
+use crate::format::KvFormatSpec;
 use crate::kv_events::{KvCacheSnapshot, KvEventBatch, KvPublisher};
 use nibble_nccl::link::{Stageable, Staging};
 
@@ -41,7 +41,7 @@ pub type EventStream = mpsc::UnboundedReceiver<Event>;
 #[derive(Debug, Clone)]
 pub struct EngineInfo {
     /// The page pool's format, as peers see it.
-    pub kv_format: v1::KvFormat,
+    pub kv_format: KvFormatSpec,
     /// `kv_format`'s fingerprint.
     pub fingerprint: u64,
     /// Tokens per page.
@@ -187,8 +187,13 @@ impl EngineHandle {
     {
         let layout = config.kv.layout(&model)?;
         let scales = config.kv.scales_for(layout.layers())?;
-        let kv_format = v1::KvFormat::new(&layout, &scales, config.kv.hadamard, config.kv.window)
-            .with_k_smoothing(config.kv.k_smoothing.as_ref().map(KSmoothing::digest));
+        let kv_format = KvFormatSpec {
+            layout,
+            scales,
+            hadamard: config.kv.hadamard,
+            window: config.kv.window,
+            k_smoothing: config.kv.k_smoothing.as_ref().map(KSmoothing::digest),
+        };
         let (commands, rx) = mpsc::unbounded_channel();
         let (kv_events, _) = broadcast::channel(KV_EVENT_BUFFER);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();

@@ -24,6 +24,7 @@ pub mod actor;
 pub mod cli;
 pub mod convert;
 pub mod error;
+pub mod format;
 pub mod kv_events;
 pub mod metrics;
 pub mod registration;

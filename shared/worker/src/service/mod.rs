@@ -460,7 +460,7 @@ impl WorkerState {
             worker_id: self.identity.worker_id.clone(),
             role: self.identity.role as i32,
             model: self.identity.model.clone(),
-            kv_format: Some(info.kv_format.clone()),
+            kv_format: Some(info.kv_format.wire()),
             kv_format_fingerprint: info.fingerprint,
             max_context: info.max_context as u32,
             transfer_address: self.identity.transfer_address.clone(),

@@ -1,0 +1,35 @@
+//! An engine's KV format as peers compare it: the domain description ([`KvFormatSpec`]) and
+//! its wire form and fingerprint, the one place the worker turns it into protobuf.
+
+use nibble_kvcache::GlobalScales;
+use nibble_kvfmt::PageLayout;
+use nibble_proto::v1;
+
+/// What decides how an engine's pages are to be read: their layout, the global scales, the
+/// Hadamard rotation, the recent window and the K smoothing's digest.
+#[derive(Debug, Clone)]
+pub struct KvFormatSpec {
+    pub layout: PageLayout,
+    pub scales: GlobalScales,
+    pub hadamard: bool,
+    pub window: usize,
+    pub k_smoothing: Option<u64>,
+}
+
+impl KvFormatSpec {
+    /// The wire message (`Info`, registration).
+    pub fn wire(&self) -> v1::KvFormat {
+        v1::KvFormat::new(&self.layout, &self.scales, self.hadamard, self.window)
+            .with_k_smoothing(self.k_smoothing)
+    }
+
+    /// The fingerprint peers compare before pages move.
+    pub fn fingerprint(&self) -> u64 {
+        self.wire().fingerprint()
+    }
+
+    /// A one-line description for refusals and logs.
+    pub fn describe(&self) -> String {
+        self.wire().describe()
+    }
+}
