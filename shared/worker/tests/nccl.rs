@@ -3,9 +3,6 @@
 //! through the in-process registry or a real etcd. What NCCL itself does on GPUs is checked by
 //! `nibble-kernels`' `nccl_check` example on the GPU machine.
 
-#[path = "../../discovery/tests/support/etcd_server.rs"]
-#[allow(dead_code)] // restarts are not needed here
-mod etcd_server;
 mod support;
 
 use std::sync::{Arc, Mutex};
@@ -21,10 +18,11 @@ use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
+use nibble_testkit::{handoff_over, model, EtcdServer, Handoff, WorkerApi};
 use nibble_worker::transfer::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
 use nibble_worker::transfer::nccl::{NcclTimeouts, NcclTransport};
 use nibble_worker::EngineHandle;
-use support::{handoff_over, model, Handoff, Server};
+use support::Server;
 use tonic::Code;
 
 const PROMPT: &str =
@@ -233,7 +231,7 @@ async fn ids_exchanged_through_the_in_process_registry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ids_exchanged_through_etcd() {
-    let etcd = etcd_server::EtcdServer::start();
+    let etcd = EtcdServer::start();
     let connect = || async {
         let config = EtcdConfig {
             lease_ttl: Duration::from_secs(5),
