@@ -7,15 +7,13 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{SchedulerConfig, SeqId};
-use nibble_engine::{CpuBackend, Engine, EngineConfig, Event, KvConfig, ModelSource, Tokenizer};
+use nibble_engine::{ModelSource, Tokenizer};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use support::cluster::{generate, greedy, model_path, Cluster, Spec};
+use nibble_testkit::{generate, model_path, reference};
+use support::cluster::{greedy, Cluster, Spec};
 use tonic::Code;
 
 const AUSTEN: &str =
@@ -45,42 +43,6 @@ fn tokens_request(ids: &[u32], max_tokens: u32) -> v1::GenerateRequest {
         ids: ids.to_vec(),
     }));
     request
-}
-
-/// The greedy tokens one engine in this process gives each prompt in turn (later prompts reuse
-/// the pages of earlier ones, as a worker's prefix cache does).
-fn reference(dtype: KvDtype, prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>> {
-    let source = ModelSource::open(model_path()).unwrap();
-    let model = source
-        .load_model(Arc::new(CpuBackend::new(2).unwrap()))
-        .unwrap();
-    let tokenizer = Arc::new(source.load_tokenizer().unwrap());
-    let config = EngineConfig {
-        kv: KvConfig::new(dtype),
-        kv_budget_bytes: 32 << 20,
-        scheduler: SchedulerConfig::default(),
-    };
-    let mut engine = Engine::new(model, tokenizer, config).unwrap();
-    let mut out = Vec::new();
-    for (n, prompt) in prompts.iter().enumerate() {
-        engine
-            .submit(
-                SeqId(n as u64),
-                prompt.clone(),
-                SamplingParams::greedy(max_tokens),
-            )
-            .unwrap();
-        let mut tokens = Vec::new();
-        while engine.has_work() {
-            for event in engine.step() {
-                if let Event::Token { token, .. } = event {
-                    tokens.push(token);
-                }
-            }
-        }
-        out.push(tokens);
-    }
-    out
 }
 
 /// `(pages, bytes)` of every "pushed pages" line in a prefill worker's log, in order.

@@ -3,8 +3,6 @@
 //! model. Every process is killed when the [`Cluster`] drops; each one's stderr (its logs) is
 //! kept in a temporary directory and shown when something fails.
 
-#![allow(dead_code)] // each test binary uses its own part of the harness
-
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -16,19 +14,12 @@ use std::time::{Duration, Instant};
 use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_proto::v1::worker_client::WorkerClient;
+use nibble_testkit::{model_path, wait, EtcdServer};
 use tempfile::TempDir;
 use tonic::transport::Channel;
-use tonic::Status;
-
-#[path = "../../shared/discovery/tests/support/etcd_server.rs"]
-mod etcd_server;
-pub use etcd_server::EtcdServer;
 
 /// How long a process may take to load the model and listen.
 const START_WAIT: Duration = Duration::from_secs(120);
-
-/// The model every process serves.
-pub use nibble_testkit::model_path;
 
 /// One `nibble` process.
 pub struct Proc {
@@ -203,7 +194,8 @@ pub struct Cluster {
     pub decodes: Vec<Proc>,
     pub router: Proc,
     pub spec: Spec,
-    dir: TempDir,
+    /// Every process's log, kept until the cluster drops.
+    _dir: TempDir,
 }
 
 impl Cluster {
@@ -274,7 +266,7 @@ impl Cluster {
             decodes,
             router,
             spec,
-            dir,
+            _dir: dir,
         };
         cluster
             .wait_for_workers(cluster.spec.prefills, cluster.spec.decodes)
@@ -304,27 +296,31 @@ impl Cluster {
 
     /// Waits until the router tracks `prefills` prefill and `decodes` decode workers.
     pub async fn wait_for_workers(&self, prefills: usize, decodes: usize) {
-        let mut client = self.client().await;
-        let start = Instant::now();
-        loop {
-            let models = client
-                .list_models(v1::ListModelsRequest {})
-                .await
-                .expect("ListModels")
-                .into_inner();
-            let m = &models.models[0];
-            if m.prefill_workers as usize == prefills && m.decode_workers as usize == decodes {
-                return;
+        let client = self.client().await;
+        let tracked = wait::until(Duration::from_secs(60), Duration::from_millis(100), || {
+            let mut client = client.clone();
+            async move {
+                let models = client
+                    .list_models(v1::ListModelsRequest {})
+                    .await
+                    .expect("ListModels")
+                    .into_inner();
+                let m = &models.models[0];
+                let tracked = (m.prefill_workers as usize, m.decode_workers as usize);
+                if tracked == (prefills, decodes) {
+                    Ok(())
+                } else {
+                    Err(tracked)
+                }
             }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the router tracks {} prefill and {} decode workers, not {prefills} and \
+        })
+        .await;
+        if let Err((p, d)) = tracked {
+            panic!(
+                "the router tracks {p} prefill and {d} decode workers, not {prefills} and \
                  {decodes}; logs:\n{}",
-                m.prefill_workers,
-                m.decode_workers,
                 self.logs()
             );
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
@@ -347,26 +343,30 @@ impl Cluster {
     /// Waits until every live worker runs nothing and holds no page for a request: each page
     /// is free or only in the prefix cache (evictable). Fails after 20 s.
     pub async fn assert_pages_back(&self) {
-        let start = Instant::now();
-        loop {
-            let loads = self.loads().await;
-            let busy: Vec<_> = loads
-                .iter()
-                .filter(|(_, l)| {
-                    l.running_requests != 0
-                        || l.waiting_requests != 0
-                        || l.free_pages + l.evictable_pages != l.total_pages
-                })
-                .collect();
-            if busy.is_empty() {
-                return;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "pages still held: {busy:?}; logs:\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let held = wait::until(
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            || async {
+                let busy: Vec<_> = self
+                    .loads()
+                    .await
+                    .into_iter()
+                    .filter(|(_, l)| {
+                        l.running_requests != 0
+                            || l.waiting_requests != 0
+                            || l.free_pages + l.evictable_pages != l.total_pages
+                    })
+                    .collect();
+                if busy.is_empty() {
+                    Ok(())
+                } else {
+                    Err(busy)
+                }
+            },
+        )
+        .await;
+        if let Err(busy) = held {
+            panic!("pages still held: {busy:?}; logs:\n{}", self.logs());
         }
     }
 }
@@ -385,31 +385,4 @@ pub fn greedy(prompt: &str, max_tokens: u32) -> v1::GenerateRequest {
         }),
         ..Default::default()
     }
-}
-
-/// What a finished stream carried.
-#[derive(Debug, Default)]
-pub struct Generated {
-    pub tokens: Vec<u32>,
-    pub text: String,
-    pub usage: Option<v1::Usage>,
-    pub finish_reason: i32,
-}
-
-/// Sends `request` and reads its whole stream.
-pub async fn generate(
-    client: &mut InferenceClient<Channel>,
-    request: v1::GenerateRequest,
-) -> Result<Generated, Status> {
-    let mut stream = client.generate(request).await?.into_inner();
-    let mut out = Generated::default();
-    while let Some(chunk) = stream.message().await? {
-        out.tokens.extend(chunk.token_ids);
-        out.text.push_str(&chunk.text);
-        out.usage = chunk.usage.or(out.usage);
-        if chunk.finish_reason != 0 {
-            out.finish_reason = chunk.finish_reason;
-        }
-    }
-    Ok(out)
 }

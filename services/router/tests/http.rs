@@ -7,22 +7,22 @@ mod support;
 
 use std::time::Duration;
 
+use logprobs::{check_chat_logprobs, check_completion_logprobs, joined_completion_logprobs};
 use nibble_discovery::{Role, StaticRegistry};
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::HttpConfig;
+use nibble_testkit::http_client::{self, get, post_json, HttpResponse};
+use nibble_testkit::{generate, wait, Generated, RouterApi, WorkerApi};
 use serde_json::{json, Value};
-use support::http_client::{self, get, post_json, HttpResponse};
-use support::logprobs::{
-    check_chat_logprobs, check_completion_logprobs, joined_completion_logprobs,
+use support::{
+    engine_with, greedy_request, prompt, RouterServer, Worker, MODEL, NEW_TOKENS, PROMPT,
 };
-use support::{engine_with, generate_text, prompt, RouterServer, Worker, MODEL};
 use tokio::io::AsyncReadExt;
 use tonic::transport::Channel;
 
-const NEW_TOKENS: u32 = 8;
 const QUESTION: &str = "What is the capital of France?";
 
 /// A prefill and a decode worker and a router tracking both.
@@ -40,7 +40,7 @@ impl Cluster {
         let prefill = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
         let decode = Worker::start(&registry, Role::Decode, "d0", dtype).await;
         let page_size = prefill.state.engine().info().page_size as u32;
-        let router = RouterServer::start_with(&registry, page_size, http).await;
+        let router = RouterServer::start(&registry, page_size, http, |_| {}).await;
         router.wait_for_workers(1, 1).await;
         Self {
             prefill,
@@ -51,19 +51,24 @@ impl Cluster {
     }
 
     fn http(&self) -> &str {
-        &self.router.http_address
+        self.router.http_address()
     }
 
     async fn pages_back(&self) {
         self.prefill.pages_back().await;
         self.decode.pages_back().await;
-        for _ in 0..200 {
-            if self.router.shared.router().stats().in_flight == 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("the router still counts a request");
+        wait::until(
+            Duration::from_secs(5),
+            Duration::from_millis(25),
+            || async {
+                match self.router.shared.router().stats().in_flight {
+                    0 => Ok(()),
+                    _ => Err(()),
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|()| panic!("the router still counts a request"));
     }
 }
 
@@ -73,8 +78,15 @@ async fn warm_grpc(
     client: &mut InferenceClient<Channel>,
     request: v1::GenerateRequest,
 ) -> (String, v1::Usage, &'static str) {
-    let _ = generate_text(client, request.clone()).await;
-    let (tokens, text, finish, usage) = generate_text(client, request).await;
+    let warm_up = generate(client, request.clone()).await.unwrap();
+    warm_up.usage.expect("the last chunk carries usage");
+    let Generated {
+        tokens,
+        text,
+        usage,
+        finish_reason: finish,
+    } = generate(client, request).await.unwrap();
+    let usage = usage.expect("the last chunk carries usage");
     assert_eq!(tokens.len(), usage.completion_tokens as usize);
     let finish = if finish == v1::FinishReason::Length as i32 {
         "length"
@@ -84,19 +96,11 @@ async fn warm_grpc(
     (text, usage, finish)
 }
 
+/// [`greedy_request`] for `prompt`, with no request id.
 fn grpc_request(prompt: v1::generate_request::Prompt) -> v1::GenerateRequest {
     v1::GenerateRequest {
-        model: MODEL.into(),
         prompt: Some(prompt),
-        sampling: Some(v1::SamplingParams {
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        stopping: Some(v1::StoppingCriteria {
-            max_tokens: Some(NEW_TOKENS),
-            ..Default::default()
-        }),
-        ..Default::default()
+        ..greedy_request("")
     }
 }
 
@@ -325,7 +329,7 @@ async fn top_logprobs_have_openais_shape_streamed_or_not() {
     // Completions, logprobs: 3, against the same request without logprobs (run twice: the first
     // run caches the prompt, and a cached prefix may change the greedy tokens).
     let plain = json!({
-        "prompt": support::PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
     });
     post_json(http, "/v1/completions", &plain).await;
     let text =
@@ -389,7 +393,7 @@ async fn stream_to_first_text(
     max_tokens: u32,
 ) -> (tokio::net::TcpStream, Vec<u8>) {
     let body = json!({
-        "prompt": support::PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": true, "stream": true,
     })
     .to_string();
@@ -437,16 +441,17 @@ fn assert_error(r: &HttpResponse, status: u16, param: Option<&str>) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_have_openais_shape_and_status() {
     let registry = StaticRegistry::new();
-    let router = RouterServer::start_with(
+    let router = RouterServer::start(
         &registry,
         16,
         HttpConfig {
             api_key: None,
             max_body_bytes: 2048,
         },
+        |_| {},
     )
     .await;
-    let http = router.http_address.as_str();
+    let http = router.http_address();
     let ok_completion = json!({"prompt": "Hello", "max_tokens": 4});
     let with = |base: &Value, key: &str, value: Value| {
         let mut body = base.clone();
@@ -565,16 +570,17 @@ async fn errors_have_openais_shape_and_status() {
     assert_eq!(get(http, "/health").await.status, 200);
 
     // 401 without the key, when one is configured; probes need none.
-    let keyed = RouterServer::start_with(
+    let keyed = RouterServer::start(
         &registry,
         16,
         HttpConfig {
             api_key: Some("sesame".into()),
             ..HttpConfig::default()
         },
+        |_| {},
     )
     .await;
-    let http = keyed.http_address.as_str();
+    let http = keyed.http_address();
     for headers in [
         &[][..],
         &[("Authorization", "Bearer sesam")][..],
@@ -618,9 +624,9 @@ async fn a_worker_out_of_room_is_429() {
     )
     .await;
     let page_size = decode.state.engine().info().page_size as u32;
-    let router = RouterServer::start(&registry, page_size).await;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
     router.wait_for_workers(0, 1).await;
-    let http = router.http_address.as_str();
+    let http = router.http_address();
     for stream in [false, true] {
         let body = json!({"prompt": "Hello", "max_tokens": 4, "stream": stream});
         let r = post_json(http, "/v1/completions", &body).await;
@@ -666,7 +672,7 @@ async fn the_openai_python_client_works_against_the_api() {
 async fn a_client_that_hangs_up_before_a_whole_answer_frees_the_requests_pages() {
     let cluster = Cluster::start(HttpConfig::default()).await;
     let body = json!({
-        "prompt": support::PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": true,
+        "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": true,
     })
     .to_string();
     let stream = http_client::send(
@@ -763,4 +769,89 @@ async fn a_failure_mid_stream_ends_with_an_error_event_and_done() {
     assert!(error["error"]["type"].is_string(), "{error}");
     assert!(data.iter().all(|d| !d.contains("\"error\"")));
     cluster.pages_back().await;
+}
+
+/// Checks of OpenAI's log-probability shapes in the HTTP API's JSON (greedy decoding, so the
+/// chosen token is always the most likely one).
+mod logprobs {
+    use serde_json::{json, Value};
+
+    /// The completions `logprobs` object of every chunk of a stream, joined into one.
+    pub fn joined_completion_logprobs(chunks: &[Value]) -> Value {
+        let mut joined =
+            json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+        for chunk in chunks {
+            for choice in chunk["choices"].as_array().unwrap() {
+                let lp = &choice["logprobs"];
+                for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                    let more = lp[key].as_array().unwrap().clone();
+                    joined[key].as_array_mut().unwrap().extend(more);
+                }
+            }
+        }
+        joined
+    }
+
+    /// Checks completions' `logprobs` for greedy decoding with `k` alternatives: per token an
+    /// object of at most k + 1 texts (the k most likely and the chosen one), where the chosen
+    /// token's value is its `token_logprobs` entry and the largest.
+    pub fn check_completion_logprobs(lp: &Value, k: usize, completion_tokens: usize) {
+        let tokens = lp["tokens"].as_array().unwrap();
+        let values = lp["token_logprobs"].as_array().unwrap();
+        let top = lp["top_logprobs"].as_array().unwrap();
+        assert_eq!(tokens.len(), completion_tokens, "{lp}");
+        assert_eq!(values.len(), completion_tokens);
+        assert_eq!(top.len(), completion_tokens);
+        assert_eq!(
+            lp["text_offset"].as_array().unwrap().len(),
+            completion_tokens
+        );
+        for ((token, value), top) in tokens.iter().zip(values).zip(top) {
+            let (token, value) = (token.as_str().unwrap(), value.as_f64().unwrap());
+            let top = top.as_object().unwrap();
+            assert!((k..=k + 1).contains(&top.len()), "{top:?}");
+            assert_eq!(top[token].as_f64(), Some(value), "{token:?} in {top:?}");
+            for alt in top.values() {
+                let alt = alt.as_f64().unwrap();
+                assert!(
+                    alt <= 0.0 && alt <= value,
+                    "greedy takes the most likely: {top:?}"
+                );
+            }
+        }
+    }
+
+    /// Checks chat's `logprobs.content` for greedy decoding with `k` alternatives per token.
+    pub fn check_chat_logprobs(content: &[Value], k: usize) {
+        assert!(!content.is_empty());
+        let bytes = |v: &Value| -> Vec<u8> {
+            v["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect()
+        };
+        for entry in content {
+            let token = entry["token"].as_str().unwrap();
+            assert_eq!(bytes(entry), token.as_bytes(), "{entry}");
+            let top = entry["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), k, "{entry}");
+            assert_eq!(
+                top[0]["token"], entry["token"],
+                "greedy takes the most likely: {entry}"
+            );
+            assert_eq!(top[0]["logprob"], entry["logprob"], "{entry}");
+            let values: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+            assert!(values.windows(2).all(|w| w[0] >= w[1]), "sorted: {entry}");
+            assert!(values.iter().all(|v| *v <= 0.0), "{entry}");
+            for alt in top {
+                assert_eq!(
+                    bytes(alt),
+                    alt["token"].as_str().unwrap().as_bytes(),
+                    "{alt}"
+                );
+            }
+        }
+    }
 }

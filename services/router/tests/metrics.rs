@@ -10,9 +10,11 @@ use std::time::Duration;
 use nibble_discovery::{Role, StaticRegistry};
 use nibble_kvfmt::KvDtype;
 use nibble_router::metrics as m;
+use nibble_router::HttpConfig;
 use nibble_telemetry::Samples;
-use support::http_client::post_json;
-use support::{generate, greedy_request, prompt, RouterServer, Worker, NEW_TOKENS};
+use nibble_testkit::http_client::post_json;
+use nibble_testkit::{generate, RouterApi};
+use support::{greedy_request, prompt, RouterServer, Worker, NEW_TOKENS, PROMPT};
 use tokio::net::TcpListener;
 use tonic::Code;
 
@@ -22,13 +24,14 @@ async fn router_exports_outcomes_latencies_decisions_queue_and_workers() {
     let registry = StaticRegistry::new();
     let _p = Worker::start(&registry, Role::Prefill, "p0", KvDtype::Nvfp4).await;
     let _d = Worker::start(&registry, Role::Decode, "d0", KvDtype::Nvfp4).await;
-    let router = RouterServer::start(&registry, 16).await;
+    let router = RouterServer::start(&registry, 16, HttpConfig::default(), |_| {}).await;
     router.wait_for_workers(1, 1).await;
     let mut client = router.client().await;
 
     for id in ["metrics-1", "metrics-2"] {
-        let (tokens, _, _) = generate(&mut client, greedy_request(id)).await;
-        assert_eq!(tokens.len(), NEW_TOKENS as usize);
+        let got = generate(&mut client, greedy_request(id)).await.unwrap();
+        got.usage.expect("the last chunk carries usage");
+        assert_eq!(got.tokens.len(), NEW_TOKENS as usize);
     }
     // Refused before dispatch: counted by code, never routed.
     let mut invalid = greedy_request("metrics-invalid");
@@ -44,11 +47,11 @@ async fn router_exports_outcomes_latencies_decisions_queue_and_workers() {
 
     // Through the HTTP API: one completion (the same generate path), and one refused by the
     // same validation as gRPC's, counted by both the request and the HTTP counters.
-    let body = serde_json::json!({ "prompt": support::PROMPT, "max_tokens": NEW_TOKENS });
-    let ok = post_json(&router.http_address, "/v1/completions", &body).await;
+    let body = serde_json::json!({ "prompt": PROMPT, "max_tokens": NEW_TOKENS });
+    let ok = post_json(router.http_address(), "/v1/completions", &body).await;
     assert_eq!(ok.status, 200, "{}", ok.text());
     let body = serde_json::json!({ "prompt": "x", "max_tokens": 0 });
-    let bad = post_json(&router.http_address, "/v1/completions", &body).await;
+    let bad = post_json(router.http_address(), "/v1/completions", &body).await;
     assert_eq!(bad.status, 400, "{}", bad.text());
 
     let mut s = Samples::default();

@@ -17,8 +17,9 @@ use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_router::HttpConfig;
 use nibble_security::testing::TestPki;
 use nibble_security::{AuthChannel, Peers, Secret, Security, SecurityArgs};
-use support::http_client::{self, HttpResponse};
-use support::{greedy_request, reference, RouterServer, Worker};
+use nibble_testkit::http_client::{self, HttpResponse};
+use nibble_testkit::{reference, RouterApi, WorkerApi};
+use support::{greedy_request, prompt, RouterServer, Worker, NEW_TOKENS};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 use tonic::Code;
@@ -59,7 +60,7 @@ impl Secured {
         let prefill = start(Role::Prefill, "p0").await;
         let decode = start(Role::Decode, "d0").await;
         let router_security = security.clone();
-        let router = RouterServer::start_configured(
+        let router = RouterServer::start(
             &registry,
             prefill.state.engine().info().page_size as u32,
             HttpConfig {
@@ -185,7 +186,7 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_cluster_serves_grpc_and_https_end_to_end() {
-    let (expected, _) = reference(DTYPE).await;
+    let expected = reference(DTYPE, &[prompt()], NEW_TOKENS).remove(0);
     let cluster = Secured::start().await;
 
     // gRPC over TLS with the API key: router → (TLS, token) → prefill → pages → decode.
@@ -205,7 +206,7 @@ async fn a_tls_cluster_serves_grpc_and_https_end_to_end() {
     // HTTPS with the API key.
     let ca = cluster.pki.ca.clone();
     let auth = format!("Bearer {API_KEY}");
-    let http = &cluster.router.http_address;
+    let http = cluster.router.http_address();
     let models = https(
         http,
         &ca,
@@ -278,7 +279,7 @@ async fn clients_without_the_ca_or_the_key_are_refused() {
         "a client that does not trust the router's CA cannot connect"
     );
     let https_other = https(
-        &cluster.router.http_address,
+        cluster.router.http_address(),
         &other.ca,
         "GET",
         "/health",
@@ -309,7 +310,7 @@ async fn clients_without_the_ca_or_the_key_are_refused() {
         let headers: Vec<(&str, &str)> =
             auth.iter().map(|a| ("Authorization", a.as_str())).collect();
         let response = https(
-            &cluster.router.http_address,
+            cluster.router.http_address(),
             &cluster.pki.ca,
             "GET",
             "/v1/models",
@@ -435,7 +436,7 @@ async fn max_tokens_above_the_limit_and_oversized_requests_are_refused() {
 
     let auth = format!("Bearer {API_KEY}");
     let response = https(
-        &cluster.router.http_address,
+        cluster.router.http_address(),
         &cluster.pki.ca,
         "POST",
         "/v1/completions",
@@ -568,7 +569,7 @@ fn security_flags_come_from_the_environment_names_the_chart_sets() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_with_a_certificate_and_no_ca_serves_tls_and_dials_plaintext_workers() {
-    let (expected, _) = reference(DTYPE).await;
+    let expected = reference(DTYPE, &[prompt()], NEW_TOKENS).remove(0);
     let pki = TestPki::new("nibble test CA");
     let node = pki.issue("node", &["127.0.0.1"]);
     let registry = StaticRegistry::new();
@@ -583,7 +584,7 @@ async fn a_router_with_a_certificate_and_no_ca_serves_tls_and_dials_plaintext_wo
     }
     .load()
     .unwrap();
-    let router = RouterServer::start_configured(
+    let router = RouterServer::start(
         &registry,
         prefill.state.engine().info().page_size as u32,
         HttpConfig::default(),

@@ -9,15 +9,18 @@ use std::time::Duration;
 use nibble_discovery::{Role, StaticRegistry};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use support::{
-    generate, greedy_request, prompt, reference, RouterServer, Worker, MODEL, NEW_TOKENS, PROMPT,
-};
+use nibble_router::HttpConfig;
+use nibble_testkit::{generate, reference, Generated, RouterApi, WorkerApi};
+use support::{greedy_request, prompt, RouterServer, Worker, MODEL, NEW_TOKENS, PROMPT};
 use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
     let dtype = KvDtype::Nvfp4;
-    let (expected, expected_warm) = reference(dtype).await;
+    let [expected, expected_warm]: [Vec<u32>; 2] =
+        reference(dtype, &[prompt(), prompt()], NEW_TOKENS)
+            .try_into()
+            .unwrap();
     assert_eq!(expected.len(), NEW_TOKENS as usize);
 
     let registry = StaticRegistry::new();
@@ -25,11 +28,17 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
     let d0 = Worker::start(&registry, Role::Decode, "d0", dtype).await;
     let d1 = Worker::start(&registry, Role::Decode, "d1", dtype).await;
     let page_size = p.state.engine().info().page_size as u32;
-    let router = RouterServer::start(&registry, page_size).await;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
     router.wait_for_workers(1, 2).await;
     let mut client = router.client().await;
 
-    let (tokens, finish, usage) = generate(&mut client, greedy_request("cold")).await;
+    let Generated {
+        tokens,
+        usage,
+        finish_reason: finish,
+        ..
+    } = generate(&mut client, greedy_request("cold")).await.unwrap();
+    let usage = usage.expect("the last chunk carries usage");
     assert_eq!(tokens, expected, "router → P → D gives the engine's tokens");
     assert_eq!(finish, v1::FinishReason::Length as i32);
     assert_eq!(usage.prompt_tokens as usize, prompt().len());
@@ -62,7 +71,9 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 
-    let (tokens, _, usage) = generate(&mut client, greedy_request("warm")).await;
+    let Generated { tokens, usage, .. } =
+        generate(&mut client, greedy_request("warm")).await.unwrap();
+    let usage = usage.expect("the last chunk carries usage");
     assert_eq!(
         tokens, expected_warm,
         "warm caches give the engine's warm tokens"
@@ -88,12 +99,12 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_logprobs_come_through_prefill_handoff_and_decode() {
     let dtype = KvDtype::Nvfp4;
-    let (expected, _) = reference(dtype).await;
+    let expected = reference(dtype, &[prompt()], NEW_TOKENS).remove(0);
     let registry = StaticRegistry::new();
     let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
     let d = Worker::start(&registry, Role::Decode, "d0", dtype).await;
     let page_size = p.state.engine().info().page_size as u32;
-    let router = RouterServer::start(&registry, page_size).await;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
     router.wait_for_workers(1, 1).await;
     let mut client = router.client().await;
 
@@ -134,7 +145,7 @@ async fn cancelled_generate_frees_pages_on_both_workers() {
     let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
     let d = Worker::start(&registry, Role::Decode, "d0", dtype).await;
     let page_size = p.state.engine().info().page_size as u32;
-    let router = RouterServer::start(&registry, page_size).await;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
     router.wait_for_workers(1, 1).await;
     let mut client = router.client().await;
 
@@ -169,7 +180,7 @@ async fn a_clients_id_never_reaches_another_request() {
     let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
     let d = Worker::start(&registry, Role::Decode, "d0", dtype).await;
     let page_size = p.state.engine().info().page_size as u32;
-    let router = RouterServer::start(&registry, page_size).await;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
     router.wait_for_workers(1, 1).await;
     let mut client = router.client().await;
 
@@ -216,7 +227,7 @@ async fn a_clients_id_never_reaches_another_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_requests_name_the_field() {
     let registry = StaticRegistry::new();
-    let router = RouterServer::start(&registry, 16).await;
+    let router = RouterServer::start(&registry, 16, HttpConfig::default(), |_| {}).await;
     let mut client = router.client().await;
     let text = |t: &str| Some(v1::generate_request::Prompt::Text(t.into()));
 
@@ -288,7 +299,7 @@ async fn invalid_requests_name_the_field() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_and_list_models() {
     let registry = StaticRegistry::new();
-    let router = RouterServer::start(&registry, 16).await;
+    let router = RouterServer::start(&registry, 16, HttpConfig::default(), |_| {}).await;
     let mut client = router.client().await;
     let tokenized = client
         .tokenize(v1::TokenizeRequest {

@@ -3,21 +3,18 @@
 //!
 //! These tests fail, with instructions, when etcd is not installed.
 
-#[path = "support/conformance.rs"]
 mod conformance;
-#[path = "support/etcd_server.rs"]
-mod etcd_server;
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
 use conformance::{next_event, worker, NewSession, EVENT_WAIT};
-use etcd_server::EtcdServer;
 use nibble_discovery::{
     Discovery, EtcdConfig, EtcdDiscovery, KvKey, Role, WorkerEvent, WorkerId, WorkerInfo,
     WorkerWatch,
 };
+use nibble_testkit::EtcdServer;
 
 /// A short lease, so expiry is quick to observe.
 const TTL: Duration = Duration::from_secs(2);

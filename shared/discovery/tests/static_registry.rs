@@ -1,7 +1,6 @@
 //! The in-process registry: the shared conformance suite, plus what only it can show directly
 //! (dropped sessions, watches that fall behind).
 
-#[path = "support/conformance.rs"]
 mod conformance;
 
 use std::collections::BTreeMap;

@@ -16,7 +16,7 @@ const TOLERANCE: f64 = 1e-3;
 #[test]
 fn logits_match_numpy_reference() {
     let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(common::fixture("golden_smollm2.json")).unwrap(),
+        &std::fs::read_to_string(nibble_testkit::fixture("golden_smollm2.json")).unwrap(),
     )
     .unwrap();
     let tokens: Vec<u32> = golden["tokens"]

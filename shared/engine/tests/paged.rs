@@ -14,9 +14,10 @@ fn every_dtype_and_path_tracks_the_f32_reference() {
     let file = common::open_model();
     let model = Model::from_gguf(Arc::new(CpuBackend::new(2).unwrap()), &file).unwrap();
     let tokenizer = Tokenizer::from_gguf(&file).unwrap();
-    let text =
-        std::fs::read_to_string(common::fixture("austen_pride_and_prejudice_8000_20000.txt"))
-            .unwrap();
+    let text = std::fs::read_to_string(nibble_testkit::fixture(
+        "austen_pride_and_prejudice_8000_20000.txt",
+    ))
+    .unwrap();
     let tokens = tokenizer.encode(&text, false).unwrap();
     let window = &tokens[..160];
     let reference = score_window(&model, window).unwrap();

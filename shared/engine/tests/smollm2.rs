@@ -1,6 +1,6 @@
 //! End-to-end checks on SmolLM2-135M-Instruct (GGUF Q4_1): config, tokenizer, and perplexity
-//! on Pride and Prejudice. They need the model file (see `common::model_path`) and fail, with
-//! instructions, when it is absent.
+//! on Pride and Prejudice. They need the model file (see `nibble_testkit::model_path`) and
+//! fail, with instructions, when it is absent.
 
 mod common;
 
@@ -66,9 +66,10 @@ fn perplexity_on_austen_matches_reference() {
     let tok = Tokenizer::from_gguf(&file).unwrap();
     let backend = Arc::new(CpuBackend::new(2).unwrap());
     let model = Model::from_gguf(backend, &file).unwrap();
-    let text =
-        std::fs::read_to_string(common::fixture("austen_pride_and_prejudice_8000_20000.txt"))
-            .unwrap();
+    let text = std::fs::read_to_string(nibble_testkit::fixture(
+        "austen_pride_and_prejudice_8000_20000.txt",
+    ))
+    .unwrap();
     let ids = tok.encode(&text, false).unwrap();
     assert!(ids.len() >= 512, "text has only {} tokens", ids.len());
     let score = eval::score_window(&model, &ids[..512]).unwrap();

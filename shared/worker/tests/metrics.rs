@@ -14,9 +14,10 @@ use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_telemetry::Samples;
+use nibble_testkit::{handoff, model_path, WorkerApi};
 use nibble_worker::metrics as m;
 use nibble_worker::EngineHandle;
-use support::{handoff, model_path, Server};
+use support::Server;
 use tokio::net::TcpListener;
 
 const PROMPT: &str =

@@ -1,11 +1,8 @@
 //! The NCCL transfer protocol on the CPU: prefill and decode workers as in-process gRPC servers
 //! whose device links are `MemoryLinks` (the in-process twin of NCCL), with unique ids exchanged
 //! through the in-process registry or a real etcd. What NCCL itself does on GPUs is checked by
-//! `nibble-cuda`' `nccl_check` example on the GPU machine.
+//! `nibble-nccl`'s `nccl_check` example on the GPU machine.
 
-#[path = "../../discovery/tests/support/etcd_server.rs"]
-#[allow(dead_code)] // restarts are not needed here
-mod etcd_server;
 mod support;
 
 use std::sync::{Arc, Mutex};
@@ -22,9 +19,10 @@ use nibble_kvfmt::KvDtype;
 use nibble_nccl::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
+use nibble_testkit::{handoff_over, model, EtcdServer, Handoff, WorkerApi};
 use nibble_worker::transfer::nccl::{NcclTimeouts, NcclTransport};
 use nibble_worker::EngineHandle;
-use support::{handoff_over, model, Handoff, Server};
+use support::Server;
 use tonic::Code;
 
 const PROMPT: &str =
@@ -233,7 +231,7 @@ async fn ids_exchanged_through_the_in_process_registry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ids_exchanged_through_etcd() {
-    let etcd = etcd_server::EtcdServer::start();
+    let etcd = EtcdServer::start();
     let connect = || async {
         let config = EtcdConfig {
             lease_ttl: Duration::from_secs(5),

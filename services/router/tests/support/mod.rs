@@ -1,31 +1,25 @@
-//! What the router's end-to-end tests share: the real model loaded once, in-process prefill and
-//! decode workers served on loopback and registered in a [`StaticRegistry`], a router (gRPC and
-//! HTTP) following that registry, and the engine's own tokens to compare against.
-//!
-//! Each test binary uses a different subset of these helpers.
-#![allow(dead_code)]
+//! What the router's end-to-end tests share: in-process prefill and decode workers over the
+//! testkit's model, served on loopback and registered in a [`StaticRegistry`], and a router (gRPC
+//! and HTTP) following that registry. Every test binary uses all of it; what only some use lies
+//! in `nibble-testkit` (the model, the reference tokens, `generate`, the HTTP client, the waits)
+//! or in the binary.
 
-pub mod http_client;
-pub mod logprobs;
-
-use std::sync::{Arc, OnceLock};
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use nibble_discovery::{Discovery, Role, StaticRegistry};
-use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{SchedulerConfig, SeqId};
-use nibble_engine::{CpuBackend, EngineConfig, Event, KvConfig, Model, ModelSource, Tokenizer};
+use nibble_engine::scheduler::SchedulerConfig;
+use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_router::{HttpConfig, HttpListener, RouterConfig, ServiceConfig, Shared};
 use nibble_security::{Peers, Security};
-pub use nibble_testkit::model_path;
+use nibble_testkit::{model, wait, RouterApi, WorkerApi};
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
-use tonic::transport::Channel;
 
 pub const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
@@ -35,17 +29,6 @@ pub const PROMPT: &str =
 pub const PAGES: usize = 512;
 pub const NEW_TOKENS: u32 = 8;
 pub const MODEL: &str = "smollm2";
-
-pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
-    static MODEL: OnceLock<(Model<CpuBackend>, Arc<Tokenizer>)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let source = ModelSource::open(model_path()).unwrap();
-        let model = source
-            .load_model(Arc::new(CpuBackend::new(2).unwrap()))
-            .unwrap();
-        (model, Arc::new(source.load_tokenizer().unwrap()))
-    })
-}
 
 pub fn prompt() -> Vec<u32> {
     model().1.encode(PROMPT, false).unwrap()
@@ -66,27 +49,6 @@ pub fn engine_with(dtype: KvDtype, scheduler: SchedulerConfig) -> EngineHandle {
         scheduler,
     };
     EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
-}
-
-/// The engine's own greedy tokens for the prompt: cold, then with its pages cached.
-pub async fn reference(dtype: KvDtype) -> (Vec<u32>, Vec<u32>) {
-    let e = engine(dtype);
-    let mut runs = Vec::new();
-    for id in [1, 2] {
-        let mut events = e
-            .submit(SeqId(id), prompt(), SamplingParams::greedy(NEW_TOKENS))
-            .await
-            .unwrap();
-        let mut tokens = Vec::new();
-        while let Some(event) = events.recv().await {
-            if let Event::Token { token, .. } = event {
-                tokens.push(token);
-            }
-        }
-        runs.push(tokens);
-    }
-    let warm = runs.pop().unwrap();
-    (runs.pop().unwrap(), warm)
 }
 
 /// A worker served on 127.0.0.1:0 and registered in a registry until dropped.
@@ -171,28 +133,25 @@ impl Worker {
             _stop: stop,
         }
     }
+}
 
-    pub async fn load(&self) -> v1::LoadResponse {
-        WorkerClient::new(self.peers.connect_lazy(&self.address).unwrap())
-            .load(v1::LoadRequest {})
-            .await
-            .unwrap()
-            .into_inner()
+impl WorkerApi for Worker {
+    fn address(&self) -> &str {
+        &self.address
     }
 
-    /// Waits until no request holds a page.
-    pub async fn pages_back(&self) {
-        for _ in 0..200 {
-            let load = self.load().await;
-            if load.free_pages + load.evictable_pages == load.total_pages
-                && load.running_requests == 0
-                && load.pending_reservations == 0
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("pages not returned: {:?}", self.load().await);
+    fn worker_id(&self) -> String {
+        self.state.identity().worker_id.clone()
+    }
+
+    fn fingerprint(&self) -> u64 {
+        self.state.engine().info().fingerprint
+    }
+
+    /// Through its own TLS and token.
+    fn load(&self) -> impl Future<Output = v1::LoadResponse> + Send {
+        let mut client = WorkerClient::new(self.peers.connect_lazy(&self.address).unwrap());
+        async move { client.load(v1::LoadRequest {}).await.unwrap().into_inner() }
     }
 }
 
@@ -216,19 +175,10 @@ pub struct RouterServer {
 }
 
 impl RouterServer {
-    /// A router whose HTTP API is open (no key) with the default body limit.
-    pub async fn start(registry: &StaticRegistry, page_size: u32) -> Self {
-        Self::start_with(registry, page_size, HttpConfig::default()).await
-    }
-
-    /// A router with its HTTP API configured by `http`.
-    pub async fn start_with(registry: &StaticRegistry, page_size: u32, http: HttpConfig) -> Self {
-        Self::start_configured(registry, page_size, http, |_| {}).await
-    }
-
-    /// [`start_with`](Self::start_with), its service configuration changed by `configure`
-    /// (security, limits).
-    pub async fn start_configured(
+    /// A router with its HTTP API configured by `http` (`HttpConfig::default()`: open, no key,
+    /// the default body limit) and its service configuration changed by `configure` (security,
+    /// limits).
+    pub async fn start(
         registry: &StaticRegistry,
         page_size: u32,
         http: HttpConfig,
@@ -264,25 +214,36 @@ impl RouterServer {
         }
     }
 
-    pub async fn client(&self) -> InferenceClient<Channel> {
-        InferenceClient::connect(format!("http://{}", self.address))
-            .await
-            .unwrap()
-    }
-
     /// Waits until the router tracks `prefill` and `decode` workers.
     pub async fn wait_for_workers(&self, prefill: usize, decode: usize) {
-        for _ in 0..200 {
-            let stats = self.shared.router().stats();
-            if stats.prefill_workers == prefill && stats.decode_workers == decode {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("workers not tracked: {:?}", self.shared.router().stats());
+        wait::until(
+            Duration::from_secs(5),
+            Duration::from_millis(25),
+            || async {
+                let stats = self.shared.router().stats();
+                if stats.prefill_workers == prefill && stats.decode_workers == decode {
+                    Ok(())
+                } else {
+                    Err(stats)
+                }
+            },
+        )
+        .await
+        .unwrap_or_else(|stats| panic!("workers not tracked: {stats:?}"));
     }
 }
 
+impl RouterApi for RouterServer {
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn http_address(&self) -> &str {
+        &self.http_address
+    }
+}
+
+/// A greedy request for [`prompt`], [`NEW_TOKENS`] long.
 pub fn greedy_request(request_id: &str) -> v1::GenerateRequest {
     v1::GenerateRequest {
         request_id: request_id.into(),
@@ -300,33 +261,4 @@ pub fn greedy_request(request_id: &str) -> v1::GenerateRequest {
         }),
         ..Default::default()
     }
-}
-
-/// Streams a request to the end: its tokens, the last chunk's finish reason and usage.
-pub async fn generate(
-    client: &mut InferenceClient<Channel>,
-    request: v1::GenerateRequest,
-) -> (Vec<u32>, i32, v1::Usage) {
-    let (tokens, _, finish, usage) = generate_text(client, request).await;
-    (tokens, finish, usage)
-}
-
-/// [`generate`], with the completion's text too.
-pub async fn generate_text(
-    client: &mut InferenceClient<Channel>,
-    request: v1::GenerateRequest,
-) -> (Vec<u32>, String, i32, v1::Usage) {
-    let mut stream = client.generate(request).await.unwrap().into_inner();
-    let mut tokens = Vec::new();
-    let mut text = String::new();
-    let mut last = None;
-    while let Some(chunk) = stream.message().await.unwrap() {
-        tokens.extend(&chunk.token_ids);
-        text.push_str(&chunk.text);
-        if let Some(usage) = chunk.usage {
-            last = Some((chunk.finish_reason, usage));
-        }
-    }
-    let (finish, usage) = last.expect("the last chunk carries usage");
-    (tokens, text, finish, usage)
 }
