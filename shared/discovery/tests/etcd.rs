@@ -213,3 +213,25 @@ async fn watches_and_leases_survive_an_etcd_restart() {
     assert_eq!(process.lease_id().await, lease, "the same lease");
     assert_eq!(observer.list(None).await.unwrap(), vec![d0, d1]);
 }
+
+/// A process started while etcd is down waits for it and registers once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connecting_waits_for_an_etcd_that_is_down() {
+    let mut etcd = EtcdServer::start();
+    etcd.kill();
+    let connecting = tokio::spawn(EtcdDiscovery::connect_retrying(config(&etcd, "/wait")));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!connecting.is_finished(), "no etcd yet: still waiting");
+    etcd.restart(false);
+    let discovery = tokio::time::timeout(Duration::from_secs(20), connecting)
+        .await
+        .expect("connected once etcd came back")
+        .unwrap();
+    discovery
+        .register(worker(Role::Decode, "late", 4))
+        .await
+        .unwrap();
+    let listed = discovery.list(Some(Role::Decode)).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    discovery.close().await.unwrap();
+}
