@@ -10,7 +10,7 @@ use nibble_discovery::{Discovery, Role, StaticRegistry};
 use nibble_engine::ModelSource;
 use nibble_kvfmt::KvDtype;
 use nibble_router::{RouterConfig, ServiceConfig, Shared};
-use nibble_worker::WorkerArgs;
+use nibble_worker::WorkerConfig;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -74,31 +74,15 @@ impl LocalCluster {
             let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
             let listen = listener.local_addr().expect("address");
             addresses.push(listen.to_string());
-            let args = WorkerArgs {
-                model: model.clone(),
+            let args = WorkerConfig {
                 model_name: Some(name.clone()),
-                listen,
-                advertise: None,
-                worker_id: None,
                 kv_dtype: setup.kv_dtype,
-                page_size: 16,
-                scale_rule: Default::default(),
-                calibration: None,
-                hadamard: false,
-                no_smooth_k: false,
-                kv_window: None,
                 kv_budget_mib: Some(setup.kv_budget_mib),
-                kv_memory_fraction: nibble_worker::cli::DEFAULT_KV_MEMORY_FRACTION,
                 threads: setup.threads,
-                device: Default::default(),
                 // A cold prefill of a long prompt on a busy machine can take a while.
                 reservation_ttl_ms: 600_000,
-                etcd_endpoints: Vec::new(),
-                capacity_interval_ms: 1_000,
-                metrics_listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 no_metrics: true,
-                security: Default::default(),
-                transfer: Default::default(),
+                ..WorkerConfig::new(model.clone())
             };
             let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
             tokio::spawn(nibble_worker::run_on(

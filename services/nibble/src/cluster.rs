@@ -20,7 +20,7 @@ use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::cli::ServingArgs;
-use nibble_worker::WorkerArgs;
+use nibble_worker::{WorkerArgs, WorkerConfig};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -260,12 +260,8 @@ pub async fn up_until(
         let listener = TcpListener::bind(listen)
             .await
             .map_err(|e| fail(&format!("--{role}-listen {listen}"), &e))?;
-        let worker = WorkerArgs {
-            model: args.model.clone(),
+        let worker = WorkerConfig {
             model_name: Some(model_name.clone()),
-            listen,
-            advertise: None,
-            worker_id: None,
             kv_dtype: args.kv_dtype,
             page_size: args.page_size,
             scale_rule: args.scale_rule,
@@ -280,14 +276,10 @@ pub async fn up_until(
             },
             threads,
             device: args.device,
-            reservation_ttl_ms: 30_000,
-            etcd_endpoints: Vec::new(),
-            capacity_interval_ms: 1_000,
             // One /metrics for the whole process, the router's (`--metrics-listen`).
-            metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             no_metrics: true,
             security: args.security.clone(),
-            transfer: Default::default(),
+            ..WorkerConfig::new(args.model.clone())
         };
         let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
         workers.push(tokio::spawn(nibble_worker::run_on(

@@ -116,6 +116,132 @@ pub struct WorkerArgs {
     pub transfer: TransferArgs,
 }
 
+/// A worker's configuration as the library takes it ([`run_on`]): what [`WorkerArgs`] parses
+/// into, and what `nibble up` and the benchmarks build directly ([`WorkerConfig::new`] holds
+/// every default). Field by field the flags of the same names.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The model: a GGUF file or a Hugging Face directory.
+    pub model: PathBuf,
+    /// The name the model is served under (default: the file or directory name).
+    pub model_name: Option<String>,
+    /// Address peers reach this worker at (default: the bound listen address).
+    pub advertise: Option<String>,
+    /// This worker's id, unique within its role (default: role-port).
+    pub worker_id: Option<String>,
+    /// KV-cache element format.
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// How NVFP4 block scales are chosen on write: mse (of the E4M3 codes near amax/6, the one
+    /// with the least squared error over the block; the default) or amax (amax/6, the bytes other
+    /// NVFP4 implementations write). Readers decode both alike.
+    pub scale_rule: ScaleRule,
+    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales and K's
+    /// channel amax; without it every scale is the dtype's uncalibrated one. Prefill and decode
+    /// workers must use the same file: the scales are part of the KV format their pages are
+    /// checked against.
+    pub calibration: Option<PathBuf>,
+    /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing
+    /// (power-of-two head dims; on the CUDA backend, head dims 64 and 128).
+    /// Prefill and decode workers must agree: the rotation is part of the KV format.
+    pub hadamard: bool,
+    /// Do not smooth K per channel with the calibration's channel amax (smoothed by default
+    /// when --calibration measured channels). Prefill and decode workers must agree: the
+    /// smoothing is part of the KV format.
+    pub no_smooth_k: bool,
+    /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
+    /// instead of their pages; a multiple of --page-size, 0 for none [default: 64 for an nvfp4
+    /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
+    pub kv_window: Option<usize>,
+    /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
+    /// --kv-memory-fraction of the GPU's memory].
+    pub kv_budget_mib: Option<usize>,
+    /// Without --kv-budget-mib, on a GPU: the share of the GPU's total memory the KV pages take,
+    /// at most what is free once the model is loaded less 10% of the GPU (kept for activations,
+    /// attention workspaces and cuBLAS).
+    pub kv_memory_fraction: f64,
+    /// CPU threads of the engine.
+    pub threads: usize,
+    /// Where the engine runs: cpu, cuda (GPU 0; the worker fails to start without it) or auto
+    /// (CUDA when a GPU is found, else the CPU).
+    pub device: Device,
+    /// How long an unfilled reservation is kept, in milliseconds.
+    pub reservation_ttl_ms: u64,
+    /// etcd client URLs (comma-separated); none runs without registration.
+    pub etcd_endpoints: Vec<String>,
+    /// How often the registered capacity is refreshed, in milliseconds.
+    pub capacity_interval_ms: u64,
+    /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
+    pub metrics_listen: SocketAddr,
+    /// Serve no /metrics.
+    pub no_metrics: bool,
+    /// TLS and the internal token.
+    pub security: SecurityArgs,
+    /// How pages move between prefill and decode workers.
+    pub transfer: TransferArgs,
+}
+
+impl WorkerArgs {
+    /// The library configuration these flags describe (all but `--listen`, which [`run`] binds).
+    pub fn config(&self) -> WorkerConfig {
+        WorkerConfig {
+            model: self.model.clone(),
+            model_name: self.model_name.clone(),
+            advertise: self.advertise.clone(),
+            worker_id: self.worker_id.clone(),
+            kv_dtype: self.kv_dtype.clone(),
+            page_size: self.page_size.clone(),
+            scale_rule: self.scale_rule.clone(),
+            calibration: self.calibration.clone(),
+            hadamard: self.hadamard.clone(),
+            no_smooth_k: self.no_smooth_k.clone(),
+            kv_window: self.kv_window.clone(),
+            kv_budget_mib: self.kv_budget_mib.clone(),
+            kv_memory_fraction: self.kv_memory_fraction.clone(),
+            threads: self.threads.clone(),
+            device: self.device.clone(),
+            reservation_ttl_ms: self.reservation_ttl_ms.clone(),
+            etcd_endpoints: self.etcd_endpoints.clone(),
+            capacity_interval_ms: self.capacity_interval_ms.clone(),
+            metrics_listen: self.metrics_listen.clone(),
+            no_metrics: self.no_metrics.clone(),
+            security: self.security.clone(),
+            transfer: self.transfer.clone(),
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// The flags' defaults for serving `model`.
+    pub fn new(model: PathBuf) -> Self {
+        Self {
+            model,
+            model_name: None,
+            advertise: None,
+            worker_id: None,
+            kv_dtype: KvDtype::Nvfp4,
+            page_size: 16,
+            scale_rule: ScaleRule::default(),
+            calibration: None,
+            hadamard: false,
+            no_smooth_k: false,
+            kv_window: None,
+            kv_budget_mib: None,
+            kv_memory_fraction: DEFAULT_KV_MEMORY_FRACTION,
+            threads: 2,
+            device: Device::default(),
+            reservation_ttl_ms: 30_000,
+            etcd_endpoints: Vec::new(),
+            capacity_interval_ms: 1_000,
+            metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            no_metrics: false,
+            security: SecurityArgs::default(),
+            transfer: TransferArgs::default(),
+        }
+    }
+}
+
 /// Page transfer flags: NCCL (GPU to GPU) or the gRPC stream.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TransferArgs {
@@ -209,7 +335,7 @@ fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
 /// the CPU, and on a GPU (`gpu`: its memory once the model is loaded) `--kv-memory-fraction` of
 /// the GPU's total memory, at most what is free less 10% of the total. Sizing by the total makes
 /// two workers sharing a GPU (`nibble up`) get their shares whichever loads first.
-pub fn kv_budget_bytes(args: &WorkerArgs, gpu: Option<DeviceMemory>) -> Result<usize> {
+pub fn kv_budget_bytes(args: &WorkerConfig, gpu: Option<DeviceMemory>) -> Result<usize> {
     if let Some(mib) = args.kv_budget_mib {
         tracing::info!(mib, "KV pool from --kv-budget-mib");
         return Ok(mib << 20);
@@ -244,7 +370,7 @@ pub fn kv_budget_bytes(args: &WorkerArgs, gpu: Option<DeviceMemory>) -> Result<u
 
 /// The KV cache the worker's flags ask for, its calibration file read and checked against the
 /// model's `layers`.
-fn kv_config(args: &WorkerArgs, layers: usize) -> Result<KvConfig> {
+fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> {
     let mut kv = KvConfig::new(args.kv_dtype);
     kv.page_size = args.page_size;
     kv.scale_rule = args.scale_rule;
@@ -271,7 +397,7 @@ fn kv_config(args: &WorkerArgs, layers: usize) -> Result<KvConfig> {
 
 /// The worker's security settings, checked: a worker serving TLS dials other workers over TLS,
 /// so it needs the CA too.
-pub fn load_security(args: &WorkerArgs) -> Result<Security> {
+pub fn load_security(args: &WorkerConfig) -> Result<Security> {
     let security = args.security.load()?;
     if let Some(tls) = &security.tls {
         if !tls.serves() {
@@ -293,7 +419,7 @@ pub fn load_security(args: &WorkerArgs) -> Result<Security> {
 /// Loads the model, starts the engine thread and returns the worker's state, with the CUDA
 /// context when the engine runs on a GPU.
 pub fn start_engine(
-    args: &WorkerArgs,
+    args: &WorkerConfig,
     role: Role,
     identity_port: u16,
 ) -> Result<(Arc<WorkerState>, Option<Arc<CudaContext>>)> {
@@ -369,10 +495,11 @@ pub fn start_engine(
 }
 
 /// Runs a worker of `role` until Ctrl-C, registered in etcd when `--etcd-endpoints` names it.
-pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
+pub async fn run(role: Role, flags: WorkerArgs) -> Result<()> {
+    let args = flags.config();
     // Bad TLS files fail here, before the port is bound or the model loaded.
     load_security(&args)?;
-    let listener = TcpListener::bind(args.listen).await?;
+    let listener = TcpListener::bind(flags.listen).await?;
     // An empty value (`NIBBLE_ETCD_ENDPOINTS=`) means none.
     let endpoints: Vec<&String> = args
         .etcd_endpoints
@@ -403,7 +530,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> Result<()> {
 /// is loaded and the worker registered.
 pub async fn run_on(
     role: Role,
-    args: WorkerArgs,
+    args: WorkerConfig,
     listener: TcpListener,
     discovery: Option<Arc<dyn Discovery>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -504,17 +631,24 @@ mod tests {
     }
 
     #[test]
+    fn the_library_defaults_are_the_flags_defaults() {
+        let flags = args(&[]).unwrap().config();
+        let library = WorkerConfig::new(flags.model.clone());
+        assert_eq!(format!("{library:?}"), format!("{flags:?}"));
+    }
+
+    #[test]
     fn kv_flags_reach_the_cache_config() {
-        let kv = kv_config(&args(&[]).unwrap(), 2).unwrap();
+        let kv = kv_config(&args(&[]).unwrap().config(), 2).unwrap();
         assert_eq!((kv.dtype, kv.page_size), (KvDtype::Nvfp4, 16));
         assert_eq!(kv.scale_rule, ScaleRule::Mse);
         assert!(kv.scales.is_none() && !kv.hadamard);
         assert_eq!(kv.window, 64, "nvfp4's default window");
-        let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap(), 2).unwrap();
+        let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap().config(), 2).unwrap();
         assert_eq!(fp8.window, 0);
-        let kv = kv_config(&args(&["--kv-window", "32"]).unwrap(), 2).unwrap();
+        let kv = kv_config(&args(&["--kv-window", "32"]).unwrap().config(), 2).unwrap();
         assert_eq!(kv.window, 32);
-        let err = kv_config(&args(&["--kv-window", "40"]).unwrap(), 2).unwrap_err();
+        let err = kv_config(&args(&["--kv-window", "40"]).unwrap().config(), 2).unwrap_err();
         assert_eq!(
             err.to_string(),
             "--kv-window 40: not a multiple of the page size (16)"
@@ -545,7 +679,7 @@ mod tests {
             "--calibration",
         ];
         let a = args(&[&flags[..], &[path]].concat());
-        let kv = kv_config(&a.unwrap(), 2).unwrap();
+        let kv = kv_config(&a.unwrap().config(), 2).unwrap();
         assert_eq!(kv.scale_rule, ScaleRule::Amax);
         assert!(kv.hadamard);
         // Rotated vectors' scales for a rotated cache.
@@ -558,20 +692,25 @@ mod tests {
         let old = dir.path().join("old.json");
         std::fs::write(&old, unrotated.to_json().unwrap()).unwrap();
         let a = args(&[&flags[..], &[old.to_str().unwrap()]].concat());
-        let err = kv_config(&a.unwrap(), 2).unwrap_err().to_string();
+        let err = kv_config(&a.unwrap().config(), 2).unwrap_err().to_string();
         assert!(
             err.contains("--calibration") && err.contains("Hadamard-rotated"),
             "{err}"
         );
 
         // A file for another layer count, a missing file and an unknown rule name what is wrong.
-        let err = kv_config(&args(&["--calibration", path]).unwrap(), 3).unwrap_err();
+        let err = kv_config(&args(&["--calibration", path]).unwrap().config(), 3).unwrap_err();
         assert!(
             err.to_string().contains("--calibration") && err.to_string().contains("3 layers"),
             "{err}"
         );
-        let err =
-            kv_config(&args(&["--calibration", "/nonexistent.json"]).unwrap(), 2).unwrap_err();
+        let err = kv_config(
+            &args(&["--calibration", "/nonexistent.json"])
+                .unwrap()
+                .config(),
+            2,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("/nonexistent.json"), "{err}");
         let err = args(&["--scale-rule", "max"]).unwrap_err().to_string();
         assert!(err.contains("amax or mse"), "{err}");
@@ -580,19 +719,28 @@ mod tests {
     #[test]
     fn an_explicit_budget_wins_on_either_device() {
         let a = args(&["--kv-budget-mib", "1000"]).unwrap();
-        assert_eq!(kv_budget_bytes(&a, None).unwrap(), 1000 << 20);
-        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 1000 << 20);
+        assert_eq!(kv_budget_bytes(&a.config(), None).unwrap(), 1000 << 20);
+        assert_eq!(
+            kv_budget_bytes(&a.config(), gpu(80, 100)).unwrap(),
+            1000 << 20
+        );
     }
 
     #[test]
     fn without_a_budget_the_cpu_takes_256_mib_and_a_gpu_its_share() {
         let a = args(&[]).unwrap();
         assert_eq!(a.kv_memory_fraction, 0.9);
-        assert_eq!(kv_budget_bytes(&a, None).unwrap(), 256 << 20);
+        assert_eq!(kv_budget_bytes(&a.config(), None).unwrap(), 256 << 20);
         // 90% of 100 GiB, but only 80 GiB are free: all of it less the 10 GiB reserve.
-        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 70 * GIB);
+        assert_eq!(
+            kv_budget_bytes(&a.config(), gpu(80, 100)).unwrap(),
+            70 * GIB
+        );
         let a = args(&["--kv-memory-fraction", "0.5"]).unwrap();
-        assert_eq!(kv_budget_bytes(&a, gpu(80, 100)).unwrap(), 50 * GIB);
+        assert_eq!(
+            kv_budget_bytes(&a.config(), gpu(80, 100)).unwrap(),
+            50 * GIB
+        );
     }
 
     #[test]
@@ -607,13 +755,13 @@ mod tests {
             } else {
                 (&decode, &prefill)
             };
-            let a = kv_budget_bytes(first, gpu(total - 1, total)).unwrap();
+            let a = kv_budget_bytes(&first.config(), gpu(total - 1, total)).unwrap();
             let free = total * GIB - GIB - a - GIB;
             let memory = Some(DeviceMemory {
                 free,
                 total: total * GIB,
             });
-            let b = kv_budget_bytes(second, memory).unwrap();
+            let b = kv_budget_bytes(&second.config(), memory).unwrap();
             let (p, d) = if first_is_prefill { (a, b) } else { (b, a) };
             assert_eq!(
                 (p, d),
@@ -626,7 +774,9 @@ mod tests {
     #[test]
     fn a_gpu_with_nothing_left_is_an_error_that_says_what_to_do() {
         let a = args(&[]).unwrap();
-        let e = kv_budget_bytes(&a, gpu(4, 100)).unwrap_err().to_string();
+        let e = kv_budget_bytes(&a.config(), gpu(4, 100))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--kv-budget-mib"), "{e}");
         assert!(e.contains("4096 MiB free of 102400 MiB"), "{e}");
     }

@@ -33,7 +33,7 @@ pub mod service;
 pub mod transfer;
 
 pub use actor::{EngineHandle, EngineInfo, EventStream, LoadSnapshot};
-pub use cli::{run, run_on, TransferArgs, WorkerArgs};
+pub use cli::{run, run_on, TransferArgs, WorkerArgs, WorkerConfig};
 pub use error::{Error, Result};
 pub use nibble_discovery::Role;
 pub use nibble_proto::logging;
