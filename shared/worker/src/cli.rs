@@ -9,16 +9,18 @@ use std::time::Duration;
 use nibble_cuda::CudaContext;
 use nibble_cuda::{Device, DeviceMemory, KvNeeds};
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
-use nibble_engine::calibrate::Calibration;
 use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{CpuBackend, EngineConfig, KvConfig, ModelSource};
+use nibble_engine::{CpuBackend, EngineConfig, ModelSource};
 use nibble_kvfmt::{KvDtype, ScaleRule};
 use nibble_proto::progress::{Bar, Unit};
 use nibble_proto::v1;
-use nibble_security::{Security, SecurityArgs};
+use nibble_security::SecurityArgs;
 use tokio::net::TcpListener;
 
 use crate::actor::EngineHandle;
+use crate::config::{
+    kv_budget_bytes, kv_config, load_security, WorkerConfig, DEFAULT_KV_MEMORY_FRACTION,
+};
 use crate::error::{Error, Result};
 use crate::service::{WorkerIdentity, WorkerState};
 use crate::transfer::nccl::{offer_nccl, NcclTimeouts, NcclTransport, TransferMode};
@@ -116,72 +118,6 @@ pub struct WorkerArgs {
     pub transfer: TransferArgs,
 }
 
-/// A worker's configuration as the library takes it ([`run_on`]): what [`WorkerArgs`] parses
-/// into, and what `nibble up` and the benchmarks build directly ([`WorkerConfig::new`] holds
-/// every default). Field by field the flags of the same names.
-#[derive(Debug, Clone)]
-pub struct WorkerConfig {
-    /// The model: a GGUF file or a Hugging Face directory.
-    pub model: PathBuf,
-    /// The name the model is served under (default: the file or directory name).
-    pub model_name: Option<String>,
-    /// Address peers reach this worker at (default: the bound listen address).
-    pub advertise: Option<String>,
-    /// This worker's id, unique within its role (default: role-port).
-    pub worker_id: Option<String>,
-    /// KV-cache element format.
-    pub kv_dtype: KvDtype,
-    /// Tokens per KV page.
-    pub page_size: usize,
-    /// How NVFP4 block scales are chosen on write: mse (of the E4M3 codes near amax/6, the one
-    /// with the least squared error over the block; the default) or amax (amax/6, the bytes other
-    /// NVFP4 implementations write). Readers decode both alike.
-    pub scale_rule: ScaleRule,
-    /// Calibration JSON (from `nibble calibrate`) with per-layer K/V global scales and K's
-    /// channel amax; without it every scale is the dtype's uncalibrated one. Prefill and decode
-    /// workers must use the same file: the scales are part of the KV format their pages are
-    /// checked against.
-    pub calibration: Option<PathBuf>,
-    /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing
-    /// (power-of-two head dims; on the CUDA backend, head dims 64 and 128).
-    /// Prefill and decode workers must agree: the rotation is part of the KV format.
-    pub hadamard: bool,
-    /// Do not smooth K per channel with the calibration's channel amax (smoothed by default
-    /// when --calibration measured channels). Prefill and decode workers must agree: the
-    /// smoothing is part of the KV format.
-    pub no_smooth_k: bool,
-    /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
-    /// instead of their pages; a multiple of --page-size, 0 for none [default: 64 for an nvfp4
-    /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
-    pub kv_window: Option<usize>,
-    /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
-    /// --kv-memory-fraction of the GPU's memory].
-    pub kv_budget_mib: Option<usize>,
-    /// Without --kv-budget-mib, on a GPU: the share of the GPU's total memory the KV pages take,
-    /// at most what is free once the model is loaded less 10% of the GPU (kept for activations,
-    /// attention workspaces and cuBLAS).
-    pub kv_memory_fraction: f64,
-    /// CPU threads of the engine.
-    pub threads: usize,
-    /// Where the engine runs: cpu, cuda (GPU 0; the worker fails to start without it) or auto
-    /// (CUDA when a GPU is found, else the CPU).
-    pub device: Device,
-    /// How long an unfilled reservation is kept, in milliseconds.
-    pub reservation_ttl_ms: u64,
-    /// etcd client URLs (comma-separated); none runs without registration.
-    pub etcd_endpoints: Vec<String>,
-    /// How often the registered capacity is refreshed, in milliseconds.
-    pub capacity_interval_ms: u64,
-    /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
-    pub metrics_listen: SocketAddr,
-    /// Serve no /metrics.
-    pub no_metrics: bool,
-    /// TLS and the internal token.
-    pub security: SecurityArgs,
-    /// How pages move between prefill and decode workers.
-    pub transfer: TransferArgs,
-}
-
 impl WorkerArgs {
     /// The library configuration these flags describe (all but `--listen`, which [`run`] binds).
     pub fn config(&self) -> WorkerConfig {
@@ -208,36 +144,6 @@ impl WorkerArgs {
             no_metrics: self.no_metrics,
             security: self.security.clone(),
             transfer: self.transfer.clone(),
-        }
-    }
-}
-
-impl WorkerConfig {
-    /// The flags' defaults for serving `model`.
-    pub fn new(model: PathBuf) -> Self {
-        Self {
-            model,
-            model_name: None,
-            advertise: None,
-            worker_id: None,
-            kv_dtype: KvDtype::Nvfp4,
-            page_size: 16,
-            scale_rule: ScaleRule::default(),
-            calibration: None,
-            hadamard: false,
-            no_smooth_k: false,
-            kv_window: None,
-            kv_budget_mib: None,
-            kv_memory_fraction: DEFAULT_KV_MEMORY_FRACTION,
-            threads: 2,
-            device: Device::default(),
-            reservation_ttl_ms: 30_000,
-            etcd_endpoints: Vec::new(),
-            capacity_interval_ms: 1_000,
-            metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            no_metrics: false,
-            security: SecurityArgs::default(),
-            transfer: TransferArgs::default(),
         }
     }
 }
@@ -317,103 +223,11 @@ fn hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// The KV budget of a worker on the CPU when none is given.
-pub const CPU_KV_BUDGET_MIB: usize = 256;
-/// `--kv-memory-fraction`'s default: a worker alone on its GPU.
-pub const DEFAULT_KV_MEMORY_FRACTION: f64 = 0.9;
-/// The share of a GPU's memory a worker sized by `--kv-memory-fraction` leaves free.
-const GPU_RESERVE_FRACTION: f64 = 0.1;
-
 fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
         _ => Err(format!("{s:?} is not a fraction in (0, 1]")),
     }
-}
-
-/// The bytes of KV pages a worker allocates: `--kv-budget-mib` when given; otherwise 256 MiB on
-/// the CPU, and on a GPU (`gpu`: its memory once the model is loaded) `--kv-memory-fraction` of
-/// the GPU's total memory, at most what is free less 10% of the total. Sizing by the total makes
-/// two workers sharing a GPU (`nibble up`) get their shares whichever loads first.
-pub fn kv_budget_bytes(args: &WorkerConfig, gpu: Option<DeviceMemory>) -> Result<usize> {
-    if let Some(mib) = args.kv_budget_mib {
-        tracing::info!(mib, "KV pool from --kv-budget-mib");
-        return Ok(mib << 20);
-    }
-    let Some(memory) = gpu else {
-        tracing::info!(mib = CPU_KV_BUDGET_MIB, "KV pool: the CPU default");
-        return Ok(CPU_KV_BUDGET_MIB << 20);
-    };
-    let share = (memory.total as f64 * args.kv_memory_fraction) as usize;
-    let reserve = (memory.total as f64 * GPU_RESERVE_FRACTION) as usize;
-    let left = memory.free.saturating_sub(reserve);
-    let budget = share.min(left);
-    if budget < 1 << 20 {
-        return Err(Error::InvalidArgument(format!(
-            "no --kv-budget-mib given and the GPU has {} MiB free of {} MiB once the model is \
-             loaded, less than the {} MiB it keeps in reserve: nothing is left for KV pages \
-             (give --kv-budget-mib, or free GPU memory)",
-            memory.free >> 20,
-            memory.total >> 20,
-            reserve >> 20
-        )));
-    }
-    tracing::info!(
-        mib = budget >> 20,
-        fraction = args.kv_memory_fraction,
-        gpu_free_mib = memory.free >> 20,
-        gpu_total_mib = memory.total >> 20,
-        "KV pool: --kv-memory-fraction of the GPU, at most its free memory less 10%"
-    );
-    Ok(budget)
-}
-
-/// The KV cache the worker's flags ask for, its calibration file read and checked against the
-/// model's `layers`.
-fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> {
-    let mut kv = KvConfig::new(args.kv_dtype);
-    kv.page_size = args.page_size;
-    kv.scale_rule = args.scale_rule;
-    kv.hadamard = args.hadamard;
-    kv = kv.with_window(args.kv_window);
-    if !kv.window.is_multiple_of(kv.page_size) {
-        return Err(Error::InvalidArgument(format!(
-            "--kv-window {}: not a multiple of the page size ({})",
-            kv.window, kv.page_size
-        )));
-    }
-    if let Some(path) = &args.calibration {
-        let fail = |why: String| {
-            Error::InvalidArgument(format!("--calibration {}: {why}", path.display()))
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
-        let calibration = Calibration::from_json(&text, layers).map_err(|e| fail(e.to_string()))?;
-        kv = kv
-            .with_calibration(&calibration, !args.no_smooth_k)
-            .map_err(|e| fail(e.to_string()))?;
-    }
-    Ok(kv)
-}
-
-/// The worker's security settings, checked: a worker serving TLS dials other workers over TLS,
-/// so it needs the CA too.
-pub fn load_security(args: &WorkerConfig) -> Result<Security> {
-    let security = args.security.load()?;
-    if let Some(tls) = &security.tls {
-        if !tls.serves() {
-            return Err(Error::InvalidArgument(
-                "--tls-ca needs --tls-cert and --tls-key on a worker (it serves TLS with them)"
-                    .into(),
-            ));
-        }
-        if !tls.has_ca() {
-            return Err(Error::InvalidArgument(
-                "--tls-cert needs --tls-ca on a worker (the CA it verifies its peers against)"
-                    .into(),
-            ));
-        }
-    }
-    Ok(security)
 }
 
 /// Loads the model, starts the engine thread and returns the worker's state, with the CUDA
@@ -608,6 +422,7 @@ pub async fn run_on(
 mod tests {
     use super::*;
     use clap::Parser;
+    use nibble_engine::calibrate::Calibration;
     use nibble_engine::calibrate::HadamardAmax;
 
     #[derive(Parser)]

@@ -22,6 +22,7 @@
 
 pub mod actor;
 pub mod cli;
+pub mod config;
 pub mod convert;
 pub mod error;
 pub mod format;
@@ -33,7 +34,8 @@ pub mod service;
 pub mod transfer;
 
 pub use actor::{EngineHandle, EngineInfo, EventStream, LoadSnapshot};
-pub use cli::{run, run_on, TransferArgs, WorkerArgs, WorkerConfig};
+pub use cli::{run, run_on, TransferArgs, WorkerArgs};
+pub use config::WorkerConfig;
 pub use error::{Error, Result};
 pub use nibble_discovery::Role;
 pub use nibble_proto::logging;
