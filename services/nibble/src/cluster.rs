@@ -149,7 +149,7 @@ impl Hints {
 
 /// `nibble prefill` / `nibble decode`.
 pub fn run_worker(role: Role, args: &WorkerArgs) -> Result<()> {
-    nibble_proto::logging::init();
+    nibble_telemetry::logging::init();
     runtime()?
         .block_on(nibble_worker::run(role, args.clone()))
         .map_err(|e| Error::Cluster(format!("nibble {role}: {e}")))
@@ -157,7 +157,7 @@ pub fn run_worker(role: Role, args: &WorkerArgs) -> Result<()> {
 
 /// `nibble router`.
 pub fn run_router(args: &nibble_router::cli::RouterArgs) -> Result<()> {
-    nibble_proto::logging::init();
+    nibble_telemetry::logging::init();
     runtime()?
         .block_on(nibble_router::cli::run(args.clone()))
         .map_err(|e| Error::Cluster(format!("nibble router: {e:#}")))
@@ -165,7 +165,7 @@ pub fn run_router(args: &nibble_router::cli::RouterArgs) -> Result<()> {
 
 /// `nibble up`: serves until Ctrl-C; `out` gets the addresses and the ready line.
 pub fn up(args: &UpArgs, out: &mut (impl Write + Send)) -> Result<()> {
-    nibble_proto::logging::init();
+    nibble_telemetry::logging::init();
     crate::fetch::ensure_default_model(&args.model)?;
     runtime()?.block_on(up_until(args, out, nibble_proto::serving::interrupted()))
 }
@@ -352,7 +352,7 @@ pub async fn up_until(
                 let diag = &mut std::io::stderr();
                 // The services' log lines wait until the answer is printed, instead of landing
                 // in the middle of it on the same terminal.
-                let held = nibble_proto::logging::hold();
+                let held = nibble_telemetry::logging::hold();
                 let answered = stream_remote(&url, &prompt_peers, request, false, out, diag).await;
                 drop(held);
                 answered?;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use nibble_proto::progress::{Bar, Unit};
+use nibble_telemetry::progress::{Bar, Unit};
 
 use crate::cli::DEFAULT_MODEL;
 use crate::{Error, Result};

@@ -12,7 +12,7 @@ use nibble_cuda::{CudaBackend, Device, KvNeeds};
 use nibble_engine::calibrate::Calibration;
 use nibble_engine::{Backend, CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
 use nibble_kvfmt::KvDtype;
-use nibble_proto::progress::{Bar, Unit};
+use nibble_telemetry::progress::{Bar, Unit};
 
 use crate::cli::{ModelArgs, QuantArgs};
 use crate::{files, Error, Result};

@@ -13,6 +13,6 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    nibble_proto::logging::init();
+    nibble_telemetry::logging::init();
     nibble_router::cli::run(Cli::parse().router).await
 }

@@ -5,7 +5,6 @@
 //!   internal `Worker` API, the `KvTransfer` page stream and their shared types).
 //! - [`FILE_DESCRIPTOR_SET`] and [`serving`]: server reflection and `grpc.health.v1`, which every
 //!   nibble service serves.
-//! - [`logging`]: the log subscriber every nibble process installs (text or JSON on stderr).
 //! - [`fingerprint`]: the stable 64-bit fingerprint of a [`v1::KvFormat`] that peers compare
 //!   before pages move.
 //! - [`convert`]: conversions between wire types and the `nibble-kvfmt` / `nibble-kvcache` types,
@@ -16,8 +15,6 @@
 pub mod convert;
 mod error;
 pub mod fingerprint;
-pub mod logging;
-pub mod progress;
 pub mod request;
 pub mod serving;
 

@@ -17,8 +17,15 @@
 //! * [`scrape`] reads an endpoint back into [`Samples`] (tests and tools).
 //!
 //! Every histogram is in seconds and has the buckets [`LATENCY_BUCKETS`].
+//!
+//! Besides the metrics, what every process shares about what it tells its operator:
+//! [`logging`] (the log subscriber, text or JSON lines on stderr) and [`progress`] (the
+//! terminal's progress bars for the model download and weight loading, drawn only on a
+//! terminal with text logs, log lines printed through them).
 
 mod collect;
+pub mod logging;
+pub mod progress;
 mod scrape;
 mod server;
 

@@ -12,9 +12,9 @@ use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role}
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, ModelSource};
 use nibble_kvfmt::{KvDtype, ScaleRule};
-use nibble_proto::progress::{Bar, Unit};
 use nibble_proto::v1;
 use nibble_security::SecurityArgs;
+use nibble_telemetry::progress::{Bar, Unit};
 use tokio::net::TcpListener;
 
 use crate::actor::EngineHandle;

@@ -38,7 +38,7 @@ pub use cli::{run, run_on, TransferArgs, WorkerArgs};
 pub use config::WorkerConfig;
 pub use error::{Error, Result};
 pub use nibble_discovery::Role;
-pub use nibble_proto::logging;
+pub use nibble_telemetry::logging;
 pub use server::serve;
 pub use service::{TransferService, WorkerIdentity, WorkerService, WorkerState};
 pub use transfer::{TransferCounters, TransferTotals};
