@@ -2,9 +2,11 @@
 //! (`nibble-router`; `nibble up` too), every flag also an environment variable.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use super::limits::{ConnectionLimits, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 use super::{HttpConfig, DEFAULT_MAX_BODY_BYTES};
 use crate::HttpListener;
 
@@ -24,6 +26,13 @@ pub struct HttpArgs {
     /// Largest HTTP request body, in bytes (413 above).
     #[arg(long, env = "NIBBLE_HTTP_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub http_max_body_bytes: usize,
+    /// HTTP connections open at once; more get 503 and are closed.
+    #[arg(long, env = "NIBBLE_HTTP_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub http_max_connections: usize,
+    /// Seconds an HTTP connection may move no byte (headers or a body that stop arriving, an
+    /// idle keep-alive) before it is closed; a request being answered is never idle.
+    #[arg(long, env = "NIBBLE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
+    pub http_idle_timeout_secs: u64,
 }
 
 impl HttpArgs {
@@ -32,6 +41,10 @@ impl HttpArgs {
         HttpConfig {
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
             max_body_bytes: self.http_max_body_bytes,
+            limits: ConnectionLimits {
+                max_connections: self.http_max_connections.max(1),
+                idle_timeout: Duration::from_secs(self.http_idle_timeout_secs.max(1)),
+            },
         }
     }
 

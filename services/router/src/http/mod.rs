@@ -19,6 +19,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod limits;
 pub mod params;
 pub mod tls;
 
@@ -39,6 +40,7 @@ use crate::service::state::MintedId;
 use crate::{InferenceService, Shared};
 pub use args::HttpArgs;
 pub use error::ApiError;
+use limits::{ConnectionUse, Limited};
 
 /// Default largest request body, in bytes.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
@@ -50,6 +52,8 @@ pub struct HttpConfig {
     pub api_key: Option<String>,
     /// Largest request body; a larger one is refused with 413.
     pub max_body_bytes: usize,
+    /// Connections open at once, and how long one may stay silent ([`limits`]).
+    pub limits: limits::ConnectionLimits,
 }
 
 impl Default for HttpConfig {
@@ -57,6 +61,7 @@ impl Default for HttpConfig {
         Self {
             api_key: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            limits: limits::ConnectionLimits::default(),
         }
     }
 }
@@ -66,6 +71,7 @@ impl std::fmt::Debug for HttpConfig {
         f.debug_struct("HttpConfig")
             .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("limits", &self.limits)
             .finish()
     }
 }
@@ -128,6 +134,7 @@ pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(limit, refuse_oversized))
         .layer(middleware::from_fn(count))
+        .layer(middleware::from_fn(limits::hold_open))
         .with_state(state)
 }
 
@@ -170,7 +177,9 @@ pub async fn serve(
             tracing::debug!(%err, "TCP_NODELAY");
         }
     });
-    axum::serve(listener, router(shared, config))
+    let limits = config.limits;
+    let app = router(shared, config).into_make_service_with_connect_info::<ConnectionUse>();
+    axum::serve(Limited::new(listener, limits), app)
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -186,12 +195,12 @@ pub async fn serve_tls(
     match tls {
         None => serve(listener, shared, config, shutdown).await,
         Some(tls) => {
-            axum::serve(
-                tls::TlsListener::new(listener, tls)?,
-                router(shared, config),
-            )
-            .with_graceful_shutdown(shutdown)
-            .await
+            let limits = config.limits;
+            let listener = Limited::new(tls::TlsListener::new(listener, tls)?, limits);
+            let app = router(shared, config).into_make_service_with_connect_info::<ConnectionUse>();
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
         }
     }
 }
