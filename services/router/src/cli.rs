@@ -79,6 +79,10 @@ pub struct ServingArgs {
     /// tokenized (default: 64 bytes per token of the model's context).
     #[arg(long, env = "NIBBLE_MAX_PROMPT_BYTES")]
     pub max_prompt_bytes: Option<usize>,
+    /// gRPC connections the router keeps open at once; more are closed as they arrive.
+    #[arg(long, env = "NIBBLE_GRPC_MAX_CONNECTIONS",
+          default_value_t = nibble_proto::serving::DEFAULT_MAX_CONNECTIONS)]
+    pub grpc_max_connections: usize,
     #[command(flatten)]
     pub http: HttpArgs,
 }
@@ -104,6 +108,7 @@ impl ServingArgs {
         config.load_interval = Duration::from_millis(self.load_interval_ms.max(1));
         config.max_tokens_limit = self.max_tokens_limit;
         config.max_prompt_bytes = self.max_prompt_bytes;
+        config.grpc_max_connections = self.grpc_max_connections;
         config.api_key = self.http.api_key.as_deref().and_then(Secret::new);
         Ok(config)
     }

@@ -88,11 +88,12 @@ pub async fn serve_shared_with_http(
     let reflection =
         nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
     let tls = shared.config().security.tls.clone();
+    let max_connections = shared.config().grpc_max_connections;
     let http_tls = match &tls {
         Some(tls) => tls.http_server(ClientCerts::None)?,
         None => None,
     };
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = nibble_proto::serving::server();
     if let Some(tls) = tls.as_ref().and_then(|t| t.grpc_server(ClientCerts::None)) {
         builder = builder.tls_config(tls)?;
     }
@@ -127,7 +128,10 @@ pub async fn serve_shared_with_http(
         .add_service(reflection)
         .add_service(InterceptedService::new(inference, api_key));
     let result = nibble_proto::serving::serve_with_drain(
-        |stop| router.serve_with_incoming_shutdown(nibble_proto::serving::incoming(listener), stop),
+        |stop| {
+            let capped = nibble_proto::serving::incoming(listener, max_connections);
+            router.serve_with_incoming_shutdown(capped, stop)
+        },
         signal(stopped),
         nibble_proto::serving::DRAIN_GRACE,
     )

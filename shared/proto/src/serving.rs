@@ -42,11 +42,145 @@ pub async fn interrupted() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// The connections a server accepts on `listener`, with `TCP_NODELAY` set: a gRPC response
-/// (headers, data, trailers) goes out as several small writes, which Nagle's algorithm would
-/// otherwise hold back until the peer's delayed ACK, some 40 ms.
-pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+/// Connections a gRPC server keeps open at once, by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+
+/// How often a gRPC server pings a connection that sent nothing, and how long it waits for the
+/// answer before it closes the connection: a dead peer (a killed process, a cut network) is
+/// noticed within a minute instead of holding its streams open.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A gRPC server builder with nibble's connection settings: HTTP/2 keep-alive pings
+/// ([`KEEPALIVE_INTERVAL`], [`KEEPALIVE_TIMEOUT`]) and TCP keep-alive.
+pub fn server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+}
+
+/// The connections a server accepts on `listener`, at most `max_connections` open at once
+/// (more are closed as they arrive, logged at most once a second), with `TCP_NODELAY` set: a
+/// gRPC response (headers, data, trailers) goes out as several small writes, which Nagle's
+/// algorithm would otherwise hold back until the peer's delayed ACK, some 40 ms.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+    max_connections: usize,
+) -> impl tokio_stream::Stream<Item = std::io::Result<Capped<tokio::net::TcpStream>>> {
+    use tokio_stream::StreamExt;
+    let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
+    let refused = RefusalLog::new("gRPC");
+    tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .filter_map(move |accepted| match accepted {
+            Ok(tcp) => match std::sync::Arc::clone(&permits).try_acquire_owned() {
+                Ok(permit) => Some(Ok(Capped {
+                    io: tcp,
+                    _permit: permit,
+                })),
+                Err(_) => {
+                    refused.note();
+                    None
+                }
+            },
+            Err(e) => Some(Err(e)),
+        })
+}
+
+/// A connection holding its place under a server's cap until it closes.
+pub struct Capped<IO> {
+    io: IO,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Capped<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Capped<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Capped<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+/// Counts the connections a listener refused at its cap and logs them at most once a second,
+/// so a flood of connections cannot flood the log.
+#[derive(Debug)]
+pub struct RefusalLog {
+    what: &'static str,
+    count: std::sync::atomic::AtomicU64,
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl RefusalLog {
+    /// A log for the listener of `what` (`"HTTP"`, `"gRPC"`).
+    pub fn new(what: &'static str) -> Self {
+        Self {
+            what,
+            count: Default::default(),
+            last: Default::default(),
+        }
+    }
+
+    /// One more refused connection.
+    pub fn note(&self) {
+        use std::sync::atomic::Ordering;
+        let total = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+            *last = Some(std::time::Instant::now());
+            tracing::warn!(
+                listener = self.what,
+                refused_total = total,
+                "connection limit reached: refusing"
+            );
+        }
+    }
 }
 
 /// How long a stopping server waits for open calls (token streams, KV-event subscriptions) to

@@ -175,3 +175,51 @@ async fn health_and_reflection_are_served() {
         );
     }
 }
+
+/// Past a server's connection cap a new connection is closed as it arrives (the client sees the
+/// connection close: CANCELLED or UNAVAILABLE); once a held one closes, connections are taken
+/// again.
+#[tokio::test]
+async fn connections_past_the_cap_are_refused() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_reporter, health) = nibble_proto::serving::health();
+    tokio::spawn(
+        nibble_proto::serving::server()
+            .add_service(health)
+            .serve_with_incoming(nibble_proto::serving::incoming(listener, 1)),
+    );
+    let check = |channel: tonic::transport::Channel| async move {
+        HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+    };
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap();
+    let held = endpoint.connect().await.unwrap();
+    check(held.clone())
+        .await
+        .expect("the first connection is served");
+    let refused = endpoint
+        .clone()
+        .connect_timeout(std::time::Duration::from_secs(2))
+        .connect_lazy();
+    let status = check(refused).await.unwrap_err();
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Cancelled
+        ),
+        "{status:?}"
+    );
+    drop(held);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let again = endpoint.connect().await.unwrap();
+    check(again)
+        .await
+        .expect("served again once the held one closed");
+}

@@ -110,6 +110,10 @@ pub struct WorkerArgs {
     /// Serve no /metrics.
     #[arg(long, env = "NIBBLE_NO_METRICS")]
     pub no_metrics: bool,
+    /// gRPC connections open at once; more are closed as they arrive.
+    #[arg(long, env = "NIBBLE_GRPC_MAX_CONNECTIONS",
+          default_value_t = nibble_proto::serving::DEFAULT_MAX_CONNECTIONS)]
+    pub grpc_max_connections: usize,
     /// TLS and the internal token.
     #[command(flatten)]
     pub security: SecurityArgs,
@@ -142,6 +146,7 @@ impl WorkerArgs {
             capacity_interval_ms: self.capacity_interval_ms,
             metrics_listen: self.metrics_listen,
             no_metrics: self.no_metrics,
+            grpc_max_connections: self.grpc_max_connections,
             security: self.security.clone(),
             transfer: self.transfer.clone(),
         }
@@ -406,7 +411,13 @@ pub async fn run_on(
         }
         tracing::info!(%role, "stopping: draining open calls");
     };
-    let served = crate::server::serve(Arc::clone(&state), listener, shutdown).await;
+    let served = crate::server::serve_capped(
+        Arc::clone(&state),
+        listener,
+        args.grpc_max_connections,
+        shutdown,
+    )
+    .await;
     if let Some(nccl) = state.nccl() {
         nccl.shutdown().await;
     }

@@ -73,6 +73,8 @@ pub struct WorkerConfig {
     pub metrics_listen: SocketAddr,
     /// Serve no /metrics.
     pub no_metrics: bool,
+    /// gRPC connections open at once; more are closed as they arrive.
+    pub grpc_max_connections: usize,
     /// TLS and the internal token.
     pub security: SecurityArgs,
     /// How pages move between prefill and decode workers.
@@ -103,6 +105,7 @@ impl WorkerConfig {
             capacity_interval_ms: 1_000,
             metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             no_metrics: false,
+            grpc_max_connections: nibble_proto::serving::DEFAULT_MAX_CONNECTIONS,
             security: SecurityArgs::default(),
             transfer: TransferArgs::default(),
         }

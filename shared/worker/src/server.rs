@@ -32,6 +32,18 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    let max_connections = nibble_proto::serving::DEFAULT_MAX_CONNECTIONS;
+    serve_capped(state, listener, max_connections, shutdown).await
+}
+
+/// [`serve`] with at most `max_connections` connections open at once (more are closed as they
+/// arrive).
+pub async fn serve_capped(
+    state: Arc<WorkerState>,
+    listener: TcpListener,
+    max_connections: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let (health, health_service) = nibble_proto::serving::health();
     health.set_serving::<WorkerServer<WorkerService>>().await;
     let reflection = nibble_proto::serving::reflection()
@@ -72,7 +84,7 @@ pub async fn serve(
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         token,
     );
-    let mut builder = tonic::transport::Server::builder()
+    let mut builder = nibble_proto::serving::server()
         .initial_stream_window_size(crate::transfer::STREAM_WINDOW_BYTES)
         .initial_connection_window_size(crate::transfer::CONNECTION_WINDOW_BYTES);
     if let Some(tls) = security.internal_server_tls() {
@@ -84,7 +96,10 @@ pub async fn serve(
         .add_service(worker)
         .add_optional_service(transfer);
     nibble_proto::serving::serve_with_drain(
-        |stop| router.serve_with_incoming_shutdown(nibble_proto::serving::incoming(listener), stop),
+        |stop| {
+            let incoming = nibble_proto::serving::incoming(listener, max_connections);
+            router.serve_with_incoming_shutdown(incoming, stop)
+        },
         shutdown,
         nibble_proto::serving::DRAIN_GRACE,
     )

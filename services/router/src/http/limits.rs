@@ -11,16 +11,17 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::Request;
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::serve::{IncomingStream, Listener};
+use nibble_proto::serving::RefusalLog;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
@@ -73,7 +74,7 @@ impl<L> Limited<L> {
             inner,
             permits: Arc::new(Semaphore::new(limits.max_connections.max(1))),
             idle: limits.idle_timeout,
-            refusals: Arc::new(RefusalLog::default()),
+            refusals: Arc::new(RefusalLog::new("HTTP")),
         }
     }
 }
@@ -149,27 +150,6 @@ impl Busy {
 impl Drop for Busy {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Counts refused connections and logs them at most once a second.
-#[derive(Default)]
-struct RefusalLog {
-    count: AtomicU64,
-    last: Mutex<Option<Instant>>,
-}
-
-impl RefusalLog {
-    fn note(&self) {
-        let total = self.count.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
-            *last = Some(Instant::now());
-            tracing::warn!(
-                refused_total = total,
-                "HTTP connection limit reached: refusing"
-            );
-        }
     }
 }
 

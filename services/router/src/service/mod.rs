@@ -60,6 +60,8 @@ pub struct ServiceConfig {
     /// Most bytes of prompt text (or chat messages) a request may send; refused before it is
     /// tokenized. `None`: [`ServiceConfig::prompt_bytes_limit`]'s default.
     pub max_prompt_bytes: Option<usize>,
+    /// gRPC connections open at once; more are closed as they arrive.
+    pub grpc_max_connections: usize,
     /// The bearer key every `Inference` call must carry (`None`: open). The HTTP API checks
     /// its own [`HttpConfig::api_key`](crate::HttpConfig), set from the same flag.
     pub api_key: Option<Secret>,
@@ -78,6 +80,7 @@ impl ServiceConfig {
             load_interval: DEFAULT_LOAD_INTERVAL,
             max_tokens_limit: nibble_engine::sampling::MAX_TOKENS_LIMIT,
             max_prompt_bytes: None,
+            grpc_max_connections: nibble_proto::serving::DEFAULT_MAX_CONNECTIONS,
             api_key: None,
             security: Security::default(),
         }
@@ -105,6 +108,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("load_interval", &self.load_interval)
             .field("max_tokens_limit", &self.max_tokens_limit)
             .field("max_prompt_bytes", &self.max_prompt_bytes)
+            .field("grpc_max_connections", &self.grpc_max_connections)
             .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
             .field("security", &self.security)
             .finish_non_exhaustive()
