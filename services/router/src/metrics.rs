@@ -41,6 +41,12 @@ pub const QUEUED_REQUESTS: &str = "nibble_router_queued_requests";
 pub const RUNNING_REQUESTS: &str = "nibble_router_running_requests";
 /// Counter: prefill calls retried on another prefill worker after a failure.
 pub const PREFILL_RETRIES_TOTAL: &str = "nibble_router_prefill_retries_total";
+/// Counter: requests moved to another decode worker because theirs could not be reached.
+pub const DECODE_RETRIES_TOTAL: &str = "nibble_router_decode_retries_total";
+/// Counter: prompts prefilled on their decode worker because no prefill worker could take them.
+pub const LOCAL_PREFILL_FALLBACKS_TOTAL: &str = "nibble_router_local_prefill_fallbacks_total";
+/// Gauge: workers marked unreachable (left out of placement until they answer again).
+pub const UNREACHABLE_WORKERS: &str = "nibble_router_unreachable_workers";
 /// Counter: routing decisions, labelled `reason`.
 pub const DECISIONS_TOTAL: &str = "nibble_router_decisions_total";
 /// Histogram: time to make one routing decision (the router's own overhead per request).
@@ -132,6 +138,18 @@ pub fn describe() {
     describe_counter!(
         PREFILL_RETRIES_TOTAL,
         "Prefill calls retried on another worker."
+    );
+    describe_gauge!(
+        UNREACHABLE_WORKERS,
+        "Workers marked unreachable, left out of placement until they answer again."
+    );
+    describe_counter!(
+        DECODE_RETRIES_TOTAL,
+        "Requests moved to another decode worker because theirs could not be reached."
+    );
+    describe_counter!(
+        LOCAL_PREFILL_FALLBACKS_TOTAL,
+        "Prompts prefilled on their decode worker because no prefill worker could take them."
     );
     describe_counter!(DECISIONS_TOTAL, "Routing decisions by reason.");
     describe_histogram!(
@@ -239,6 +257,7 @@ impl Collect for Shared {
             metrics::gauge!(WORKERS, "role" => "decode").set(stats.decode_workers as f64);
             metrics::gauge!(INDEX_BLOCKS).set(stats.index_blocks as f64);
             metrics::gauge!(IN_FLIGHT_REQUESTS).set(stats.in_flight as f64);
+            metrics::gauge!(UNREACHABLE_WORKERS).set(stats.unreachable_workers as f64);
         })
     }
 }

@@ -106,6 +106,8 @@ pub struct RouterStats {
     pub index_blocks: usize,
     /// Requests dispatched and not finished.
     pub in_flight: usize,
+    /// Workers marked unreachable ([`Router::set_reachable`]).
+    pub unreachable_workers: usize,
 }
 
 /// The router's state (see the module docs).
@@ -118,6 +120,9 @@ pub struct Router {
     decode_ids: HashMap<WorkerId, WorkerSlot>,
     prefill: WorkerSet,
     decode: WorkerSet,
+    /// Workers a call could not reach (a refused connection, a failed load poll): left out of
+    /// placement until they answer again, without waiting for their registration to expire.
+    down: WorkerSet,
     in_flight: HashMap<u64, InFlight>,
     next_ticket: u64,
     next_generation: u64,
@@ -141,6 +146,7 @@ impl Router {
             decode_ids: HashMap::new(),
             prefill: WorkerSet::EMPTY,
             decode: WorkerSet::EMPTY,
+            down: WorkerSet::EMPTY,
             in_flight: HashMap::new(),
             next_ticket: 1,
             next_generation: 1,
@@ -222,6 +228,7 @@ impl Router {
         let slot = self.ids_mut(role)?.remove(id)?;
         self.prefill.remove(slot);
         self.decode.remove(slot);
+        self.down.remove(slot);
         self.workers[slot.index()] = None;
         self.index.remove_worker(slot)
     }
@@ -313,6 +320,27 @@ impl Router {
         })
     }
 
+    /// Marks a worker unreachable (`down`) or reachable again; a down worker gets no new
+    /// requests. Returns whether that changed anything.
+    pub fn set_reachable(&mut self, role: Role, id: &WorkerId, reachable: bool) -> bool {
+        let Ok(slot) = self.slot(role, id) else {
+            return false;
+        };
+        let was = !self.down.contains(slot);
+        if reachable {
+            self.down.remove(slot);
+        } else {
+            self.down.insert(slot);
+        }
+        was != reachable
+    }
+
+    /// Decode workers that are registered and reachable: requests can be served while this is
+    /// above zero.
+    pub fn reachable_decode_workers(&self) -> usize {
+        self.decode.difference(self.down).len()
+    }
+
     /// Counts for gauges.
     pub fn stats(&self) -> RouterStats {
         RouterStats {
@@ -320,6 +348,7 @@ impl Router {
             decode_workers: self.decode.len(),
             index_blocks: self.index.len(),
             in_flight: self.in_flight.len(),
+            unreachable_workers: self.down.len(),
         }
     }
 
@@ -378,6 +407,7 @@ impl Router {
                 got: prompt.page_size(),
             });
         }
+        let exclude = exclude.union(self.down);
         let decode = self.decode.difference(exclude);
         let prefill = self.prefill.difference(exclude);
         let depths = self
@@ -458,7 +488,7 @@ impl Router {
         if let Some(hold) = old {
             self.release(hold);
         }
-        let candidates = self.prefill.difference(failed);
+        let candidates = self.prefill.difference(failed.union(self.down));
         let depths = self.index.prefix_depths(prompt.hashes(), candidates);
         let Some(placement) = self.choose(candidates, &depths, prompt, Some(fingerprint)) else {
             return Ok(None);

@@ -337,3 +337,51 @@ async fn tokenize_and_list_models() {
         (0, 0)
     );
 }
+
+/// Stops `worker`'s server as a crash would, leaving its registration in place (a killed
+/// process's lease outlives it); the returned session keeps the registration alive.
+fn crash(worker: Worker) -> std::sync::Arc<dyn nibble_discovery::Discovery> {
+    let _ = worker._stop.send(());
+    worker._session
+}
+
+/// A worker that dies while its registration lives on costs no request: one sent to the dead
+/// decode worker moves to the live one before any token, the dead one is marked unreachable,
+/// and with the prefill worker dead too a prompt is prefilled on the decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_survive_dead_workers_that_are_still_registered() {
+    let dtype = KvDtype::Nvfp4;
+    let registry = StaticRegistry::new();
+    let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
+    let d0 = Worker::start(&registry, Role::Decode, "d0", dtype).await;
+    let d1 = Worker::start(&registry, Role::Decode, "d1", dtype).await;
+    let page_size = p.state.engine().info().page_size as u32;
+    // No load polls after the first: only the requests themselves find the dead workers.
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |c| {
+        c.load_interval = Duration::from_secs(3600)
+    })
+    .await;
+    router.wait_for_workers(1, 2).await;
+    let mut client = router.client().await;
+
+    let _d0_registration = crash(d0);
+    for i in 0..6 {
+        let done = generate(&mut client, greedy_request(&format!("after-{i}")))
+            .await
+            .unwrap_or_else(|status| panic!("request {i}: {status:?}"));
+        assert_eq!(done.tokens.len(), NEW_TOKENS as usize, "request {i}");
+        assert_eq!(done.finish_reason, v1::FinishReason::Length as i32);
+    }
+    let stats = router.shared.router().stats();
+    assert_eq!(stats.decode_workers, 2, "d0 is still registered");
+    assert_eq!(stats.unreachable_workers, 1, "and marked unreachable");
+    assert_eq!(router.shared.router().reachable_decode_workers(), 1);
+
+    let _p_registration = crash(p);
+    let done = generate(&mut client, greedy_request("no-prefill-worker"))
+        .await
+        .expect("prefilled on the decode worker");
+    assert_eq!(done.tokens.len(), NEW_TOKENS as usize);
+    assert_eq!(done.usage.unwrap().prompt_tokens as usize, prompt().len());
+    d1.pages_back().await;
+}

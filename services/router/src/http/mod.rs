@@ -253,12 +253,17 @@ async fn health() -> Json<serde_json::Value> {
 }
 
 async fn ready(State(state): State<HttpState>) -> Response {
-    let stats = state.shared().router().stats();
-    let ready = stats.decode_workers > 0;
+    let (stats, reachable) = {
+        let router = state.shared().router();
+        (router.stats(), router.reachable_decode_workers())
+    };
+    // Ready while a decode worker is registered and answering: requests can be served.
+    let ready = reachable > 0;
     let body = Json(serde_json::json!({
         "status": if ready { "ready" } else { "not ready" },
         "prefill_workers": stats.prefill_workers,
         "decode_workers": stats.decode_workers,
+        "unreachable_workers": stats.unreachable_workers,
     }));
     let status = if ready {
         StatusCode::OK

@@ -501,3 +501,35 @@ fn too_many_workers_is_an_error() {
         Err(Error::TooManyWorkers { .. })
     ));
 }
+
+#[test]
+fn unreachable_workers_get_no_requests_until_they_answer() {
+    let mut router = router(&[], &["d0", "d1"]);
+    let p = prompt(0, 64);
+    assert!(router.set_reachable(Role::Decode, &id("d0"), false));
+    assert!(
+        !router.set_reachable(Role::Decode, &id("d0"), false),
+        "no change"
+    );
+    assert_eq!(router.reachable_decode_workers(), 1);
+    assert_eq!(router.stats().unreachable_workers, 1);
+    for _ in 0..8 {
+        let decision = router.decide(&p, WorkerSet::EMPTY).unwrap();
+        assert_eq!(decision.decode.worker.id, id("d1"));
+    }
+    assert!(router.set_reachable(Role::Decode, &id("d1"), false));
+    assert!(matches!(
+        router.decide(&p, WorkerSet::EMPTY),
+        Err(Error::NoDecodeWorkers)
+    ));
+    assert!(router.set_reachable(Role::Decode, &id("d0"), true));
+    assert_eq!(
+        router
+            .decide(&p, WorkerSet::EMPTY)
+            .unwrap()
+            .decode
+            .worker
+            .id,
+        id("d0")
+    );
+}

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use nibble_discovery::WorkerInfo;
+use nibble_discovery::{Role, WorkerInfo};
 use nibble_proto::v1;
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -11,10 +11,14 @@ use tonic::Status;
 use super::Shared;
 use crate::admission::Place;
 use crate::metrics::{self, Outcome};
-use crate::{Error, Prompt, Routed};
+use crate::{Error, Prompt, Routed, WorkerSet};
 
-/// Prefill workers tried per request before it fails.
+/// Prefill workers tried per request before the decode worker prefills it itself.
 const PREFILL_ATTEMPTS: usize = 3;
+/// Decode workers tried per request while none has sent a token.
+const DECODE_ATTEMPTS: usize = 3;
+/// How long a best-effort abort may take (its worker may be gone).
+const ABORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// One dispatched request, driven on its own task.
 pub struct Flow {
@@ -88,10 +92,9 @@ impl Flow {
     /// Drives the request to its end, sending its responses (or its failure) on `tx`; frees
     /// what the workers hold for it if it ends early.
     pub async fn run(mut self, tx: mpsc::Sender<Result<v1::GenerateResponse, Status>>) {
-        let ticket = self.routed.ticket;
         let mut prefill_address = None;
         let outcome = tokio::select! {
-            outcome = self.drive(&tx, &mut prefill_address) => outcome,
+            outcome = self.drive_with_failover(&tx, &mut prefill_address) => outcome,
             () = tx.closed() => Err(Stop::Cancelled),
         };
         let ended = Instant::now();
@@ -112,15 +115,9 @@ impl Flow {
         }
         if let Err(stop) = outcome {
             // Free whatever the workers hold for the request.
-            let abort = v1::AbortRequest {
-                request_id: self.req.request_id.clone(),
-            };
             let decode = self.routed.decision.decode.worker.addresses.grpc.clone();
-            for address in std::iter::once(decode).chain(prefill_address) {
-                if let Ok(mut client) = self.shared.client(&address) {
-                    let _ = client.abort(abort.clone()).await;
-                }
-            }
+            self.abort_on(std::iter::once(decode).chain(prefill_address))
+                .await;
             match stop {
                 Stop::Cancelled => {
                     metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
@@ -140,7 +137,64 @@ impl Flow {
                 }
             }
         }
-        self.shared.router().finish(ticket);
+        self.shared.router().finish(self.routed.ticket);
+    }
+
+    /// [`drive`](Self::drive), moved to another decode worker when the chosen one cannot be
+    /// reached before any token was sent: it is marked down (no request goes there until it
+    /// answers a load poll again) and the request is routed anew without it, at most
+    /// [`DECODE_ATTEMPTS`] times.
+    async fn drive_with_failover(
+        &mut self,
+        tx: &mpsc::Sender<Result<v1::GenerateResponse, Status>>,
+        prefill_address: &mut Option<String>,
+    ) -> Result<(), Stop> {
+        let mut failed = WorkerSet::EMPTY;
+        loop {
+            let status = match self.drive(tx, prefill_address).await {
+                Err(Stop::Failed(status)) => status,
+                other => return other,
+            };
+            let decode = &self.routed.decision.decode;
+            if self.generated > 0 || !unreachable(&status) || failed.len() + 1 >= DECODE_ATTEMPTS {
+                return Err(Stop::Failed(status));
+            }
+            let (slot, worker) = (decode.slot, Arc::clone(&decode.worker));
+            tracing::warn!(worker = %worker.id, %status, "decode worker unreachable; routing elsewhere");
+            metrics::count(metrics::DECODE_RETRIES_TOTAL, 1);
+            failed.insert(slot);
+            // Free whatever it (or a prefill worker) may still hold, if it is there at all.
+            self.abort_on(
+                std::iter::once(worker.addresses.grpc.clone()).chain(prefill_address.take()),
+            )
+            .await;
+            let mut router = self.shared.router();
+            router.set_reachable(Role::Decode, &worker.id, false);
+            router.finish(self.routed.ticket);
+            match router.route(&self.prompt, failed) {
+                Ok(routed) => self.routed = routed,
+                Err(e) => {
+                    // Nothing left to take it: the ticket is gone, keep `finish` a no-op.
+                    return Err(Stop::Failed(Status::unavailable(format!(
+                        "decode worker {} is unreachable ({status}) and {e}",
+                        worker.id
+                    ))));
+                }
+            }
+        }
+    }
+
+    /// Aborts the request on every worker at `addresses` (best effort, briefly).
+    async fn abort_on(&self, addresses: impl Iterator<Item = String>) {
+        let abort = v1::AbortRequest {
+            request_id: self.req.request_id.clone(),
+        };
+        for address in addresses {
+            if let Ok(mut client) = self.shared.client(&address) {
+                let call = client.abort(abort.clone());
+                let _ = tokio::time::timeout(ABORT_TIMEOUT, call).await;
+            }
+        }
     }
 
     async fn drive(
@@ -198,7 +252,7 @@ impl Flow {
                         })
                         .await;
                     match result {
-                        Ok(response) => break response.into_inner(),
+                        Ok(response) => break Some(response.into_inner()),
                         Err(status) if retryable(&status) && attempt < PREFILL_ATTEMPTS => {
                             tracing::warn!(worker = %prefill.worker.id, %status, "prefill failed; retrying");
                             metrics::count(metrics::PREFILL_RETRIES_TOTAL, 1);
@@ -208,12 +262,8 @@ impl Flow {
                                 .retry_prefill(self.routed.ticket, &self.prompt)?;
                             match next {
                                 Some(next) => prefill = next,
-                                None => {
-                                    return Err(Status::unavailable(format!(
-                                    "prefill failed and no other prefill worker is left: {status}"
-                                ))
-                                    .into())
-                                }
+                                // No prefill worker left: the decode worker prefills it.
+                                None => break None,
                             }
                         }
                         Err(status) => return Err(status.into()),
@@ -221,11 +271,24 @@ impl Flow {
                 };
                 self.shared.router().prefill_done(self.routed.ticket);
                 *prefill_address = None;
-                Some(v1::Handoff {
-                    reservation_id: reservation.reservation_id,
-                    first_token: prefilled.first_token,
-                    first_logprob: prefilled.logprob,
-                })
+                match prefilled {
+                    Some(prefilled) => Some(v1::Handoff {
+                        reservation_id: reservation.reservation_id,
+                        first_token: prefilled.first_token,
+                        first_logprob: prefilled.logprob,
+                    }),
+                    None => {
+                        tracing::warn!("no prefill worker can take the prompt; prefilling on the decode worker");
+                        metrics::count(metrics::LOCAL_PREFILL_FALLBACKS_TOTAL, 1);
+                        // Its reservation goes; the decode call below prefills from scratch.
+                        let abort = v1::AbortRequest {
+                            request_id: request_id.clone(),
+                        };
+                        decode.abort(abort).await?;
+                        reserved_cached = 0;
+                        None
+                    }
+                }
             }
         };
         let mut stream = decode
@@ -291,6 +354,15 @@ fn transfer_backend(prefill: &WorkerInfo, decode: &WorkerInfo) -> v1::TransferBa
     } else {
         v1::TransferBackend::Grpc
     }
+}
+
+/// Whether a decode worker's failure means it could not be reached (a refused or broken
+/// connection, a worker stopping), not that it refused the request.
+fn unreachable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
 }
 
 fn retryable(status: &Status) -> bool {

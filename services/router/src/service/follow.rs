@@ -88,9 +88,18 @@ async fn poll_load(shared: Arc<Shared>, info: WorkerInfo) {
             Ok(load) => load.into_inner(),
             Err(status) => {
                 tracing::debug!(role = %info.role, id = %info.id, %status, "load poll failed");
+                // A worker that cannot be reached gets no requests until it answers again.
+                if status.code() == tonic::Code::Unavailable
+                    && shared.router().set_reachable(info.role, &info.id, false)
+                {
+                    tracing::warn!(role = %info.role, id = %info.id, %status, "worker unreachable");
+                }
                 continue;
             }
         };
+        if shared.router().set_reachable(info.role, &info.id, true) {
+            tracing::info!(role = %info.role, id = %info.id, "worker reachable again");
+        }
         if shared
             .router()
             .report_load(info.role, &info.id, LoadReport::from(&load))

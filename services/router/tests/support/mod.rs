@@ -57,8 +57,10 @@ pub struct Worker {
     pub state: Arc<WorkerState>,
     /// How the test dials it (its own TLS and token).
     pub peers: Peers,
-    _session: Arc<dyn Discovery>,
-    _stop: oneshot::Sender<()>,
+    /// Its registration's session, alive as long as this is.
+    pub _session: Arc<dyn Discovery>,
+    /// Stops its server when sent to (or dropped).
+    pub _stop: oneshot::Sender<()>,
 }
 
 impl Worker {
@@ -133,6 +135,7 @@ impl Worker {
             _stop: stop,
         }
     }
+
 }
 
 impl WorkerApi for Worker {
