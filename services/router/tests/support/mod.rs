@@ -135,7 +135,6 @@ impl Worker {
             _stop: stop,
         }
     }
-
 }
 
 impl WorkerApi for Worker {
