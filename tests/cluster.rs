@@ -200,19 +200,19 @@ async fn cancel_invalid_requests_and_a_full_queue() {
 }
 
 /// A prefill worker killed while it serves a request: with another prefill worker the router
-/// retries there and the request gets the right tokens; with none left it ends with
-/// UNAVAILABLE in bounded time and the decode worker's reservation is freed.
+/// retries there, and with none left the decode worker prefills the prompt itself; either way
+/// the request gets the tokens one engine gives, in bounded time, and no page is left held.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_killed_prefill_worker_is_retried_elsewhere_or_unavailable() {
+async fn a_killed_prefill_worker_is_retried_elsewhere_then_prefilled_on_the_decode_worker() {
     let _serial = SERIAL.lock().await;
     let prompt = austen_tokens(1500);
-    let expected = reference(KvDtype::Nvfp4, std::slice::from_ref(&prompt), 4).remove(0);
+    // The second round's prompt shares nothing with the first (which the workers now cache).
+    let other = austen_tokens(3000)[1500..].to_vec();
+    let expected = reference(KvDtype::Nvfp4, &[prompt.clone(), other.clone()], 4);
     let mut spec = Spec::new("nvfp4");
     spec.prefills = 2;
     let mut cluster = Cluster::start(spec).await;
 
-    // The second round's prompt shares nothing with the first (which the workers now cache).
-    let other = austen_tokens(3000)[1500..].to_vec();
     for (round, prompt) in [&prompt, &other].into_iter().enumerate() {
         let mut client = cluster.client().await;
         let mut request = tokio::spawn({
@@ -250,21 +250,15 @@ async fn a_killed_prefill_worker_is_retried_elsewhere_or_unavailable() {
             .await
             .expect("the request ends in bounded time")
             .unwrap();
-        match round {
-            0 => {
-                let got = result.unwrap_or_else(|s| panic!("{s}; logs:\n{}", cluster.logs()));
-                assert_eq!(got.tokens, expected, "retried on the other prefill worker");
-            }
-            _ => {
-                let status = result.unwrap_err();
-                assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-                assert!(
-                    killed.elapsed() < Duration::from_secs(15),
-                    "UNAVAILABLE after {:?}",
-                    killed.elapsed()
-                );
-            }
-        }
+        let got = result.unwrap_or_else(|s| panic!("{s}; logs:\n{}", cluster.logs()));
+        // Round 0 moves to the other prefill worker; round 1, with no prefill worker left, is
+        // prefilled on the decode worker: the same tokens either way.
+        assert_eq!(got.tokens, expected[round], "round {round}");
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "answered {:?} after the kill",
+            killed.elapsed()
+        );
         cluster.assert_pages_back().await;
     }
 }
