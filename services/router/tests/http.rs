@@ -914,3 +914,47 @@ async fn stalled_connections_are_closed_and_capped() {
     assert_eq!(health.status, 200);
     drop(silent);
 }
+
+/// `/tokenize` and `/detokenize` round-trip a prompt through the served model's tokenizer, as
+/// vLLM's endpoints do, and refuse what they cannot do by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_round_trip() {
+    let registry = StaticRegistry::new();
+    let router = RouterServer::start(&registry, 16, HttpConfig::default(), |_| {}).await;
+    let http = router.http_address();
+    let text = "It is a truth universally acknowledged";
+    let r = post_json(
+        http,
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let j = r.json();
+    let tokens: Vec<u32> = serde_json::from_value(j["tokens"].clone()).unwrap();
+    assert!(!tokens.is_empty());
+    assert_eq!(j["count"], tokens.len());
+    assert_eq!(j["token_strs"].as_array().unwrap().len(), tokens.len());
+    assert!(j["max_model_len"].as_u64().unwrap() > 0);
+    let r = post_json(http, "/detokenize", &json!({"tokens": tokens})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["prompt"], text);
+
+    assert_error(
+        &post_json(http, "/tokenize", &json!({})).await,
+        400,
+        Some("prompt"),
+    );
+    let out_of_vocab = json!({"tokens": [1, 99_999_999]});
+    assert_error(
+        &post_json(http, "/detokenize", &out_of_vocab).await,
+        400,
+        Some("tokens"),
+    );
+    let other = json!({"model": "gpt-9", "prompt": "x"});
+    assert_error(
+        &post_json(http, "/tokenize", &other).await,
+        404,
+        Some("model"),
+    );
+}

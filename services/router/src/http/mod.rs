@@ -22,6 +22,7 @@ pub mod generate;
 pub mod limits;
 pub mod params;
 pub mod tls;
+pub mod tokens;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -124,6 +125,8 @@ pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     axum::Router::new()
         .merge(v1)
