@@ -24,7 +24,7 @@ use axum::serve::{IncomingStream, Listener};
 use nibble_proto::serving::RefusalLog;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 /// The limits of one listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,11 +155,16 @@ impl Drop for Busy {
 
 /// A connection holding its place under the cap, closed when it moves no byte for `idle`
 /// while no request of it is being handled.
+///
+/// Each read or write that moves bytes only notes the time; the timer is moved (once per idle
+/// period at most) when it fires early, so the hot path of a streamed answer costs a clock read.
 pub struct Guarded<IO> {
     io: IO,
     _permit: OwnedSemaphorePermit,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
+    /// When bytes last moved (or a request of it was last seen being handled).
+    last: Instant,
     busy: ConnectionUse,
 }
 
@@ -170,28 +175,46 @@ impl<IO> Guarded<IO> {
             _permit: permit,
             idle,
             deadline: Box::pin(tokio::time::sleep(idle)),
+            last: Instant::now(),
             busy: ConnectionUse::default(),
         }
-    }
-
-    /// Pushes the deadline back: the connection moved bytes.
-    fn moved(&mut self) {
-        let at = tokio::time::Instant::now() + self.idle;
-        self.deadline.as_mut().reset(at);
     }
 
     /// Pending, unless the connection has been idle too long. A request being handled (a
     /// non-streamed answer being generated) moves no byte but is not idle.
     fn check_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         if self.busy.0.load(Ordering::Relaxed) > 0 {
-            self.moved();
+            self.last = Instant::now();
         }
-        match self.deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the connection was idle too long",
-            )),
-            Poll::Pending => Poll::Pending,
+        while self.deadline.as_mut().poll(cx).is_ready() {
+            let due = self.last + self.idle;
+            if due <= Instant::now() {
+                return Poll::Ready(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the connection was idle too long",
+                ));
+            }
+            // Bytes moved since the timer was set: wait out the rest of the period.
+            self.deadline.as_mut().reset(due);
+        }
+        Poll::Pending
+    }
+
+    /// A write's result, noting progress; a pending write counts towards the idle timeout.
+    fn wrote(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match polled {
+            Poll::Ready(Ok(n)) => {
+                if n > 0 {
+                    self.last = Instant::now();
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => self.check_idle(cx).map(Err),
         }
     }
 }
@@ -207,7 +230,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Guarded<IO> {
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(result) => {
                 if buf.filled().len() > before {
-                    this.moved();
+                    this.last = Instant::now();
                 }
                 Poll::Ready(result)
             }
@@ -223,16 +246,8 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.io).poll_write(cx, buf) {
-            Poll::Ready(Ok(n)) => {
-                if n > 0 {
-                    this.moved();
-                }
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => this.check_idle(cx).map(Err),
-        }
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.wrote(cx, polled)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -249,16 +264,8 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.io).poll_write_vectored(cx, bufs) {
-            Poll::Ready(Ok(n)) => {
-                if n > 0 {
-                    this.moved();
-                }
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => this.check_idle(cx).map(Err),
-        }
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.wrote(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {

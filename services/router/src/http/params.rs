@@ -78,14 +78,19 @@ pub fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// The model a request names: absent, empty or `served` is fine; another is a 404.
+pub fn check_model(model: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match model {
+        None | Some("") => Ok(()),
+        Some(m) if m == served => Ok(()),
+        Some(m) => Err(ApiError::unknown_model(m, served)),
+    }
+}
+
 impl Common {
     /// Checks the model: absent, empty or `served` is fine; another is a 404.
     pub fn check_model(&self, served: &str) -> Result<(), ApiError> {
-        match self.model.as_deref() {
-            None | Some("") => Ok(()),
-            Some(m) if m == served => Ok(()),
-            Some(m) => Err(ApiError::unknown_model(m, served)),
-        }
+        check_model(self.model.as_deref(), served)
     }
 
     /// The delivery the request asks for.

@@ -13,7 +13,7 @@ use nibble_proto::v1::inference_server::Inference;
 use serde::Deserialize;
 
 use super::error::{ApiError, ParamNames};
-use super::params::parse_body;
+use super::params::{check_model, parse_body};
 use super::{read_body, HttpState};
 
 /// The parameters refusals name.
@@ -33,15 +33,6 @@ struct TokenizeRequest {
 struct DetokenizeRequest {
     model: Option<String>,
     tokens: Option<Vec<u32>>,
-}
-
-/// The model a request names: absent or empty is the served one; another is a 404.
-fn check_model(model: Option<&str>, served: &str) -> Result<(), ApiError> {
-    match model {
-        None | Some("") => Ok(()),
-        Some(m) if m == served => Ok(()),
-        Some(m) => Err(ApiError::unknown_model(m, served)),
-    }
 }
 
 /// `POST /tokenize`: `{"count", "max_model_len", "tokens", "token_strs"}`.
