@@ -18,9 +18,10 @@ use nibble_kvcache::{PageId, PagePool, PoolPlan, RadixCache};
 use crate::backend::{Backend, PagedSeq};
 use crate::detok::Detokenizer;
 use crate::error::{Error, Result};
+use crate::grammar::Grammar;
 use crate::kv::PagedBatch;
 use crate::model::{Logits, Model, Workspace};
-use crate::sampling::{InvalidParam, Sampled, Sampler, SamplingParams, TokenLogprobs};
+use crate::sampling::{InvalidParam, Param, Sampled, Sampler, SamplingParams, TokenLogprobs};
 use crate::scheduler::{
     Batch, FinishReason, NewRequest, Outcome, Reservation, SchedulerConfig, SeqId, State,
     SubmitError,
@@ -115,11 +116,12 @@ struct Request {
 }
 
 impl Request {
-    fn new(prompt: &[u32], params: SamplingParams) -> Self {
+    /// A request's state; `sampler` carries its constraint, if it has one.
+    fn new(prompt: &[u32], params: &SamplingParams, sampler: Sampler) -> Self {
         Self {
             detok: Detokenizer::new(prompt),
             stop: StopMatcher::new(params.stop.clone()),
-            sampler: Sampler::new(params),
+            sampler,
             prompt_tokens: prompt.len(),
             completion_tokens: 0,
             cached_tokens: None,
@@ -284,6 +286,26 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// The sampler of `params`, its constraint (if any) started after `generated` tokens of
+    /// output: compiled and its first mask computed off this thread ([`Grammar::start`]).
+    fn sampler(
+        &self,
+        params: &SamplingParams,
+        generated: &[u32],
+    ) -> std::result::Result<Sampler, RequestError> {
+        let sampler = Sampler::new(params.clone());
+        let Some(constraint) = &params.constraint else {
+            return Ok(sampler);
+        };
+        let compiler = self.tokenizer.grammars().map_err(|e| InvalidParam {
+            field: Param::Constraint,
+            expected: "a constraint this model's tokenizer can follow".into(),
+            got: e.to_string(),
+        })?;
+        let grammar = Grammar::start(Arc::clone(compiler), constraint.clone(), generated);
+        Ok(sampler.with_grammar(grammar))
+    }
+
     fn submit_request(
         &mut self,
         id: SeqId,
@@ -293,6 +315,7 @@ impl<B: Backend> Engine<B> {
     ) -> std::result::Result<(), RequestError> {
         params.validate()?;
         self.check_tokens(&prompt)?;
+        let sampler = self.sampler(&params, &[])?;
         let stop_tokens = self.stop_tokens(&params);
         self.state.submit(NewRequest {
             id,
@@ -301,7 +324,8 @@ impl<B: Backend> Engine<B> {
             stop_tokens,
             prefill_only,
         })?;
-        self.requests.insert(id, Request::new(&prompt, params));
+        self.requests
+            .insert(id, Request::new(&prompt, &params, sampler));
         Ok(())
     }
 
@@ -436,7 +460,20 @@ impl<B: Backend> Engine<B> {
         let outcomes = self.state.complete(batch, &pairs);
         let mut events = Vec::new();
         for ((id, outcome), (_, s)) in outcomes.into_iter().zip(sampled) {
-            self.emit(id, outcome, s.logprobs, &mut events);
+            let grammar_error = self
+                .requests
+                .get(&id)
+                .and_then(|r| r.sampler.grammar_error())
+                .map(str::to_string);
+            match grammar_error {
+                // The constraint failed while choosing this token: the output ends before it.
+                Some(e) if !matches!(outcome, Outcome::Prefilled(_)) => {
+                    self.state.abort(id);
+                    let failure = Failure::Step(format!("the output's constraint failed: {e}"));
+                    events.push(self.close(id, FinishReason::Stop, Some(failure), true));
+                }
+                _ => self.emit(id, outcome, s.logprobs, &mut events),
+            }
         }
         events
     }
@@ -623,10 +660,12 @@ impl<B: Backend> Engine<B> {
             .tokens(id)
             .ok_or(SubmitError::Unknown(id))?
             .to_vec();
+        let sampler = self.sampler(&params, &[first_token])?;
         let stop_tokens = self.stop_tokens(&params);
         let max_tokens = params.max_tokens as usize;
         let cached = self.state.prefix_hit(id);
-        self.requests.insert(id, Request::new(&prompt, params));
+        self.requests
+            .insert(id, Request::new(&prompt, &params, sampler));
         if let Some(r) = self.requests.get_mut(&id) {
             r.cached_tokens = cached;
         }

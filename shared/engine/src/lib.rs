@@ -10,6 +10,8 @@
 //! * [`weights`]: weights uploaded to a backend once (matrices may stay quantized) and shared.
 //! * [`tokenizer`], [`chat`]: BPE tokenizer rebuilt from GGUF metadata or read from
 //!   tokenizer.json; chat templates.
+//! * [`grammar`]: structured outputs: JSON Schema, regex and Lark constraints (llguidance)
+//!   turned into token masks the sampler applies.
 //! * [`backend`]: the [`Backend`] trait and [`CpuBackend`].
 //! * [`kv`]: the [`KvStore`] seam through which every layer's attention runs, and the
 //!   contiguous f32 [`ContiguousKv`] store.
@@ -28,6 +30,7 @@ pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod gguf;
+pub mod grammar;
 pub mod hadamard;
 pub mod hf;
 pub mod kv;

@@ -18,6 +18,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::grammar::{Constraint, Grammar, MAX_CONSTRAINT_BYTES};
+
 /// Largest `max_tokens` a request may ask for.
 pub const MAX_TOKENS_LIMIT: u32 = 32_768;
 
@@ -52,6 +54,8 @@ pub struct SamplingParams {
     pub top_logprobs: u32,
     /// Keep generating past the model's end-of-sequence token (benchmarks).
     pub ignore_eos: bool,
+    /// What the output must match (structured outputs); `None` leaves it free.
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -69,6 +73,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             ignore_eos: false,
+            constraint: None,
         }
     }
 }
@@ -96,6 +101,7 @@ pub enum Param {
     Stop,
     StopTokenIds,
     TopLogprobs,
+    Constraint,
 }
 
 impl Param {
@@ -112,6 +118,7 @@ impl Param {
             Param::Stop => "stop",
             Param::StopTokenIds => "stop_token_ids",
             Param::TopLogprobs => "top_logprobs",
+            Param::Constraint => "constraint",
         }
     }
 }
@@ -228,6 +235,23 @@ impl SamplingParams {
                 format!("{} ids", self.stop_token_ids.len()),
             ));
         }
+        if let Some(c) = &self.constraint {
+            if c.source().len() > MAX_CONSTRAINT_BYTES {
+                return Err(invalid(
+                    Param::Constraint,
+                    format!("a {} of at most {MAX_CONSTRAINT_BYTES} bytes", c.kind()),
+                    format!("{} bytes", c.source().len()),
+                ));
+            }
+            if self.ignore_eos {
+                // The grammar ends the output with end-of-sequence; ignoring it cannot end.
+                return Err(invalid(
+                    Param::Constraint,
+                    "unset when ignore_eos is set",
+                    c.kind(),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -279,6 +303,8 @@ pub struct Sampler {
     candidates: Vec<(u32, f32)>,
     /// Tokens already penalized in this step, reused across steps.
     marked: Vec<bool>,
+    /// The request's constraint, whose mask is applied before every draw.
+    grammar: Option<Grammar>,
 }
 
 /// log Σ exp(logits): `logits[t]` minus it is the log-softmax of token t.
@@ -340,15 +366,27 @@ impl Sampler {
             rng,
             candidates: Vec::new(),
             marked: Vec::new(),
+            grammar: None,
         }
     }
 
+    /// This sampler with `grammar` masking every draw (the request's constraint, started).
+    pub fn with_grammar(mut self, grammar: Grammar) -> Self {
+        self.grammar = Some(grammar);
+        self
+    }
+
+    /// Why the request's constraint failed mid-output, if it did (the output then ends).
+    pub fn grammar_error(&self) -> Option<&str> {
+        self.grammar.as_ref().and_then(Grammar::error)
+    }
+
     /// Whether [`sample`](Self::sample) is a plain argmax of the logits (temperature 0, no
-    /// repetition penalty, no log-probabilities): then the token can come from
+    /// repetition penalty, no log-probabilities, no constraint): then the token can come from
     /// `Backend::argmax_rows` without the logits.
     pub fn is_greedy(&self) -> bool {
         let p = &self.params;
-        p.temperature == 0.0 && p.repetition_penalty == 1.0 && !p.logprobs
+        p.temperature == 0.0 && p.repetition_penalty == 1.0 && !p.logprobs && self.grammar.is_none()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -359,16 +397,23 @@ impl Sampler {
     /// the sequence has seen so far.
     pub fn sample(&mut self, logits: &mut [f32], seen: &[u32]) -> Sampled {
         let p = &self.params;
-        // Log-probabilities come from the raw logits, before the penalty changes them.
-        let raw = (p.logprobs && p.repetition_penalty != 1.0).then(|| logits.to_vec());
+        // Log-probabilities come from the raw logits, before the penalty or a mask changes them.
+        let changes = p.repetition_penalty != 1.0 || self.grammar.is_some();
+        let raw = (p.logprobs && changes).then(|| logits.to_vec());
         if p.repetition_penalty != 1.0 {
             self.penalize(logits, seen);
+        }
+        if let Some(grammar) = &mut self.grammar {
+            grammar.mask(logits);
         }
         let token = if self.params.temperature == 0.0 {
             argmax(logits)
         } else {
             self.draw(logits)
         };
+        if let Some(grammar) = &mut self.grammar {
+            grammar.advance(token as u32);
+        }
         let logprobs = self
             .params
             .logprobs

@@ -13,6 +13,8 @@
 use crate::chat::{self, ChatMessage};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::grammar::{GrammarCompiler, GrammarError};
+use std::sync::{Arc, OnceLock};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -50,6 +52,8 @@ pub struct Tokenizer {
     eos_ids: Vec<u32>,
     add_bos: bool,
     chat_template: Option<String>,
+    /// The constraint compiler of this vocabulary, built on first use.
+    grammars: OnceLock<std::result::Result<Arc<GrammarCompiler>, GrammarError>>,
 }
 
 /// What [`Tokenizer::from_parts`] assembles.
@@ -89,6 +93,7 @@ impl Tokenizer {
             eos_ids,
             add_bos: parts.add_bos,
             chat_template: parts.chat_template,
+            grammars: OnceLock::new(),
         }
     }
 
@@ -268,6 +273,15 @@ impl Tokenizer {
             &token(self.bos),
             &token(self.eos),
         )
+    }
+
+    /// The compiler of structured-output constraints for this vocabulary, built on first use
+    /// (the token trie takes tens of milliseconds) and shared from then on.
+    pub fn grammars(&self) -> std::result::Result<&Arc<GrammarCompiler>, GrammarError> {
+        self.grammars
+            .get_or_init(|| GrammarCompiler::new(self).map(Arc::new))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The underlying `tokenizers` tokenizer.
