@@ -476,6 +476,10 @@ pub fn generate_request(args: &GenerateArgs) -> Result<v1::GenerateRequest> {
             min_p: Some(params.min_p),
             repetition_penalty: Some(params.repetition_penalty),
             seed: params.seed,
+            constraint: params
+                .constraint
+                .as_ref()
+                .map(nibble_proto::request::wire_constraint),
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: Some(params.max_tokens),

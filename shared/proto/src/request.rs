@@ -7,6 +7,7 @@
 //! request message (`sampling.min_p`), so the HTTP API names the OpenAI parameter without
 //! reading the message.
 
+use nibble_engine::grammar::Constraint;
 use nibble_engine::sampling::{InvalidParam, Param, SamplingParams, MAX_TOKENS_LIMIT};
 use tonic::metadata::MetadataValue;
 use tonic::Status;
@@ -33,6 +34,7 @@ pub fn sampling_params(
         p.min_p = s.min_p.unwrap_or(p.min_p);
         p.repetition_penalty = s.repetition_penalty.unwrap_or(p.repetition_penalty);
         p.seed = s.seed;
+        p.constraint = s.constraint.as_ref().and_then(constraint);
     }
     p.max_tokens = room.clamp(1, MAX_TOKENS_LIMIT as usize) as u32;
     if let Some(s) = stopping {
@@ -63,7 +65,31 @@ pub fn field_path(param: Param) -> &'static str {
         Param::Stop => "stopping.stop",
         Param::StopTokenIds => "stopping.stop_token_ids",
         Param::TopLogprobs => "logprobs.top_logprobs",
+        Param::Constraint => "sampling.constraint",
     }
+}
+
+/// The engine's form of a wire constraint; one without a kind is none.
+pub fn constraint(c: &v1::Constraint) -> Option<Constraint> {
+    use v1::constraint::Kind;
+    Some(match c.kind.as_ref()? {
+        Kind::JsonObject(_) => Constraint::JsonObject,
+        Kind::JsonSchema(s) => Constraint::JsonSchema(s.clone()),
+        Kind::Regex(s) => Constraint::Regex(s.clone()),
+        Kind::Lark(s) => Constraint::Lark(s.clone()),
+    })
+}
+
+/// The wire form of an engine constraint.
+pub fn wire_constraint(c: &Constraint) -> v1::Constraint {
+    use v1::constraint::Kind;
+    let kind = match c {
+        Constraint::JsonObject => Kind::JsonObject(true),
+        Constraint::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Constraint::Regex(s) => Kind::Regex(s.clone()),
+        Constraint::Lark(s) => Kind::Lark(s.clone()),
+    };
+    v1::Constraint { kind: Some(kind) }
 }
 
 /// INVALID_ARGUMENT for the field at `path`: the message is `path: reason`, and the path is

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 
 pub use etcd::EtcdServer;
 #[cfg(feature = "model")]
-pub use model::{model, reference};
+pub use model::{model, reference, reference_with};
 #[cfg(feature = "grpc")]
 pub use router::{generate, Generated, RouterApi};
 #[cfg(feature = "grpc")]

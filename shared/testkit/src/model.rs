@@ -28,6 +28,15 @@ pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
 /// each prompt in turn, `max_tokens` each: what a cluster must give. Later prompts reuse the
 /// pages of earlier ones, as a worker's prefix cache does.
 pub fn reference(dtype: KvDtype, prompts: &[Vec<u32>], max_tokens: u32) -> Vec<Vec<u32>> {
+    reference_with(dtype, prompts, &SamplingParams::greedy(max_tokens))
+}
+
+/// As [`reference`], with every prompt sampled by `params` (a constraint, say).
+pub fn reference_with(
+    dtype: KvDtype,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+) -> Vec<Vec<u32>> {
     let (model, tokenizer) = model();
     let config = EngineConfig {
         kv: KvConfig::new(dtype),
@@ -38,11 +47,7 @@ pub fn reference(dtype: KvDtype, prompts: &[Vec<u32>], max_tokens: u32) -> Vec<V
     let mut out = Vec::new();
     for (n, prompt) in prompts.iter().enumerate() {
         engine
-            .submit(
-                SeqId(n as u64),
-                prompt.clone(),
-                SamplingParams::greedy(max_tokens),
-            )
+            .submit(SeqId(n as u64), prompt.clone(), params.clone())
             .unwrap();
         let mut tokens = Vec::new();
         while engine.has_work() {

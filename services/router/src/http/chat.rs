@@ -50,7 +50,6 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
     pub tools: Option<Vec<serde_json::Value>>,
-    pub response_format: Option<serde_json::Value>,
     /// Append the opening of the assistant's turn (vLLM's extension). Default true.
     pub add_generation_prompt: Option<bool>,
 }
@@ -69,14 +68,6 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
     let delivery = c.delivery()?;
     if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid("tools", "tool calling is not supported"));
-    }
-    if let Some(format) = &body.response_format {
-        if format.get("type").and_then(|t| t.as_str()) != Some("text") {
-            return Err(ApiError::invalid(
-                "response_format",
-                "only {\"type\": \"text\"} is supported",
-            ));
-        }
     }
     let logprobs = body.logprobs.unwrap_or(false);
     let top_logprobs = body.top_logprobs.unwrap_or(0);
@@ -157,6 +148,7 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         names: ParamNames {
             prompt: "messages",
             max_tokens: param,
+            constraint: c.structured.param(),
         },
     })
 }

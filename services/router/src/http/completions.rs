@@ -45,18 +45,13 @@ pub struct CompletionRequest {
     pub best_of: Option<u32>,
 }
 
-/// A parsed completion request.
-/// The parameters refusals name.
-const NAMES: ParamNames = ParamNames {
-    prompt: "prompt",
-    max_tokens: "max_tokens",
-};
-
 struct Parsed {
     request: v1::GenerateRequest,
     delivery: Delivery,
     /// Whether log-probabilities were asked for (`logprobs` set, even to 0).
     logprobs: bool,
+    /// The parameters refusals name.
+    names: ParamNames,
 }
 
 fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
@@ -121,6 +116,11 @@ fn parse(body: CompletionRequest, served: &str, request_id: String) -> Result<Pa
         request,
         delivery,
         logprobs: body.logprobs.is_some(),
+        names: ParamNames {
+            prompt: "prompt",
+            max_tokens: "max_tokens",
+            constraint: c.structured.param(),
+        },
     })
 }
 
@@ -144,7 +144,8 @@ async fn run(
     let body: CompletionRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
     let parsed = parse(body, &served, id.to_string())?;
-    let started = generate::start(&state.service, &id, parsed.request, NAMES).await?;
+    let names = parsed.names;
+    let started = generate::start(&state.service, &id, parsed.request, names).await?;
     let mut format = CompletionChunks {
         id: id.to_string(),
         model: served,
@@ -153,9 +154,9 @@ async fn run(
         include_usage: parsed.delivery.include_usage,
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(started, format, NAMES));
+        return Ok(generate::sse(started, format, names));
     }
-    let collected = generate::collect(started, NAMES).await?;
+    let collected = generate::collect(started, names).await?;
     let logprobs = format
         .logprobs
         .as_mut()

@@ -192,6 +192,8 @@ pub struct ParamNames {
     pub prompt: &'static str,
     /// The token limit: `max_tokens` or `max_completion_tokens`.
     pub max_tokens: &'static str,
+    /// The structured-output parameter the constraint came from (`response_format`, ...).
+    pub constraint: &'static str,
 }
 
 impl ParamNames {
@@ -201,6 +203,7 @@ impl ParamNames {
         match path {
             "stopping.max_tokens" => self.max_tokens.to_string(),
             "logprobs.top_logprobs" => "top_logprobs".to_string(),
+            "sampling.constraint" => self.constraint.to_string(),
             _ if path.split('.').next() == Some("prompt") => self.prompt.to_string(),
             _ if path.starts_with("sampling.") || path.starts_with("stopping.") => last.to_string(),
             _ => path.to_string(),
@@ -233,10 +236,12 @@ mod tests {
     const COMPLETIONS: ParamNames = ParamNames {
         prompt: "prompt",
         max_tokens: "max_tokens",
+        constraint: "response_format",
     };
     const CHAT: ParamNames = ParamNames {
         prompt: "messages",
         max_tokens: "max_completion_tokens",
+        constraint: "response_format",
     };
 
     #[test]

@@ -21,6 +21,7 @@ pub mod error;
 pub mod generate;
 pub mod limits;
 pub mod params;
+pub mod structured;
 pub mod tls;
 pub mod tokens;
 

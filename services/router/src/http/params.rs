@@ -9,6 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use super::error::ApiError;
+use super::structured::Structured;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -48,6 +49,9 @@ pub struct Common {
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
+    /// `response_format` and the structured-output extensions.
+    #[serde(flatten)]
+    pub structured: Structured,
 }
 
 /// How the response is delivered.
@@ -165,6 +169,7 @@ impl Common {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             seed,
+            constraint: self.structured.constraint()?.map(|(c, _)| c),
         })
     }
 

@@ -20,6 +20,7 @@ use super::{read_body, HttpState};
 const NAMES: ParamNames = ParamNames {
     prompt: "prompt",
     max_tokens: "max_tokens",
+    constraint: "response_format",
 };
 
 #[derive(Debug, Default, Deserialize)]

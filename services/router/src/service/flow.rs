@@ -246,7 +246,7 @@ impl Flow {
                         .prefill(v1::PrefillRequest {
                             request_id: request_id.clone(),
                             token_ids: self.tokens.clone(),
-                            sampling: self.req.sampling,
+                            sampling: self.req.sampling.clone(),
                             logprobs: self.req.logprobs,
                             target: Some(target.clone()),
                         })
@@ -296,7 +296,7 @@ impl Flow {
                 request_id: request_id.clone(),
                 token_ids: self.tokens.clone(),
                 handoff,
-                sampling: self.req.sampling,
+                sampling: self.req.sampling.clone(),
                 stopping: self.req.stopping.clone(),
                 logprobs: self.req.logprobs,
                 skip_special_tokens: self.req.skip_special_tokens,

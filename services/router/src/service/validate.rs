@@ -7,6 +7,7 @@
 //! Tokenization and chat rendering are CPU work: [`validate`] is blocking, and the service runs
 //! it off the async threads.
 
+use nibble_engine::grammar::{Constraint, GrammarError};
 use nibble_engine::sampling::{check_context, SamplingParams};
 use nibble_engine::ChatMessage;
 use nibble_proto::request::{invalid_field, invalid_param, sampling_params};
@@ -47,6 +48,9 @@ pub fn validate(req: v1::GenerateRequest, config: &ServiceConfig) -> Result<Vali
         room,
     );
     params.validate().map_err(|e| invalid_param(&e))?;
+    if let Some(constraint) = &params.constraint {
+        check_constraint(constraint, config)?;
+    }
     params
         .check_vocab(config.tokenizer.vocab_size())
         .map_err(|e| invalid_param(&e))?;
@@ -57,6 +61,21 @@ pub fn validate(req: v1::GenerateRequest, config: &ServiceConfig) -> Result<Vali
         tokens,
         params,
     })
+}
+
+/// Compiles a request's constraint (a schema, regex or grammar), so that one that cannot be
+/// followed is refused before anything is scheduled. The worker that samples compiles it again.
+fn check_constraint(constraint: &Constraint, config: &ServiceConfig) -> Result<(), Status> {
+    let refuse = |e: GrammarError| invalid_field("sampling.constraint", e);
+    let took = config
+        .tokenizer
+        .grammars()
+        .map_err(refuse)?
+        .check(constraint);
+    let took = took.map_err(refuse)?;
+    metrics::histogram!("nibble_router_constraint_compile_seconds", "kind" => constraint.kind())
+        .record(took.as_secs_f64());
+    Ok(())
 }
 
 /// Absent or empty is the served model; another name is refused.

@@ -1,0 +1,257 @@
+//! Structured outputs end to end on loopback with the real model: constraints through the
+//! disaggregated path (the prefill worker samples the first token under the grammar, the decode
+//! worker resumes it) over gRPC and the OpenAI HTTP API, compared with one engine, and refused
+//! by name before anything is scheduled.
+
+mod support;
+
+use nibble_discovery::{Role, StaticRegistry};
+use nibble_engine::grammar::Constraint;
+use nibble_engine::sampling::SamplingParams;
+use nibble_kvfmt::KvDtype;
+use nibble_proto::request::{refused_field, wire_constraint};
+use nibble_proto::v1;
+use nibble_router::HttpConfig;
+use nibble_testkit::http_client::{post_json, HttpResponse};
+use nibble_testkit::{generate, reference_with, RouterApi, WorkerApi};
+use serde_json::{json, Value};
+use support::{greedy_request, prompt, RouterServer, Worker, MODEL};
+
+const PERSON: &str = r#"{
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]}
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": false
+}"#;
+
+/// A prefill and a decode worker and a router that sends every prompt through both.
+struct Cluster {
+    prefill: Worker,
+    decode: Worker,
+    router: RouterServer,
+    _registry: StaticRegistry,
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        let registry = StaticRegistry::new();
+        let dtype = KvDtype::Nvfp4;
+        let prefill = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
+        let decode = Worker::start(&registry, Role::Decode, "d0", dtype).await;
+        let page_size = prefill.state.engine().info().page_size as u32;
+        let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
+        router.wait_for_workers(1, 1).await;
+        Self {
+            prefill,
+            decode,
+            router,
+            _registry: registry,
+        }
+    }
+
+    fn http(&self) -> &str {
+        self.router.http_address()
+    }
+
+    async fn pages_back(&self) {
+        self.prefill.pages_back().await;
+        self.decode.pages_back().await;
+    }
+}
+
+fn constrained(constraint: &Constraint, max_tokens: u32) -> v1::GenerateRequest {
+    let mut request = greedy_request("");
+    let sampling = request.sampling.as_mut().unwrap();
+    sampling.constraint = Some(wire_constraint(constraint));
+    request.stopping.as_mut().unwrap().max_tokens = Some(max_tokens);
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constrained_request_through_prefill_and_decode_equals_one_engine() {
+    let cluster = Cluster::start().await;
+    let mut client = cluster.router.client().await;
+    for constraint in [
+        Constraint::JsonSchema(PERSON.into()),
+        Constraint::Regex(r"(yes|no), because [a-z ]{1,40}\.".into()),
+    ] {
+        let got = generate(&mut client, constrained(&constraint, 48))
+            .await
+            .unwrap();
+        let params = SamplingParams {
+            constraint: Some(constraint.clone()),
+            ..SamplingParams::greedy(48)
+        };
+        let want = reference_with(KvDtype::Nvfp4, &[prompt()], &params).remove(0);
+        assert_eq!(got.tokens, want, "{constraint:?}: {:?}", got.text);
+        assert_eq!(got.finish_reason, v1::FinishReason::StopToken as i32);
+        if let Constraint::JsonSchema(_) = constraint {
+            let person: Value = serde_json::from_str(&got.text).unwrap();
+            assert!(
+                person["name"].is_string() && person["age"].is_i64(),
+                "{person}"
+            );
+            assert!(["Paris", "London", "Rome"].contains(&person["city"].as_str().unwrap()));
+        }
+    }
+    cluster.pages_back().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constraint_that_cannot_be_followed_is_refused_before_scheduling() {
+    let cluster = Cluster::start().await;
+    let mut client = cluster.router.client().await;
+    for bad in [
+        Constraint::JsonSchema(r#"{"type": "object", "properties": 3}"#.into()),
+        Constraint::JsonSchema("{not json".into()),
+        Constraint::Regex("(unclosed".into()),
+        Constraint::Lark("start: undefined_rule".into()),
+    ] {
+        let status = generate(&mut client, constrained(&bad, 8))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{bad:?}");
+        assert_eq!(
+            refused_field(&status),
+            Some("sampling.constraint"),
+            "{status:?}"
+        );
+    }
+    let mut eos = constrained(&Constraint::JsonObject, 8);
+    eos.stopping.as_mut().unwrap().ignore_eos = true;
+    let status = generate(&mut client, eos).await.unwrap_err();
+    assert_eq!(
+        refused_field(&status),
+        Some("sampling.constraint"),
+        "{status:?}"
+    );
+    // Nothing reached a worker.
+    assert_eq!(cluster.router.shared.router().stats().in_flight, 0);
+    cluster.pages_back().await;
+}
+
+fn chat(format: Value) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Describe a person living in Paris as JSON."}],
+        "max_tokens": 80,
+        "temperature": 0,
+        "response_format": format,
+    })
+}
+
+fn content(r: &HttpResponse) -> String {
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_format_gives_json_streamed_or_not() {
+    let cluster = Cluster::start().await;
+    let http = cluster.http();
+    let schema: Value = serde_json::from_str(PERSON).unwrap();
+    let format = json!({"type": "json_schema",
+        "json_schema": {"name": "person", "schema": schema, "strict": true}});
+    let r = post_json(http, "/v1/chat/completions", &chat(format.clone())).await;
+    let text = content(&r);
+    let person: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(
+        person.as_object().unwrap().keys().collect::<Vec<_>>(),
+        ["name", "age", "city"]
+    );
+    assert_eq!(r.json()["choices"][0]["finish_reason"], "stop");
+
+    let mut streamed = chat(format);
+    streamed["stream"] = json!(true);
+    let r = post_json(http, "/v1/chat/completions", &streamed).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let deltas: String = r
+        .sse_data()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(deltas, text, "streamed = not streamed");
+
+    let r = post_json(
+        http,
+        "/v1/chat/completions",
+        &chat(json!({"type": "json_object"})),
+    )
+    .await;
+    let any: Value = serde_json::from_str(&content(&r)).unwrap();
+    assert!(any.is_object());
+
+    // The extensions, on completions: a regex and a choice.
+    let body = json!({"model": MODEL, "prompt": "The answer is", "max_tokens": 12,
+        "temperature": 0, "guided_regex": " [0-9]{2,4}"});
+    let r = post_json(http, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let number = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(
+        number.starts_with(' ') && number[1..].parse::<u32>().is_ok(),
+        "{number:?}"
+    );
+    let body = json!({"model": MODEL, "prompt": "Is Paris in France?", "max_tokens": 4,
+        "temperature": 0.7, "seed": 3, "structured_outputs": {"choice": ["yes", "no"]}});
+    let r = post_json(http, "/v1/completions", &body).await;
+    let answer = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(answer == "yes" || answer == "no", "{answer:?}");
+    cluster.pages_back().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_structured_outputs_are_400s_naming_their_parameter() {
+    let cluster = Cluster::start().await;
+    let http = cluster.http();
+    let cases = [
+        (
+            chat(json!({"type": "json_schema", "json_schema": {"name": "p",
+                "schema": {"type": "object", "required": "name"}}})),
+            "response_format",
+        ),
+        (chat(json!({"type": "yaml"})), "response_format"),
+        (
+            json!({"model": MODEL, "prompt": "x", "guided_regex": "(a"}),
+            "guided_regex",
+        ),
+        (
+            json!({"model": MODEL, "prompt": "x", "guided_grammar": "start: nowhere"}),
+            "guided_grammar",
+        ),
+        (
+            json!({"model": MODEL, "prompt": "x", "guided_regex": "a",
+                "response_format": {"type": "json_object"}}),
+            "guided_regex",
+        ),
+    ];
+    for (body, param) in cases {
+        let path = if body.get("messages").is_some() {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let r = post_json(http, path, &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        let error = &r.json()["error"];
+        assert_eq!(error["param"], param, "{body}: {error}");
+        assert!(
+            error["message"].as_str().unwrap().starts_with(param),
+            "{error}"
+        );
+    }
+    assert_eq!(cluster.router.shared.router().stats().in_flight, 0);
+    cluster.pages_back().await;
+}
