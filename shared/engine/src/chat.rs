@@ -10,12 +10,27 @@ use crate::error::{Error, Result};
 use serde::Serialize;
 
 /// One turn of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Default)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The text of the turn.
     pub content: String,
+    /// The functions an assistant turn called.
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` turn answers.
+    pub tool_call_id: Option<String>,
+    /// The name of the function a `tool` turn answers for (or of the speaker).
+    pub name: Option<String>,
+}
+
+/// One function call of an assistant turn.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
 }
 
 impl ChatMessage {
@@ -24,21 +39,59 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            ..Self::default()
         }
     }
 }
 
 impl ChatMessage {
-    /// The message as a template value: a map with `role` and `content`.
+    /// The message as a template value: a map with `role` and `content`, and as
+    /// `transformers` passes them, `tool_calls` (each `{id, type, function: {name, arguments}}`
+    /// with the arguments parsed, as templates `tojson` them), `tool_call_id` and `name`.
     fn to_value(&self) -> minijinja::Value {
-        let map: std::collections::BTreeMap<&str, minijinja::Value> = [
-            ("role", minijinja::Value::from(self.role.as_str())),
-            ("content", minijinja::Value::from(self.content.as_str())),
+        use minijinja::Value;
+        let mut map: std::collections::BTreeMap<&str, Value> = [
+            ("role", Value::from(self.role.as_str())),
+            ("content", Value::from(self.content.as_str())),
         ]
         .into_iter()
         .collect();
-        minijinja::Value::from(map)
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<serde_json::Value> = self
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    let arguments = serde_json::from_str(&c.arguments)
+                        .unwrap_or_else(|_| serde_json::Value::String(c.arguments.clone()));
+                    serde_json::json!({
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": arguments},
+                    })
+                })
+                .collect();
+            map.insert("tool_calls", Value::from(minijinja::value::Serde(&calls)));
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.insert("tool_call_id", Value::from(id.as_str()));
+        }
+        if let Some(name) = &self.name {
+            map.insert("name", Value::from(name.as_str()));
+        }
+        Value::from(map)
     }
+}
+
+/// What a conversation is rendered with besides its messages.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RenderOptions<'a> {
+    /// End with the opening of the assistant's turn.
+    pub add_generation_prompt: bool,
+    pub bos_token: &'a str,
+    pub eos_token: &'a str,
+    /// The functions the model may call, in OpenAI's shape (`[{type, function: {name,
+    /// description, parameters}}]`), passed to the template as `tools`.
+    pub tools: Option<&'a serde_json::Value>,
 }
 
 /// Renders `template` for `messages`.
@@ -48,6 +101,24 @@ pub fn render(
     add_generation_prompt: bool,
     bos_token: &str,
     eos_token: &str,
+) -> Result<String> {
+    render_with(
+        template,
+        messages,
+        RenderOptions {
+            add_generation_prompt,
+            bos_token,
+            eos_token,
+            tools: None,
+        },
+    )
+}
+
+/// Renders `template` for `messages` with `options`.
+pub fn render_with(
+    template: &str,
+    messages: &[ChatMessage],
+    options: RenderOptions<'_>,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
     env.set_syntax(
@@ -72,11 +143,15 @@ pub fn render(
     let tmpl = env
         .get_template("chat")
         .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+    let tools = options
+        .tools
+        .map(|t| minijinja::Value::from(minijinja::value::Serde(t)));
     tmpl.render(minijinja::context! {
         messages => messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>(),
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token,
-        eos_token => eos_token,
+        add_generation_prompt => options.add_generation_prompt,
+        bos_token => options.bos_token,
+        eos_token => options.eos_token,
+        tools => tools,
     })
     .map_err(|e| Error::ChatTemplate(format!("rendering: {e}")))
 }

@@ -232,6 +232,7 @@ impl<B: Backend> Engine<B> {
         let model = model.with_k_smoothing(config.kv.k_smoothing.as_ref())?;
         let ws = model.workspace();
         let state = State::new(scheduler, PagePool::new(plan), RadixCache::default());
+        tokenizer.warm_grammars();
         Ok(Self {
             state: state.with_window(&window),
             eos: tokenizer.eos_token_id().into_iter().collect(),

@@ -44,6 +44,7 @@ pub mod source;
 pub mod stop;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod tools;
 pub mod weights;
 
 pub use backend::cpu::{CpuBackend, CpuTensor};

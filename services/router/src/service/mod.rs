@@ -72,6 +72,9 @@ pub struct ServiceConfig {
 impl ServiceConfig {
     /// The defaults for routing with `router` and `tokenizer`, prompts up to `max_context`.
     pub fn new(router: RouterConfig, tokenizer: Arc<Tokenizer>, max_context: u32) -> Self {
+        // Structured outputs compile against the vocabulary's token trie: built before the
+        // first constrained request needs it.
+        tokenizer.warm_grammars();
         Self {
             router,
             tokenizer,
