@@ -389,8 +389,10 @@ fn up_prompt(prompt: &str) -> v1::GenerateRequest {
             messages: vec![v1::ChatMessage {
                 role: "user".into(),
                 content: prompt.into(),
+                ..Default::default()
             }],
             add_generation_prompt: Some(true),
+            tools: Vec::new(),
         })),
         sampling: Some(v1::SamplingParams {
             temperature: Some(0.0),
@@ -451,15 +453,18 @@ pub fn generate_request(args: &GenerateArgs) -> Result<v1::GenerateRequest> {
             messages.push(v1::ChatMessage {
                 role: "system".into(),
                 content: system.clone(),
+                ..Default::default()
             });
         }
         messages.push(v1::ChatMessage {
             role: "user".into(),
             content: args.prompt.clone(),
+            ..Default::default()
         });
         v1::generate_request::Prompt::Chat(v1::ChatPrompt {
             messages,
             add_generation_prompt: Some(true),
+            tools: Vec::new(),
         })
     } else {
         v1::generate_request::Prompt::Text(args.prompt.clone())

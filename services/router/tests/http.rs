@@ -254,8 +254,10 @@ async fn completions_and_chat_give_the_grpc_paths_greedy_output() {
             messages: vec![v1::ChatMessage {
                 role: "user".into(),
                 content: QUESTION.into(),
+                ..Default::default()
             }],
             add_generation_prompt: None,
+            tools: Vec::new(),
         })),
     )
     .await;

@@ -1,7 +1,10 @@
 //! Structured outputs end to end on loopback with the real model: constraints through the
 //! disaggregated path (the prefill worker samples the first token under the grammar, the decode
 //! worker resumes it) over gRPC and the OpenAI HTTP API, compared with one engine, and refused
-//! by name before anything is scheduled.
+//! by name before anything is scheduled. Then tool calling over the HTTP API (the model's chat
+//! template does not render tools, so nibble shows them in the system message, in the Hermes
+//! format): `required` and a named function give calls whose arguments parse, streamed or not;
+//! a two-turn conversation carries the call and its result back; bad tools are 400s by name.
 
 mod support;
 
@@ -254,4 +257,136 @@ async fn bad_structured_outputs_are_400s_naming_their_parameter() {
     }
     assert_eq!(cluster.router.shared.router().stats().in_flight, 0);
     cluster.pages_back().await;
+}
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 32},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {
+            "name": "get_time",
+            "parameters": {"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 32}},
+                "required": ["city"], "additionalProperties": false}}}
+    ])
+}
+
+fn ask(choice: Value) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": tools(),
+        "tool_choice": choice,
+        "temperature": 0,
+        "max_tokens": 80,
+    })
+}
+
+fn arguments(call: &Value) -> Value {
+    let text = call["function"]["arguments"].as_str().unwrap();
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_through_the_http_api() {
+    let registry = StaticRegistry::new();
+    let prefill = Worker::start(&registry, Role::Prefill, "p0", KvDtype::Nvfp4).await;
+    let decode = Worker::start(&registry, Role::Decode, "d0", KvDtype::Nvfp4).await;
+    let page_size = prefill.state.engine().info().page_size as u32;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
+    router.wait_for_workers(1, 1).await;
+    let http = router.http_address();
+
+    // required: a call of one of the tools, with arguments under its schema.
+    let r = post_json(http, "/v1/chat/completions", &ask(json!("required"))).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let choice = &r.json()["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    let name = call["function"]["name"].as_str().unwrap().to_string();
+    let args = arguments(call);
+    assert!(args["city"].is_string(), "{args}");
+    if name == "get_weather" {
+        assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()));
+    } else {
+        assert_eq!(name, "get_time");
+    }
+
+    // A named function, streamed: the call arrives as a tool_calls delta.
+    let mut named = ask(json!({"type": "function", "function": {"name": "get_time"}}));
+    named["stream"] = json!(true);
+    let r = post_json(http, "/v1/chat/completions", &named).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let chunks: Vec<Value> = r
+        .sse_data()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(calls.len(), 1, "{chunks:?}");
+    let call = &calls[0][0];
+    assert_eq!(call["index"], 0);
+    assert_eq!(call["function"]["name"], "get_time");
+    assert!(arguments(call)["city"].is_string());
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+
+    // The second turn: the call and its result go back; the model answers in text.
+    let arguments_text = call["function"]["arguments"].as_str().unwrap();
+    let second = json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": "What time is it in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_time", "arguments": arguments_text}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"time\": \"14:05\"}"}
+        ],
+        "tools": tools(),
+        "tool_choice": "none",
+        "temperature": 0,
+        "max_tokens": 24,
+    });
+    let r = post_json(http, "/v1/chat/completions", &second).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let message = &r.json()["choices"][0]["message"];
+    assert!(
+        message["content"].as_str().is_some_and(|c| !c.is_empty()),
+        "{message}"
+    );
+    assert!(message.get("tool_calls").is_none());
+
+    // Bad tools are refused by name, before anything is scheduled.
+    let mut twice = ask(json!("auto"));
+    twice["tools"] = json!([tools()[0], tools()[0]]);
+    let mut unknown = ask(json!({"type": "function", "function": {"name": "nope"}}));
+    unknown["stream"] = json!(false);
+    let mut retrieval = ask(json!("auto"));
+    retrieval["tools"] = json!([{"type": "retrieval"}]);
+    let mut both = ask(json!("required"));
+    both["response_format"] = json!({"type": "json_object"});
+    for (body, param) in [
+        (twice, "tools"),
+        (unknown, "tool_choice"),
+        (retrieval, "tools[0].type"),
+        (both, "tool_choice"),
+        (ask(json!("sometimes")), "tool_choice"),
+    ] {
+        let r = post_json(http, "/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.text());
+    }
+    assert_eq!(router.shared.router().stats().in_flight, 0);
+    prefill.pages_back().await;
+    decode.pages_back().await;
 }

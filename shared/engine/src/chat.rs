@@ -226,4 +226,44 @@ mod tests {
         let e = render("{% for %}", &[], false, "", "").unwrap_err();
         assert!(e.to_string().contains("parsing"), "{e}");
     }
+
+    /// Tools and a call round trip reach the template as `transformers` passes them (what
+    /// Qwen2.5's template reads: `tools`, `message.tool_calls[].function`, tool turns).
+    #[test]
+    fn tools_and_calls_reach_the_template() {
+        let template = concat!(
+            "{% if tools %}[tools]{% for t in tools %}{{ t.function.name }}:{{ t.function.parameters | tojson }};{% endfor %}\n{% endif %}",
+            "{% for m in messages %}{{ m.role }}:",
+            "{% if m.tool_calls %}{% for c in m.tool_calls %}<call id={{ c.id }}>{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}",
+            "{% elif m.role == 'tool' %}<result for={{ m.tool_call_id }}>{{ m.content }}",
+            "{% else %}{{ m.content }}{% endif %}\n{% endfor %}",
+        );
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object"}}}]);
+        let messages = [
+            ChatMessage::new("user", "Hi"),
+            ChatMessage {
+                tool_calls: vec![ToolCall {
+                    id: "call_1".into(),
+                    name: "f".into(),
+                    arguments: r#"{"x": 1}"#.into(),
+                }],
+                ..ChatMessage::new("assistant", "")
+            },
+            ChatMessage {
+                tool_call_id: Some("call_1".into()),
+                ..ChatMessage::new("tool", "42")
+            },
+        ];
+        let options = RenderOptions {
+            tools: Some(&tools),
+            ..RenderOptions::default()
+        };
+        let out = render_with(template, &messages, options).unwrap();
+        assert_eq!(
+            out,
+            // trim_blocks drops each newline that follows a block tag.
+            "[tools]f:{\"type\": \"object\"};user:Hiassistant:<call id=call_1>f{\"x\": 1}tool:<result for=call_1>42"
+        );
+    }
 }

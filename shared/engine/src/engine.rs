@@ -113,6 +113,8 @@ struct Request {
     completion_tokens: usize,
     /// Prompt tokens the prefix cache supplied, known once the request is first scheduled.
     cached_tokens: Option<usize>,
+    /// Whether special tokens are left out of the text.
+    skip_special: bool,
 }
 
 impl Request {
@@ -125,6 +127,7 @@ impl Request {
             prompt_tokens: prompt.len(),
             completion_tokens: 0,
             cached_tokens: None,
+            skip_special: params.skip_special_tokens,
         }
     }
 }
@@ -496,14 +499,21 @@ impl<B: Backend> Engine<B> {
             }
         };
         let tokenizer = Arc::clone(&self.tokenizer);
-        let decode = |ids: &[u32]| tokenizer.decode(ids, true);
         let Some(request) = self.requests.get_mut(&id) else {
             return;
         };
+        let skip = request.skip_special;
+        let decode = |ids: &[u32]| tokenizer.decode(ids, skip);
         let mut stopped = false;
         if let Some(token) = token {
             request.completion_tokens += 1;
-            let delta = request.detok.push(token, decode).unwrap_or_default();
+            // Spelling special tokens out never spells the stop token that ends the output.
+            let ends = matches!(finished, Some(FinishReason::Stop));
+            let delta = if !skip && ends {
+                String::new()
+            } else {
+                request.detok.push(token, decode).unwrap_or_default()
+            };
             let text = match request.stop.push(&delta) {
                 StopStep::Continue(text) => text,
                 StopStep::Stop(text) => {
@@ -543,9 +553,10 @@ impl<B: Backend> Engine<B> {
         if let Some(mut request) = self.requests.remove(&id) {
             if flush {
                 let tokenizer = Arc::clone(&self.tokenizer);
+                let skip = request.skip_special;
                 let tail = request
                     .detok
-                    .finish(|ids: &[u32]| tokenizer.decode(ids, true))
+                    .finish(|ids: &[u32]| tokenizer.decode(ids, skip))
                     .unwrap_or_default();
                 text = match request.stop.push(&tail) {
                     StopStep::Continue(t) => t + &request.stop.finish(),

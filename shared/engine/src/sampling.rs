@@ -56,6 +56,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// What the output must match (structured outputs); `None` leaves it free.
     pub constraint: Option<Constraint>,
+    /// Leave special tokens out of the text (the token ids keep them). With `false` they are
+    /// spelled out, except the stop token that ends the output.
+    pub skip_special_tokens: bool,
 }
 
 impl Default for SamplingParams {
@@ -74,6 +77,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             ignore_eos: false,
             constraint: None,
+            skip_special_tokens: true,
         }
     }
 }

@@ -14,6 +14,7 @@ use crate::chat::{self, ChatMessage};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::grammar::{GrammarCompiler, GrammarError};
+use crate::tools::{tool_json, Tool, ToolFormat};
 use std::sync::{Arc, OnceLock};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
@@ -258,6 +259,18 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_chat_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// Renders a conversation whose model may call `tools`: the template gets them as `tools`;
+    /// a template that never renders `tools` gets them in the system message instead, in the
+    /// Hermes call format ([`ToolFormat::preamble`]).
+    pub fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
@@ -266,13 +279,30 @@ impl Tokenizer {
             id.and_then(|i| self.inner.id_to_token(i))
                 .unwrap_or_default()
         };
-        chat::render(
-            template,
-            messages,
+        let (bos, eos) = (token(self.bos), token(self.eos));
+        let mut options = chat::RenderOptions {
             add_generation_prompt,
-            &token(self.bos),
-            &token(self.eos),
-        )
+            bos_token: &bos,
+            eos_token: &eos,
+            tools: None,
+        };
+        if tools.is_empty() {
+            return chat::render_with(template, messages, options);
+        }
+        if !ToolFormat::template_shows_tools(Some(template)) {
+            let preamble = ToolFormat::preamble(tools);
+            let mut with = messages.to_vec();
+            match with.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{preamble}", first.content);
+                }
+                _ => with.insert(0, ChatMessage::new("system", preamble)),
+            }
+            return chat::render_with(template, &with, options);
+        }
+        let listed = serde_json::Value::Array(tools.iter().map(tool_json).collect());
+        options.tools = Some(&listed);
+        chat::render_with(template, messages, options)
     }
 
     /// The compiler of structured-output constraints for this vocabulary, built on first use

@@ -7,12 +7,17 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use nibble_engine::sampling::MAX_TOP_LOGPROBS;
+use nibble_engine::tools::ToolFormat;
+use nibble_engine::Tokenizer;
 use nibble_proto::v1;
 use serde::Deserialize;
 
 use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
+use super::tools::{
+    self, message_calls, MessageToolCall, ToolChoice, ToolPlan, ToolSpec, ToolStream,
+};
 use super::{read_body, with_request_id, HttpState};
 use crate::service::state::MintedId;
 
@@ -32,11 +37,16 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// One message of the conversation (other fields, such as `name`, are ignored).
+/// One message of the conversation.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's calls.
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// The call a `tool` turn answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 /// The body of `POST /v1/chat/completions`.
@@ -49,7 +59,9 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<u32>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
-    pub tools: Option<Vec<serde_json::Value>>,
+    pub tools: Option<Vec<ToolSpec>>,
+    pub tool_choice: Option<ToolChoice>,
+    pub parallel_tool_calls: Option<bool>,
     /// Append the opening of the assistant's turn (vLLM's extension). Default true.
     pub add_generation_prompt: Option<bool>,
 }
@@ -60,15 +72,25 @@ struct Parsed {
     logprobs: bool,
     /// The parameters refusals name.
     names: ParamNames,
+    /// The call format to read, when tools are offered.
+    tools: Option<ToolFormat>,
 }
 
-fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
+fn parse(
+    body: ChatRequest,
+    served: &str,
+    request_id: String,
+    tokenizer: &Tokenizer,
+) -> Result<Parsed, ApiError> {
     let c = &body.common;
     c.check_model(served)?;
     let delivery = c.delivery()?;
-    if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid("tools", "tool calling is not supported"));
-    }
+    let plan = ToolPlan::new(
+        body.tools.as_deref(),
+        body.tool_choice.as_ref(),
+        body.parallel_tool_calls,
+        tokenizer,
+    )?;
     let logprobs = body.logprobs.unwrap_or(false);
     let top_logprobs = body.top_logprobs.unwrap_or(0);
     if top_logprobs > MAX_TOP_LOGPROBS {
@@ -117,6 +139,13 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
             Ok(v1::ChatMessage {
                 role: m.role,
                 content,
+                tool_calls: m
+                    .tool_calls
+                    .as_deref()
+                    .map(message_calls)
+                    .unwrap_or_default(),
+                tool_call_id: m.tool_call_id,
+                name: m.name,
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -125,21 +154,41 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         (Some(n), _) => (Some(n), "max_completion_tokens"),
         (None, n) => (n, "max_tokens"),
     };
+    let mut sampling = c.sampling()?;
+    let mut constraint_param = c.structured.param();
+    let mut skip_special_tokens = c.skip_special_tokens;
+    if let Some(plan) = &plan {
+        if let Some(grammar) = &plan.constraint {
+            if sampling.constraint.is_some() {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("cannot be combined with {constraint_param}"),
+                ));
+            }
+            sampling.constraint = Some(grammar.clone());
+            constraint_param = "tool_choice";
+        }
+        // Markers that are special tokens must reach the text to be read.
+        if plan.keep_special {
+            skip_special_tokens = Some(false);
+        }
+    }
     let request = v1::GenerateRequest {
         request_id,
         model: served.to_string(),
         prompt: Some(v1::generate_request::Prompt::Chat(v1::ChatPrompt {
             messages,
             add_generation_prompt: body.add_generation_prompt,
+            tools: plan.as_ref().map(|p| p.tools.clone()).unwrap_or_default(),
         })),
         add_special_tokens: None,
-        sampling: Some(c.sampling()?),
+        sampling: Some(sampling),
         stopping: Some(c.stopping(max_tokens)),
         logprobs: logprobs.then_some(v1::LogprobsOptions {
             enabled: true,
             top_logprobs,
         }),
-        skip_special_tokens: c.skip_special_tokens,
+        skip_special_tokens,
     };
     Ok(Parsed {
         request,
@@ -148,8 +197,9 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         names: ParamNames {
             prompt: "messages",
             max_tokens: param,
-            constraint: c.structured.param(),
+            constraint: constraint_param,
         },
+        tools: plan.map(|p| p.format),
     })
 }
 
@@ -172,7 +222,7 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let body: ChatRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
-    let parsed = parse(body, &served, id.to_string())?;
+    let parsed = parse(body, &served, id.to_string(), &state.tokenizer())?;
     let started = generate::start(&state.service, &id, parsed.request, parsed.names).await?;
     let format = ChatChunks {
         id: id.to_string(),
@@ -181,11 +231,23 @@ async fn run(
         tokenizer: parsed.logprobs.then(|| state.tokenizer()),
         include_usage: parsed.delivery.include_usage,
         sent_role: false,
+        tools: parsed.tools.map(ToolStream::new),
     };
     if parsed.delivery.stream {
         return Ok(generate::sse(started, format, parsed.names));
     }
     let collected = generate::collect(started, parsed.names).await?;
+    let mut finish = finish_reason(collected.finish_reason);
+    let message = match parsed.tools {
+        Some(format) => {
+            let (message, called) = tools::message(format, &collected.text);
+            if called && finish == Some("stop") {
+                finish = Some("tool_calls");
+            }
+            message
+        }
+        None => serde_json::json!({ "role": "assistant", "content": collected.text }),
+    };
     Ok(Json(serde_json::json!({
         "id": format.id,
         "object": "chat.completion",
@@ -193,9 +255,9 @@ async fn run(
         "model": format.model,
         "choices": [{
             "index": 0,
-            "message": { "role": "assistant", "content": collected.text },
+            "message": message,
             "logprobs": format.logprobs(&collected.logprobs),
-            "finish_reason": finish_reason(collected.finish_reason),
+            "finish_reason": finish,
         }],
         "usage": collected.usage.as_ref().map(usage_json),
     }))
@@ -210,6 +272,8 @@ struct ChatChunks {
     tokenizer: Option<std::sync::Arc<nibble_engine::Tokenizer>>,
     include_usage: bool,
     sent_role: bool,
+    /// The calls being read out of the text, when tools are offered.
+    tools: Option<ToolStream>,
 }
 
 impl ChatChunks {
@@ -280,14 +344,32 @@ impl ChunkFormat for ChatChunks {
                 None,
             ));
         }
-        if !chunk.text.is_empty() || !chunk.logprobs.is_empty() {
+        let text = match &mut self.tools {
+            Some(calls) => calls.push(&chunk.text),
+            None => chunk.text,
+        };
+        if !text.is_empty() || !chunk.logprobs.is_empty() {
             out.push(self.chunk(
-                serde_json::json!({ "content": chunk.text }),
+                serde_json::json!({ "content": text }),
                 self.logprobs(&chunk.logprobs),
                 None,
             ));
         }
-        if let Some(finish) = finish_reason(chunk.finish_reason) {
+        if let Some(mut finish) = finish_reason(chunk.finish_reason) {
+            if let Some(calls) = &mut self.tools {
+                let (rest, calls) = calls.finish();
+                if !rest.is_empty() {
+                    let delta = serde_json::json!({ "content": rest });
+                    out.push(self.chunk(delta, serde_json::Value::Null, None));
+                }
+                if !calls.is_empty() {
+                    let delta = serde_json::json!({ "tool_calls": calls });
+                    out.push(self.chunk(delta, serde_json::Value::Null, None));
+                    if finish == "stop" {
+                        finish = "tool_calls";
+                    }
+                }
+            }
             out.push(self.chunk(serde_json::json!({}), serde_json::Value::Null, Some(finish)));
         }
         if let (true, Some(usage)) = (self.include_usage, &chunk.usage) {

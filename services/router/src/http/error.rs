@@ -204,6 +204,7 @@ impl ParamNames {
             "stopping.max_tokens" => self.max_tokens.to_string(),
             "logprobs.top_logprobs" => "top_logprobs".to_string(),
             "sampling.constraint" => self.constraint.to_string(),
+            "prompt.chat.tools" => "tools".to_string(),
             _ if path.split('.').next() == Some("prompt") => self.prompt.to_string(),
             _ if path.starts_with("sampling.") || path.starts_with("stopping.") => last.to_string(),
             _ => path.to_string(),

@@ -24,6 +24,7 @@ pub mod params;
 pub mod structured;
 pub mod tls;
 pub mod tokens;
+pub mod tools;
 
 use std::future::Future;
 use std::sync::Arc;

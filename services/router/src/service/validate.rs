@@ -7,8 +7,10 @@
 //! Tokenization and chat rendering are CPU work: [`validate`] is blocking, and the service runs
 //! it off the async threads.
 
+use nibble_engine::chat::ToolCall;
 use nibble_engine::grammar::{Constraint, GrammarError};
 use nibble_engine::sampling::{check_context, SamplingParams};
+use nibble_engine::tools::Tool;
 use nibble_engine::ChatMessage;
 use nibble_proto::request::{invalid_field, invalid_param, sampling_params};
 use nibble_proto::v1;
@@ -78,6 +80,74 @@ fn check_constraint(constraint: &Constraint, config: &ServiceConfig) -> Result<(
     Ok(())
 }
 
+/// The engine's form of a wire chat message.
+fn chat_message(m: &v1::ChatMessage) -> ChatMessage {
+    ChatMessage {
+        role: m.role.clone(),
+        content: m.content.clone(),
+        tool_calls: m
+            .tool_calls
+            .iter()
+            .map(|c| ToolCall {
+                id: c.id.clone(),
+                name: c.name.clone(),
+                arguments: c.arguments.clone(),
+            })
+            .collect(),
+        tool_call_id: m.tool_call_id.clone(),
+        name: m.name.clone(),
+    }
+}
+
+/// The engine's form of a request's tools; parameters must be JSON objects.
+pub fn chat_tools(tools: &[v1::Tool]) -> Result<Vec<Tool>, Status> {
+    let mut names = std::collections::HashSet::new();
+    for t in tools {
+        let ok = !t.name.is_empty()
+            && t.name.len() <= 64
+            && t.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !ok {
+            return Err(invalid_field(
+                "prompt.chat.tools",
+                format!(
+                    "function names are 1 to 64 of [A-Za-z0-9_-], got {:?}",
+                    t.name
+                ),
+            ));
+        }
+        if !names.insert(t.name.as_str()) {
+            return Err(invalid_field(
+                "prompt.chat.tools",
+                format!("function {:?} is listed twice", t.name),
+            ));
+        }
+    }
+    tools
+        .iter()
+        .map(|t| {
+            let parameters = match &t.parameters {
+                None => serde_json::json!({"type": "object", "properties": {}}),
+                Some(text) => match serde_json::from_str::<serde_json::Value>(text) {
+                    Ok(v) if v.is_object() => v,
+                    _ => {
+                        return Err(invalid_field(
+                            "prompt.chat.tools",
+                            format!("the parameters of {:?} are not a JSON object", t.name),
+                        ))
+                    }
+                },
+            };
+            Ok(Tool {
+                name: t.name.clone(),
+                description: t.description.clone(),
+                parameters,
+            })
+        })
+        .collect()
+}
+
 /// Absent or empty is the served model; another name is refused.
 pub fn check_model(model: &str, served: &str) -> Result<(), Status> {
     if !model.is_empty() && model != served {
@@ -142,13 +212,14 @@ fn prompt_tokens(req: &v1::GenerateRequest, config: &ServiceConfig) -> Result<Ve
                 .map(|m| m.role.len() + m.content.len())
                 .sum();
             check_prompt_bytes(bytes, config)?;
-            let messages: Vec<ChatMessage> = chat
-                .messages
-                .iter()
-                .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
-                .collect();
+            let messages: Vec<ChatMessage> = chat.messages.iter().map(chat_message).collect();
+            let tools = chat_tools(&chat.tools)?;
             let text = tokenizer
-                .render_chat(&messages, chat.add_generation_prompt.unwrap_or(true))
+                .render_chat_with_tools(
+                    &messages,
+                    &tools,
+                    chat.add_generation_prompt.unwrap_or(true),
+                )
                 .map_err(|e| invalid_field("prompt.chat", e))?;
             tokenizer.encode(&text, false).map_err(internal)?
         }

@@ -318,12 +318,13 @@ impl WorkerState {
 
     async fn decode(self: &Arc<Self>, r: v1::DecodeRequest) -> Result<DecodeStream> {
         let room = self.room(r.token_ids.len());
-        let params = request::sampling_params(
+        let mut params = request::sampling_params(
             r.sampling.as_ref(),
             r.stopping.as_ref(),
             r.logprobs.as_ref(),
             room,
         );
+        params.skip_special_tokens = r.skip_special_tokens.unwrap_or(true);
         let mut stop_tokens = params.stop_token_ids.clone();
         stop_tokens.extend(&self.engine.info().eos);
         let (id, events) = match &r.handoff {
