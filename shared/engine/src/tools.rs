@@ -215,11 +215,19 @@ fn call_of(value: &Value) -> Option<ParsedCall> {
 
 fn parse_hermes(text: &str) -> Option<(String, Vec<ParsedCall>)> {
     let first = text.find(HERMES_OPEN)?;
+    let blocks: Vec<&str> = text[first..].split(HERMES_OPEN).skip(1).collect();
     let mut calls = Vec::new();
-    for block in text[first..].split(HERMES_OPEN).skip(1) {
+    for (i, block) in blocks.iter().enumerate() {
         let body = block.split(HERMES_CLOSE).next().unwrap_or(block).trim();
-        let value: Value = serde_json::from_str(body).ok()?;
-        calls.push(call_of(&value)?);
+        match serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| call_of(&v))
+        {
+            Some(call) => calls.push(call),
+            // A last call cut off by max_tokens is dropped; the finish reason says so.
+            None if i + 1 == blocks.len() && !calls.is_empty() => {}
+            None => return None,
+        }
     }
     Some((text[..first].to_string(), calls))
 }

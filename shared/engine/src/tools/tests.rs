@@ -76,6 +76,12 @@ fn calls_are_read_out_of_each_format() {
     let open = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}";
     assert_eq!(ToolFormat::Hermes.parse(open).calls.len(), 1);
     // Text without a well-formed call is content.
+    let cut = format!("{open}\n<tool_call>\n{{\"name\": ");
+    assert_eq!(
+        ToolFormat::Hermes.parse(&cut).calls.len(),
+        1,
+        "a cut-off last call is dropped"
+    );
     let broken = "<tool_call>\n{\"name\": ";
     let out = ToolFormat::Hermes.parse(broken);
     assert_eq!((out.content.as_str(), out.calls.len()), (broken, 0));
