@@ -578,12 +578,38 @@ pub async fn stream_remote(
             message: format!("cannot connect: {e}"),
         })?;
     let mut client = InferenceClient::new(peers.with_token(channel));
-    let mut stream = client.generate(request).await.map_err(remote)?.into_inner();
+    // A garbled first answer may be the OpenAI API's port, which speaks HTTP/1 (and answers
+    // HTTP/2 with a 404 that reads as a broken gRPC message).
+    let first_failure = |status: tonic::Status| async move {
+        let garbled = matches!(
+            status.code(),
+            tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::Unimplemented
+        );
+        if garbled && crate::http_probe::answers_http1(url).await {
+            Error::NotGrpc {
+                url: url.to_string(),
+            }
+        } else {
+            remote(status)
+        }
+    };
+    let mut stream = match client.generate(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return Err(first_failure(status).await),
+    };
     let mut first_token = None;
     let mut logprobs = Vec::new();
     let mut finish = v1::FinishReason::Unspecified;
     let mut usage = None;
-    while let Some(chunk) = stream.message().await.map_err(remote)? {
+    let mut answered = false;
+    loop {
+        let chunk = match stream.message().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(status) if !answered => return Err(first_failure(status).await),
+            Err(status) => return Err(remote(status)),
+        };
+        answered = true;
         if !chunk.token_ids.is_empty() {
             first_token.get_or_insert_with(Instant::now);
         }

@@ -1,7 +1,8 @@
 //! `nibble up --metrics-listen`: the router and both workers run in one process and share its
 //! one /metrics, their series told apart by `role`, served on the metrics port and on the HTTP
-//! API's port (without the API key); the API serves the model as `--served-model-name`. Runs
-//! the built binary on the real model (`$NIBBLE_MODEL` or
+//! API's port (without the API key); the API serves the model as `--served-model-name`, and
+//! `nibble generate --url` pointed at the API's port says which port it wants. Runs the built
+//! binary on the real model (`$NIBBLE_MODEL` or
 //! `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; fails without it).
 
 use std::io::{BufRead, BufReader};
@@ -181,6 +182,23 @@ async fn nibble_up_serves_one_metrics_endpoint_for_all_three_services_also_on_it
     assert!(a
         .get(worker::KV_PAGES_TOTAL, &[("role", "decode")])
         .is_some());
+
+    // `nibble generate --url` at the API's port: told it is an HTTP server, and which to use.
+    let wrong = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["generate", "--url", &http, "--max-tokens", "2", "hi"])
+        .env("NIBBLE_API_KEY", KEY)
+        .output()
+        .unwrap();
+    assert_eq!(wrong.status.code(), Some(2), "{wrong:?}");
+    let said = String::from_utf8_lossy(&wrong.stderr);
+    assert_eq!(
+        said.trim(),
+        format!(
+            "error: {http} is an HTTP server (the OpenAI API?); --url wants the router's gRPC \
+             address, e.g. 127.0.0.1:50051 (`nibble up` and `nibble router` print it: \
+             `listening on ADDR`)"
+        )
+    );
 }
 
 const KEY: &str = "sesame";
