@@ -171,14 +171,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         discovery = connecting => Arc::new(discovery),
         () = nibble_proto::serving::interrupted() => return Ok(()),
     };
-    let _metrics = match metrics_listener {
-        None => None,
-        Some(listener) => {
-            let server = nibble_telemetry::spawn(listener)?;
-            println!("nibble-router metrics on {}", server.address());
-            Some(server)
-        }
-    };
+    let _metrics = nibble_telemetry::start_bound(metrics_listener, "nibble-router")?;
     // The HTTP line comes first: `listening on` is the last line a starting router prints.
     let tls = config.security.tls.as_ref().is_some_and(|t| t.serves());
     if let Some(http) = &http {

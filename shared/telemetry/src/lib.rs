@@ -34,7 +34,9 @@ mod server;
 
 pub use collect::{register, Collect, CollectFuture};
 pub use scrape::{scrape, Sample, Samples};
-pub use server::{bind, route, serve, spawn, start, upkeep, MetricsServer, CONTENT_TYPE};
+pub use server::{
+    bind, route, serve, spawn, start, start_bound, upkeep, MetricsServer, CONTENT_TYPE,
+};
 
 use std::sync::OnceLock;
 

@@ -91,7 +91,19 @@ pub async fn start(
     let Some(address) = address else {
         return Ok(None);
     };
-    let server = spawn(bind(address).await?)?;
+    start_bound(Some(bind(address).await?), who)
+}
+
+/// [`start`] on a listener bound earlier ([`bind`]: a binary binds every port before it loads
+/// anything), or nothing when `None`.
+pub fn start_bound(
+    listener: Option<TcpListener>,
+    who: &str,
+) -> std::io::Result<Option<MetricsServer>> {
+    let Some(listener) = listener else {
+        return Ok(None);
+    };
+    let server = spawn(listener)?;
     println!("{who} metrics on {}", server.address());
     Ok(Some(server))
 }

@@ -341,14 +341,7 @@ pub async fn run(role: Role, flags: WorkerArgs) -> Result<()> {
             () = nibble_proto::serving::interrupted() => return Ok(()),
         }
     };
-    let _metrics = match metrics {
-        None => None,
-        Some(listener) => {
-            let server = nibble_telemetry::spawn(listener)?;
-            println!("nibble-{role} metrics on {}", server.address());
-            Some(server)
-        }
-    };
+    let _metrics = nibble_telemetry::start_bound(metrics, &format!("nibble-{role}"))?;
     // Served above, from the listener bound first.
     let args = WorkerConfig {
         no_metrics: true,
