@@ -498,6 +498,18 @@ async fn every_process_serves_metrics_and_logs_one_request_id() {
     // Each process serves only its own series.
     assert_eq!(p.get(router::REQUESTS_TOTAL, &[]), None);
     assert_eq!(r.get(worker::KV_PAGES_TOTAL, &[]), None);
+    // The router's request series carry the served model's name, and its KV-cache usage
+    // (from the workers' load reports) is a share; the workers' own usage is one too.
+    let model = ModelSource::default_name(&model_path());
+    let finished = [("model_name", model.as_str()), ("outcome", "finished")];
+    assert_eq!(r.value(router::REQUESTS_TOTAL, &finished), 2.0);
+    let usage = r.value(router::KV_CACHE_USAGE, &[("role", "decode")]);
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    assert_eq!(d.value(worker::KV_CACHE_USAGE, &[]), 0.0, "nothing running");
+    // The router's HTTP API port serves the same metrics.
+    let on_api = nibble_telemetry::scrape(http).await.unwrap();
+    let on_api = nibble_telemetry::Samples::parse(&on_api);
+    assert_eq!(on_api.value(router::REQUESTS_TOTAL, &finished), 2.0);
 
     for id in [&grpc_id, &http_id] {
         for proc in [&cluster.router, &cluster.prefills[0], &cluster.decodes[0]] {
@@ -530,6 +542,41 @@ async fn every_process_serves_metrics_and_logs_one_request_id() {
         assert!(decode.iter().any(|m| m == "received pages"), "{decode:?}");
         assert!(decode.iter().any(|m| m == "decoded"), "{decode:?}");
         assert!(router.iter().any(|m| m == "finished"), "{router:?}");
+    }
+}
+
+/// Every process serves gRPC reflection in both versions (v1, and v1alpha for grpcurl 1.8),
+/// listing exactly the services it runs: the router `Inference`, a prefill worker `Worker`, a
+/// decode worker `Worker` and `KvTransfer`; each with health and reflection.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_process_lists_only_its_services_through_both_reflection_versions() {
+    use nibble_testkit::reflection::{expected_services, reflect, Version};
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Spec::new("nvfp4")).await;
+    let cases = [
+        (&cluster.router, vec!["nibble.v1.Inference"]),
+        (&cluster.prefills[0], vec!["nibble.v1.Worker"]),
+        (
+            &cluster.decodes[0],
+            vec!["nibble.v1.KvTransfer", "nibble.v1.Worker"],
+        ),
+    ];
+    for (proc, own) in cases {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", proc.address))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        for version in Version::ALL {
+            let reflected = reflect(channel.clone(), version, own[0]).await.unwrap();
+            assert_eq!(
+                reflected.services,
+                expected_services(&own),
+                "{} over {version:?}",
+                proc.name
+            );
+            assert!(reflected.symbol_files > 0, "{}: {reflected:?}", proc.name);
+        }
     }
 }
 

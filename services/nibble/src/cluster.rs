@@ -21,7 +21,6 @@ use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::cli::ServingArgs;
 use nibble_worker::{WorkerArgs, WorkerConfig};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::cli::{GenerateArgs, DEFAULT_MODEL};
@@ -166,7 +165,6 @@ pub fn run_router(args: &nibble_router::cli::RouterArgs) -> Result<()> {
 /// `nibble up`: serves until Ctrl-C; `out` gets the addresses and the ready line.
 pub fn up(args: &UpArgs, out: &mut (impl Write + Send)) -> Result<()> {
     nibble_telemetry::logging::init();
-    crate::fetch::ensure_default_model(&args.model)?;
     runtime()?.block_on(up_until(args, out, nibble_proto::serving::interrupted()))
 }
 
@@ -191,10 +189,40 @@ pub async fn up_until(
                 .into(),
         ));
     }
+    // Every listener is bound before the model is fetched or opened: a port in use fails at
+    // once, naming its flag.
+    let bind = |flag: &'static str, address| async move {
+        nibble_telemetry::listen::bind(flag, address)
+            .await
+            .map_err(|e| Error::Cluster(e.to_string()))
+    };
+    let metrics_listener = match args.metrics_listen {
+        None => None,
+        Some(listen) => Some(bind("--metrics-listen", listen).await?),
+    };
+    let prefill_listener = bind("--prefill-listen", args.prefill_listen).await?;
+    let decode_listener = bind("--decode-listen", args.decode_listen).await?;
+    let listener = bind("--listen", args.listen).await?;
+    let mut http = args
+        .serving
+        .http
+        .bind()
+        .await
+        .map_err(|e| Error::Cluster(e.to_string()))?;
+    // `/metrics` on the API's port, where aiperf and Prometheus look first: the recorder is
+    // installed before any service starts, so that all three record into it.
+    if let Some(http) = &mut http {
+        http.config.metrics = Some(nibble_telemetry::install());
+    }
+    let model = args.model.clone();
+    tokio::task::spawn_blocking(move || crate::fetch::ensure_default_model(&model))
+        .await
+        .map_err(|e| Error::Cluster(format!("fetching the model: {e}")))??;
     let source = ModelSource::open(&args.model).map_err(|source| Error::Model {
         path: args.model.clone(),
         source,
     })?;
+    // The workers' name; clients see --served-model-name when given (the router maps).
     let model_name = ModelSource::default_name(&args.model);
     let mut config = args
         .serving
@@ -225,12 +253,9 @@ pub async fn up_until(
     config.security = security;
     drop(source);
     // Installed before any service starts, so that all three record into it.
-    let _metrics = match args.metrics_listen {
+    let _metrics = match metrics_listener {
         None => None,
-        Some(listen) => {
-            let listener = nibble_telemetry::bind(listen)
-                .await
-                .map_err(|e| fail("metrics", &e))?;
+        Some(listener) => {
             let server = nibble_telemetry::spawn(listener).map_err(|e| fail("metrics", &e))?;
             writeln!(
                 out,
@@ -253,13 +278,10 @@ pub async fn up_until(
         std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
     });
     let mut workers = Vec::new();
-    for (role, listen) in [
-        (Role::Prefill, args.prefill_listen),
-        (Role::Decode, args.decode_listen),
+    for (role, listener) in [
+        (Role::Prefill, prefill_listener),
+        (Role::Decode, decode_listener),
     ] {
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|e| fail(&format!("--{role}-listen {listen}"), &e))?;
         let worker = WorkerConfig {
             model_name: Some(model_name.clone()),
             kv_dtype: args.kv_dtype,
@@ -290,17 +312,8 @@ pub async fn up_until(
             stopped(),
         )));
     }
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| fail(&format!("--listen {}", args.listen), &e))?;
     let address = listener.local_addr().map_err(|e| fail("router", &e))?;
     writeln!(out, "nibble-router listening on {address}").map_err(Error::Stdout)?;
-    let http = args
-        .serving
-        .http
-        .bind()
-        .await
-        .map_err(|e| fail("router", &e))?;
     let http_address = match &http {
         Some(http) => {
             let address = http.listener.local_addr().map_err(|e| fail("router", &e))?;
@@ -313,6 +326,7 @@ pub async fn up_until(
         }
         None => None,
     };
+    let served_model = config.served_model().to_string();
     let shared = nibble_router::Shared::new(config).map_err(|e| fail("router", &e))?;
     let router_discovery: Arc<dyn Discovery> = Arc::new(registry.session());
     let mut router = tokio::spawn(nibble_router::serve_shared_with_http(
@@ -338,7 +352,7 @@ pub async fn up_until(
         () = ready => {
             writeln!(
                 out,
-                "nibble up: ready on {address} ({model_name}, {} KV, loaded in {:.1} s); try: \
+                "nibble up: ready on {address} ({served_model}, {} KV, loaded in {:.1} s); try: \
                  nibble generate --url {address}{} --chat \"Hello\"",
                 args.kv_dtype,
                 started.elapsed().as_secs_f64(),
@@ -573,12 +587,38 @@ pub async fn stream_remote(
             message: format!("cannot connect: {e}"),
         })?;
     let mut client = InferenceClient::new(peers.with_token(channel));
-    let mut stream = client.generate(request).await.map_err(remote)?.into_inner();
+    // A garbled first answer may be the OpenAI API's port, which speaks HTTP/1 (and answers
+    // HTTP/2 with a 404 that reads as a broken gRPC message).
+    let first_failure = |status: tonic::Status| async move {
+        let garbled = matches!(
+            status.code(),
+            tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::Unimplemented
+        );
+        if garbled && crate::http_probe::answers_http1(url).await {
+            Error::NotGrpc {
+                url: url.to_string(),
+            }
+        } else {
+            remote(status)
+        }
+    };
+    let mut stream = match client.generate(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return Err(first_failure(status).await),
+    };
     let mut first_token = None;
     let mut logprobs = Vec::new();
     let mut finish = v1::FinishReason::Unspecified;
     let mut usage = None;
-    while let Some(chunk) = stream.message().await.map_err(remote)? {
+    let mut answered = false;
+    loop {
+        let chunk = match stream.message().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(status) if !answered => return Err(first_failure(status).await),
+            Err(status) => return Err(remote(status)),
+        };
+        answered = true;
         if !chunk.token_ids.is_empty() {
             first_token.get_or_insert_with(Instant::now);
         }

@@ -71,6 +71,12 @@ pub enum Error {
         code: tonic::Code,
         message: String,
     },
+    /// `generate --url` named a server that answers plain HTTP/1 (the OpenAI API's port).
+    #[error(
+        "{url} is an HTTP server (the OpenAI API?); --url wants the router's gRPC address, e.g. \
+         127.0.0.1:50051 (`nibble up` and `nibble router` print it: `listening on ADDR`)"
+    )]
+    NotGrpc { url: String },
     /// The model could not be opened or loaded.
     #[error("cannot load model {}: {source}", path.display())]
     Model {

@@ -20,6 +20,7 @@ mod error;
 pub mod fetch;
 pub mod files;
 pub mod generate;
+mod http_probe;
 pub mod kv;
 pub mod layout;
 pub mod load;

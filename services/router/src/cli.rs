@@ -24,8 +24,9 @@ pub struct RouterArgs {
     /// router uses.
     #[arg(long, env = "NIBBLE_MODEL")]
     pub model: PathBuf,
-    /// The model's name, as workers register it and clients ask for it (default: the model's
-    /// file name without `.gguf`, as workers default to).
+    /// The model's name as workers register it (default: the model's file name without
+    /// `.gguf`, as workers default to); also the name clients use unless
+    /// --served-model-name gives another.
     #[arg(long, env = "NIBBLE_MODEL_NAME")]
     pub model_name: Option<String>,
     /// Tokens per KV page (the workers' page size).
@@ -39,10 +40,11 @@ pub struct RouterArgs {
         required = true
     )]
     pub etcd_endpoints: Vec<String>,
-    /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
+    /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed); the
+    /// HTTP API's port serves /metrics as well.
     #[arg(long, env = "NIBBLE_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
     pub metrics_listen: SocketAddr,
-    /// Serve no /metrics.
+    /// Serve no /metrics (neither on --metrics-listen nor on the HTTP API's port).
     #[arg(long, env = "NIBBLE_NO_METRICS")]
     pub no_metrics: bool,
     #[command(flatten)]
@@ -55,6 +57,11 @@ pub struct RouterArgs {
 /// How the router places and admits requests (shared by `nibble router` and `nibble up`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServingArgs {
+    /// The model's name as clients see it: what /v1/models and ListModels list and what a
+    /// request's `model` must be (default: the workers' model name). Workers keep their own.
+    #[arg(long, env = "NIBBLE_SERVED_MODEL_NAME", value_name = "NAME",
+          value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    pub served_model_name: Option<String>,
     /// The decode worker prefills a prompt itself (no prefill worker, no page transfer) when it
     /// lacks fewer than this many of its tokens.
     #[arg(long, env = "NIBBLE_LOCAL_PREFILL_THRESHOLD", default_value_t = 512)]
@@ -100,6 +107,7 @@ impl ServingArgs {
         let mut router = RouterConfig::new(model_name, page_size);
         router.policy.local_prefill_threshold_tokens = self.local_prefill_threshold;
         let mut config = ServiceConfig::new(router, tokenizer, max_context);
+        config.served_model_name = self.served_model_name.clone();
         config.admission = AdmissionConfig {
             max_running: self.max_running,
             max_queued: self.max_queued,
@@ -124,6 +132,18 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
             "--tls-ca needs --tls-cert and --tls-key on the router (it serves TLS with them and \
              presents them to the workers)"
         );
+    }
+    // Every listener is bound before the model is opened or etcd is asked: a port in use fails
+    // at once, naming its flag.
+    let listener = nibble_telemetry::listen::bind("--listen", args.listen).await?;
+    let mut http = args.serving.http.bind().await?;
+    let metrics_listener = match args.no_metrics {
+        true => None,
+        false => Some(nibble_telemetry::bind(args.metrics_listen).await?),
+    };
+    if let Some(http) = http.as_mut().filter(|_| !args.no_metrics) {
+        // `/metrics` on the API's port too, where aiperf and Prometheus look first.
+        http.config.metrics = Some(nibble_telemetry::install());
     }
     let source = ModelSource::open(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
@@ -151,12 +171,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         discovery = connecting => Arc::new(discovery),
         () = nibble_proto::serving::interrupted() => return Ok(()),
     };
-    let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
-    let _metrics = nibble_telemetry::start(metrics_listen, "nibble-router").await?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("--listen {}", args.listen))?;
-    let http = args.serving.http.bind().await?;
+    let _metrics = nibble_telemetry::start_bound(metrics_listener, "nibble-router")?;
     // The HTTP line comes first: `listening on` is the last line a starting router prints.
     let tls = config.security.tls.as_ref().is_some_and(|t| t.serves());
     if let Some(http) = &http {

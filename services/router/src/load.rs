@@ -29,6 +29,15 @@ pub struct LoadReport {
     pub evictable_pages: u64,
 }
 
+impl LoadReport {
+    /// Pages a request or the prefix cache holds and that eviction cannot reclaim: neither
+    /// free nor evictable.
+    pub fn used_pages(&self) -> u64 {
+        self.total_pages
+            .saturating_sub(self.free_pages.saturating_add(self.evictable_pages))
+    }
+}
+
 impl From<&v1::LoadResponse> for LoadReport {
     fn from(load: &v1::LoadResponse) -> Self {
         Self {
@@ -95,6 +104,11 @@ impl LiveLoad {
         self.reported = report;
         self.requests_since_report = 0;
         self.pages_since_report = 0;
+    }
+
+    /// The worker's last report (the page counts of its registration until one arrives).
+    pub(crate) fn reported(&self) -> LoadReport {
+        self.reported
     }
 
     /// A registration update: the page counts it carries are a (coarser) report of pages.
@@ -176,6 +190,8 @@ mod tests {
         let now = load.current();
         assert_eq!((now.running, now.waiting), (5, 2));
         assert_eq!(now.available_pages, 970);
+        // What the worker said, without this router's estimate.
+        assert_eq!(load.reported().used_pages(), 1000 - 870 - 100);
 
         // One finishes before the next report.
         load.finish(10);

@@ -6,7 +6,9 @@
 //! count, and the service updates them. Gauges (queue, workers, index) are read from the
 //! [`Shared`] state when the metrics are scraped. Labels are bounded: `reason` takes
 //! [`Reason::as_str`](crate::Reason::as_str) values, `role` is `prefill` or `decode`, `outcome`
-//! one of [`Outcome`]'s, `code` a gRPC status code's name.
+//! one of [`Outcome`]'s, `code` a gRPC status code's name, `model_name` the served model's name
+//! ([`ServiceConfig::served_model`](crate::ServiceConfig::served_model); one per router), which
+//! every per-request series carries, as vLLM's do.
 
 use std::time::Duration;
 
@@ -67,6 +69,13 @@ pub const INDEX_BLOCKS: &str = "nibble_router_index_blocks";
 pub const WORKERS: &str = "nibble_router_workers";
 /// Gauge: requests dispatched and not yet finished.
 pub const IN_FLIGHT_REQUESTS: &str = "nibble_router_in_flight_requests";
+/// Gauge: the share of the workers' KV pages in use, in `[0, 1]`, from their load reports:
+/// 1 - (free + evictable) / total over the reachable workers of each `role` (vLLM's
+/// `vllm:kv_cache_usage_perc`). Labelled `role` and `model_name`.
+pub const KV_CACHE_USAGE: &str = "nibble_router_kv_cache_usage";
+
+/// The label every per-request series carries: the served model's name.
+pub const MODEL_NAME: &str = "model_name";
 
 /// How a generate request ended (the `outcome` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,8 +102,8 @@ impl Outcome {
 }
 
 /// Describes every metric (their `# HELP` lines) to the installed recorder, and starts the
-/// series whose labels are known at zero.
-pub fn describe() {
+/// series whose labels are known at zero (those of `model`, the served model's name).
+pub fn describe(model: &str) {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         REQUESTS_TOTAL,
@@ -177,6 +186,10 @@ pub fn describe() {
         IN_FLIGHT_REQUESTS,
         "Requests dispatched and not yet finished."
     );
+    describe_gauge!(
+        KV_CACHE_USAGE,
+        "Share of the workers' KV pages in use (0 to 1), by role, from their load reports."
+    );
     for reason in Reason::ALL {
         metrics::counter!(DECISIONS_TOTAL, "reason" => reason.as_str()).absolute(0);
     }
@@ -184,20 +197,31 @@ pub fn describe() {
         (Outcome::Finished, tonic::Code::Ok),
         (Outcome::Cancelled, tonic::Code::Cancelled),
     ] {
-        metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome.as_str(),
-            "code" => nibble_telemetry::code_label(code))
+        metrics::counter!(REQUESTS_TOTAL, MODEL_NAME => model.to_string(),
+            "outcome" => outcome.as_str(), "code" => nibble_telemetry::code_label(code))
         .absolute(0);
     }
 }
 
-/// Counts a request that ended with `outcome` and `code`.
-pub(crate) fn request(outcome: Outcome, code: tonic::Code) {
+/// Counts a request for `model` that ended with `outcome` and `code`.
+pub(crate) fn request(model: &str, outcome: Outcome, code: tonic::Code) {
     metrics::counter!(
         REQUESTS_TOTAL,
+        MODEL_NAME => model.to_string(),
         "outcome" => outcome.as_str(),
         "code" => nibble_telemetry::code_label(code)
     )
     .increment(1);
+}
+
+/// Adds `n` to the counter `name` of `model`'s requests.
+pub(crate) fn model_count(name: &'static str, model: &str, n: u64) {
+    metrics::counter!(name, MODEL_NAME => model.to_string()).increment(n);
+}
+
+/// Records a duration of one of `model`'s requests in the histogram `name`.
+pub(crate) fn model_duration(name: &'static str, model: &str, took: Duration) {
+    metrics::histogram!(name, MODEL_NAME => model.to_string()).record(took);
 }
 
 /// Counts one HTTP response.
@@ -206,22 +230,23 @@ pub(crate) fn http_response(route: String, status: axum::http::StatusCode) {
         .increment(1);
 }
 
-/// Records one routing decision and how long it took.
-pub(crate) fn decision(reason: Reason, took: Duration, prompt_tokens: usize, cached: usize) {
+/// Records one routing decision for a request of `model` and how long it took.
+pub(crate) fn decision(
+    model: &str,
+    reason: Reason,
+    took: Duration,
+    prompt_tokens: usize,
+    cached: usize,
+) {
     metrics::counter!(DECISIONS_TOTAL, "reason" => reason.as_str()).increment(1);
     metrics::histogram!(DECISION_DURATION_SECONDS).record(took);
-    metrics::counter!(PROMPT_TOKENS_TOTAL).increment(prompt_tokens as u64);
-    metrics::counter!(CACHED_PROMPT_TOKENS_TOTAL).increment(cached as u64);
+    model_count(PROMPT_TOKENS_TOTAL, model, prompt_tokens as u64);
+    model_count(CACHED_PROMPT_TOKENS_TOTAL, model, cached as u64);
 }
 
 /// Adds `n` to the unlabelled counter `name`.
 pub(crate) fn count(name: &'static str, n: u64) {
     metrics::counter!(name).increment(n);
-}
-
-/// Records a duration in the histogram `name`.
-pub(crate) fn duration(name: &'static str, took: Duration) {
-    metrics::histogram!(name).record(took);
 }
 
 /// Counts what one KV-event batch or snapshot did to the index.
@@ -258,6 +283,16 @@ impl Collect for Shared {
             metrics::gauge!(INDEX_BLOCKS).set(stats.index_blocks as f64);
             metrics::gauge!(IN_FLIGHT_REQUESTS).set(stats.in_flight as f64);
             metrics::gauge!(UNREACHABLE_WORKERS).set(stats.unreachable_workers as f64);
+            let model = self.config().served_model().to_string();
+            for role in [
+                nibble_discovery::Role::Prefill,
+                nibble_discovery::Role::Decode,
+            ] {
+                let usage = self.router().kv_cache_usage(role);
+                metrics::gauge!(KV_CACHE_USAGE, "role" => role_label(role),
+                    MODEL_NAME => model.clone())
+                .set(usage);
+            }
         })
     }
 }

@@ -341,6 +341,29 @@ impl Router {
         self.decode.difference(self.down).len()
     }
 
+    /// The share of the KV pages in use on the reachable workers of `role`, in `[0, 1]`, as
+    /// their last load reports (or registrations) say: pages neither free nor evictable over
+    /// all pages, summed over the workers. 0 when none has reported a capacity.
+    pub fn kv_cache_usage(&self, role: Role) -> f64 {
+        let set = match role {
+            Role::Prefill => self.prefill,
+            Role::Decode => self.decode,
+            Role::Router => return 0.0,
+        };
+        let (mut used, mut total) = (0u64, 0u64);
+        for slot in set.difference(self.down) {
+            if let Some(worker) = self.workers[slot.index()].as_ref() {
+                let reported = worker.load.reported();
+                used += reported.used_pages();
+                total += reported.total_pages;
+            }
+        }
+        match total {
+            0 => 0.0,
+            total => used as f64 / total as f64,
+        }
+    }
+
     /// Counts for gauges.
     pub fn stats(&self) -> RouterStats {
         RouterStats {

@@ -85,8 +85,10 @@ pub async fn serve_shared_with_http(
     discovery: Arc<dyn Discovery>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    use tonic::server::NamedService;
     let reflection =
-        nibble_proto::serving::reflection().map_err(|e| ServeError::Reflection(e.to_string()))?;
+        nibble_proto::serving::reflection(&[InferenceServer::<InferenceService>::NAME])
+            .map_err(|e| ServeError::Reflection(e.to_string()))?;
     let tls = shared.config().security.tls.clone();
     let max_connections = shared.config().grpc_max_connections;
     let http_tls = match &tls {
@@ -125,7 +127,8 @@ pub async fn serve_shared_with_http(
         InferenceServer::new(InferenceService(shared)).max_decoding_message_size(MAX_REQUEST_BYTES);
     let router = builder
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection.v1)
+        .add_service(reflection.v1alpha)
         .add_service(InterceptedService::new(inference, api_key));
     let result = nibble_proto::serving::serve_with_drain(
         |stop| {

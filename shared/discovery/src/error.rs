@@ -44,5 +44,45 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The cause in a few words, for a one-line message an operator reads: `connection
+    /// refused`, `no answer after 3s`, ... (never a nested debug structure).
+    pub fn brief(&self) -> String {
+        match self {
+            Error::Etcd { source, .. } => etcd_cause(source),
+            Error::EtcdTimeout { after, .. } => format!("no answer after {after:?}"),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// The innermost cause of an etcd client error: the I/O error's kind when there is one (a
+/// refused or reset connection), else the innermost message.
+fn etcd_cause(error: &etcd_client::Error) -> String {
+    use etcd_client::Error as E;
+    let root: &(dyn std::error::Error + 'static) = match error {
+        E::GRpcStatus(status) => status,
+        E::TransportError(error) => error,
+        E::IoError(error) => error,
+        other => return other.to_string(),
+    };
+    let mut innermost = root;
+    let mut next = Some(root);
+    while let Some(error) = next {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            return match io.kind() {
+                std::io::ErrorKind::Other => io.to_string(),
+                kind => kind.to_string(),
+            };
+        }
+        innermost = error;
+        next = error.source();
+    }
+    match innermost.downcast_ref::<tonic::Status>() {
+        Some(status) => status.message().to_string(),
+        None => innermost.to_string(),
+    }
+}
+
 /// Discovery's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -25,7 +25,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 pub use error::{Error, Result};
-pub use etcd::{EtcdConfig, EtcdDiscovery};
+pub use etcd::{unreachable_hint, EtcdConfig, EtcdDiscovery};
 pub use keys::{KvKey, DEFAULT_ROOT};
 pub use static_registry::{StaticDiscovery, StaticRegistry};
 pub use watch::{WorkerEvent, WorkerWatch};

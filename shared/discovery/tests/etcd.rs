@@ -235,3 +235,26 @@ async fn connecting_waits_for_an_etcd_that_is_down() {
     assert_eq!(listed.len(), 1);
     discovery.close().await.unwrap();
 }
+
+/// Without etcd, connecting fails with a cause of a few words, and the line a retrying process
+/// logs says where, why and which flag, on one line with no debug structure.
+#[tokio::test]
+async fn an_unreachable_etcd_is_named_in_one_line() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let config = EtcdConfig {
+        connect_timeout: Duration::from_secs(2),
+        ..EtcdConfig::new([endpoint.clone()])
+    };
+    let err = EtcdDiscovery::connect(config.clone()).await.unwrap_err();
+    assert_eq!(err.brief(), "connection refused", "{err:?}");
+    let hint = nibble_discovery::unreachable_hint(&config, &err, Duration::from_millis(200));
+    assert_eq!(
+        hint,
+        format!(
+            "etcd at {endpoint} is not reachable (connection refused); retrying in 0.2 s — is \
+             etcd running? (--etcd-endpoints)"
+        )
+    );
+}

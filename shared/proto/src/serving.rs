@@ -1,6 +1,7 @@
 //! What every nibble gRPC server serves next to its own API: `grpc.health.v1` and server
-//! reflection (v1) covering the `nibble.v1` services and the health service; and how every
-//! server stops ([`serve_with_drain`]).
+//! reflection, in both its versions (`grpc.reflection.v1`, and `v1alpha`, the only one older
+//! clients such as grpcurl 1.8 speak), listing exactly the services that server runs
+//! ([`reflection`]); and how every server stops ([`serve_with_drain`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -8,15 +9,55 @@ use std::time::Duration;
 
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
-use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
+use tonic_reflection::server::{v1, v1alpha};
 
-/// The reflection service, describing every `nibble.v1` file and `grpc.health.v1`.
+/// The fully-qualified name of the health service, which every nibble server runs.
+pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+/// The fully-qualified names of the two reflection services, which every nibble server runs.
+pub const REFLECTION_SERVICES: [&str; 2] = [
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
+
+/// The reflection services of a server, v1 and v1alpha, to add to it side by side.
+pub struct Reflection<V1, V1Alpha> {
+    pub v1: v1::ServerReflectionServer<V1>,
+    pub v1alpha: v1alpha::ServerReflectionServer<V1Alpha>,
+}
+
+/// The reflection services of a server that runs `services` (fully-qualified names, e.g.
+/// `nibble.v1.Worker`; `<S as tonic::server::NamedService>::NAME`) besides health and
+/// reflection: both versions list those, [`HEALTH_SERVICE`] and [`REFLECTION_SERVICES`], and
+/// nothing else, and describe every `nibble.v1` file.
 pub fn reflection(
-) -> Result<ServerReflectionServer<impl ServerReflection>, tonic_reflection::server::Error> {
-    tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
+    services: &[&str],
+) -> Result<
+    Reflection<impl v1::ServerReflection, impl v1alpha::ServerReflection>,
+    tonic_reflection::server::Error,
+> {
+    let builder = || {
+        let mut builder = tonic_reflection::server::Builder::configure()
+            .include_reflection_service(false)
+            .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(
+                tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+            );
+        let names = services
+            .iter()
+            .copied()
+            .chain([HEALTH_SERVICE])
+            .chain(REFLECTION_SERVICES);
+        for name in names {
+            builder = builder.with_service_name(name);
+        }
+        builder
+    };
+    Ok(Reflection {
+        v1: builder().build_v1()?,
+        v1alpha: builder().build_v1alpha()?,
+    })
 }
 
 /// The health service and the reporter that sets its statuses. The overall status ("") starts

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_proto::v1::kv_transfer_server::{KvTransfer, KvTransferServer};
 use nibble_proto::v1::{self, PushPagesRequest, PushPagesResponse};
+use nibble_testkit::reflection::{expected_services, reflect, Version};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
@@ -13,10 +14,6 @@ use tonic::{Request, Response, Status, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-use tonic_reflection::pb::v1::ServerReflectionRequest;
 
 const PAGE_BYTES: usize = 64;
 const FINGERPRINT: u64 = 0xfeed_f00d;
@@ -76,12 +73,13 @@ async fn serve() -> SocketAddr {
     let addr = listener.local_addr().unwrap();
     let (reporter, health) = nibble_proto::serving::health();
     reporter.set_serving::<KvTransferServer<Sink>>().await;
-    let reflection = nibble_proto::serving::reflection().unwrap();
+    let reflection = nibble_proto::serving::reflection(&["nibble.v1.KvTransfer"]).unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(KvTransferServer::new(Sink))
             .add_service(health)
-            .add_service(reflection)
+            .add_service(reflection.v1)
+            .add_service(reflection.v1alpha)
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     addr
@@ -148,31 +146,22 @@ async fn health_and_reflection_are_served() {
         assert_eq!(status, ServingStatus::Serving, "{service:?}");
     }
 
-    let mut reflection = ServerReflectionClient::new(channel);
-    let request = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut responses = reflection
-        .server_reflection_info(tokio_stream::iter(vec![request]))
-        .await
-        .unwrap()
-        .into_inner();
-    let response = responses.next().await.unwrap().unwrap();
-    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
-        panic!("expected a service list, got {response:?}");
-    };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    for expected in [
-        "nibble.v1.Inference",
-        "nibble.v1.Worker",
-        "nibble.v1.KvTransfer",
-        "grpc.health.v1.Health",
-    ] {
-        assert!(
-            names.iter().any(|n| n == expected),
-            "{expected} in {names:?}"
+    // Both versions list what the server runs, and only that, and describe its symbols.
+    for version in Version::ALL {
+        let reflected = reflect(channel.clone(), version, "nibble.v1.KvTransfer")
+            .await
+            .unwrap();
+        assert_eq!(
+            reflected.services,
+            expected_services(&["nibble.v1.KvTransfer"]),
+            "{version:?}"
         );
+        assert!(reflected.symbol_files > 0, "{version:?}: {reflected:?}");
+        // Every nibble.v1 message is described, also of services this server does not run.
+        let other = reflect(channel.clone(), version, "nibble.v1.GenerateRequest")
+            .await
+            .unwrap();
+        assert!(other.symbol_files > 0, "{version:?}: {other:?}");
     }
 }
 

@@ -13,17 +13,20 @@
 //!   pages, the router's queue) are set by a [`Collect`]or just before each scrape. Collectors
 //!   are held weakly: one that is dropped stops being asked.
 //! * [`serve`] answers `GET /metrics` on a listener the caller bound; [`spawn`] installs and
-//!   serves in the background.
+//!   serves in the background; [`route`] is the same endpoint for another axum server (the
+//!   router's HTTP API port serves it too).
 //! * [`scrape`] reads an endpoint back into [`Samples`] (tests and tools).
 //!
 //! Every histogram is in seconds and has the buckets [`LATENCY_BUCKETS`].
 //!
 //! Besides the metrics, what every process shares about what it tells its operator:
-//! [`logging`] (the log subscriber, text or JSON lines on stderr) and [`progress`] (the
+//! [`listen`] (binding listeners with errors that name the flag), [`logging`] (the log
+//! subscriber, text or JSON lines on stderr) and [`progress`] (the
 //! terminal's progress bars for the model download and weight loading, drawn only on a
 //! terminal with text logs, log lines printed through them).
 
 mod collect;
+pub mod listen;
 pub mod logging;
 pub mod progress;
 mod scrape;
@@ -31,7 +34,9 @@ mod server;
 
 pub use collect::{register, Collect, CollectFuture};
 pub use scrape::{scrape, Sample, Samples};
-pub use server::{bind, serve, spawn, start, MetricsServer, CONTENT_TYPE};
+pub use server::{
+    bind, route, serve, spawn, start, start_bound, upkeep, MetricsServer, CONTENT_TYPE,
+};
 
 use std::sync::OnceLock;
 

@@ -20,9 +20,7 @@ const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Binds the metrics listener; the error names the flag that gave `address`.
 pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(address)
-        .await
-        .map_err(|e| std::io::Error::new(e.kind(), format!("--metrics-listen {address}: {e}")))
+    crate::listen::bind("--metrics-listen", address).await
 }
 
 /// Serves `GET /metrics` from `metrics` on `listener` until `shutdown` completes.
@@ -32,26 +30,35 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = axum::Router::new()
-        .route(
-            "/metrics",
-            get(move || async move {
-                let body = metrics.render().await;
-                ([(header::CONTENT_TYPE, CONTENT_TYPE)], body)
-            }),
-        )
+        .route("/metrics", route(metrics))
         .fallback(|| async { (StatusCode::NOT_FOUND, "nibble serves GET /metrics here\n") });
-    let upkeep = tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(UPKEEP_INTERVAL);
-        loop {
-            ticks.tick().await;
-            metrics.upkeep();
-        }
-    });
+    let upkeep = tokio::spawn(upkeep(metrics));
     let served = axum::serve(listener, app.into_make_service())
         .with_graceful_shutdown(shutdown)
         .await;
     upkeep.abort();
     served
+}
+
+/// `GET /metrics` of `metrics`, to add to any axum router (the router's HTTP API serves it too).
+/// Whoever serves it runs [`upkeep`] beside it.
+pub fn route<S: Clone + Send + Sync + 'static>(
+    metrics: &'static Metrics,
+) -> axum::routing::MethodRouter<S> {
+    get(move || async move {
+        let body = metrics.render().await;
+        ([(header::CONTENT_TYPE, CONTENT_TYPE)], body)
+    })
+}
+
+/// Drains histogram samples into their buckets every few seconds, forever (abort the task
+/// that runs it to stop).
+pub async fn upkeep(metrics: &'static Metrics) {
+    let mut ticks = tokio::time::interval(UPKEEP_INTERVAL);
+    loop {
+        ticks.tick().await;
+        metrics.upkeep();
+    }
 }
 
 /// A metrics endpoint served in the background; dropping it stops it.
@@ -84,7 +91,19 @@ pub async fn start(
     let Some(address) = address else {
         return Ok(None);
     };
-    let server = spawn(bind(address).await?)?;
+    start_bound(Some(bind(address).await?), who)
+}
+
+/// [`start`] on a listener bound earlier ([`bind`]: a binary binds every port before it loads
+/// anything), or nothing when `None`.
+pub fn start_bound(
+    listener: Option<TcpListener>,
+    who: &str,
+) -> std::io::Result<Option<MetricsServer>> {
+    let Some(listener) = listener else {
+        return Ok(None);
+    };
+    let server = spawn(listener)?;
     println!("{who} metrics on {}", server.address());
     Ok(Some(server))
 }

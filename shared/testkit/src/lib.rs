@@ -4,7 +4,7 @@
 //! loaded once per process ([`model()`]) and its greedy tokens ([`reference`]). With feature
 //! `grpc`: workers and routers as tests drive them through their gRPC APIs ([`WorkerApi`]: a
 //! worker's `Load`, the wait until its pages are back, the prefill → transfer → decode
-//! [`handoff`]; [`RouterApi`] and [`generate`]).
+//! [`handoff`]; [`RouterApi`] and [`generate`]; [`reflection`], a client of both reflection versions).
 //!
 //! A dev-dependency (the benchmarks' one exception). Without features it depends on no nibble
 //! crate; its features bring only nibble-engine, nibble-kvfmt and nibble-proto, so every other
@@ -15,6 +15,8 @@ mod etcd;
 pub mod http_client;
 #[cfg(feature = "model")]
 mod model;
+#[cfg(feature = "grpc")]
+pub mod reflection;
 #[cfg(feature = "grpc")]
 mod router;
 pub mod wait;

@@ -318,7 +318,13 @@ pub async fn run(role: Role, flags: WorkerArgs) -> Result<()> {
     let args = flags.config();
     // Bad TLS files fail here, before the port is bound or the model loaded.
     load_security(&args)?;
-    let listener = TcpListener::bind(flags.listen).await?;
+    // Both listeners are bound before etcd is asked or the model loaded: a port in use fails
+    // at once, naming its flag.
+    let listener = nibble_telemetry::listen::bind("--listen", flags.listen).await?;
+    let metrics = match args.no_metrics {
+        true => None,
+        false => Some(nibble_telemetry::bind(args.metrics_listen).await?),
+    };
     // An empty value (`NIBBLE_ETCD_ENDPOINTS=`) means none.
     let endpoints: Vec<&String> = args
         .etcd_endpoints
@@ -334,6 +340,12 @@ pub async fn run(role: Role, flags: WorkerArgs) -> Result<()> {
             discovery = connecting => Some(Arc::new(discovery)),
             () = nibble_proto::serving::interrupted() => return Ok(()),
         }
+    };
+    let _metrics = nibble_telemetry::start_bound(metrics, &format!("nibble-{role}"))?;
+    // Served above, from the listener bound first.
+    let args = WorkerConfig {
+        no_metrics: true,
+        ..args
     };
     let shutdown = nibble_proto::serving::interrupted();
     let result = run_on(role, args, listener, discovery.clone(), shutdown).await;

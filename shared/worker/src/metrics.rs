@@ -47,6 +47,10 @@ pub const KV_PAGES_TOTAL: &str = "nibble_worker_kv_pages_total";
 pub const KV_PAGES_FREE: &str = "nibble_worker_kv_pages_free";
 /// Gauge: pages held by the prefix cache (evictable when no request holds them).
 pub const KV_PAGES_CACHED: &str = "nibble_worker_kv_pages_cached";
+/// Gauge: the share of the KV page pool in use, in `[0, 1]`: pages neither free nor held
+/// only by the prefix cache, over all pages (vLLM's `vllm:kv_cache_usage_perc`; the router's
+/// `nibble_router_kv_cache_usage` sums the same over its workers' load reports).
+pub const KV_CACHE_USAGE: &str = "nibble_worker_kv_cache_usage";
 /// Gauge: bytes of one KV page.
 pub const KV_PAGE_BYTES: &str = "nibble_worker_kv_page_bytes";
 /// Gauge: requests the engine is prefilling or decoding.
@@ -120,6 +124,10 @@ pub fn describe() {
     );
     describe_gauge!(KV_PAGES_CACHED, "KV pages held by the prefix cache.");
     describe_gauge!(KV_PAGE_BYTES, Unit::Bytes, "Bytes of one KV page.");
+    describe_gauge!(
+        KV_CACHE_USAGE,
+        "Share of the KV page pool in use (0 to 1): neither free nor only cached."
+    );
     describe_gauge!(RUNNING_REQUESTS, "Requests the engine is running.");
     describe_gauge!(WAITING_REQUESTS, "Requests waiting for the engine.");
     describe_gauge!(
@@ -221,6 +229,14 @@ impl Collect for WorkerState {
             gauge(KV_PAGES_FREE, load.free_pages);
             gauge(KV_PAGES_CACHED, load.cached_pages);
             gauge(KV_PAGE_BYTES, self.engine().info().page_bytes);
+            let used = load
+                .total_pages
+                .saturating_sub(load.free_pages + load.cached_pages);
+            let usage = match load.total_pages {
+                0 => 0.0,
+                total => used as f64 / total as f64,
+            };
+            metrics::gauge!(KV_CACHE_USAGE, "role" => role).set(usage);
             gauge(RUNNING_REQUESTS, load.running);
             gauge(WAITING_REQUESTS, load.waiting);
             gauge(PENDING_RESERVATIONS, self.pending_reservations());

@@ -46,9 +46,14 @@ pub async fn serve_capped(
 ) -> Result<()> {
     let (health, health_service) = nibble_proto::serving::health();
     health.set_serving::<WorkerServer<WorkerService>>().await;
-    let reflection = nibble_proto::serving::reflection()
-        .map_err(|e| std::io::Error::other(format!("reflection: {e}")))?;
+    use tonic::server::NamedService;
     let accepts_pages = state.identity().role == v1::WorkerRole::Decode;
+    let mut served = vec![WorkerServer::<WorkerService>::NAME];
+    if accepts_pages {
+        served.push(KvTransferServer::<TransferService>::NAME);
+    }
+    let reflection = nibble_proto::serving::reflection(&served)
+        .map_err(|e| std::io::Error::other(format!("reflection: {e}")))?;
     let security = state.security().clone();
     let token = security.require_internal_token();
     let transfer = accepts_pages.then(|| {
@@ -92,7 +97,8 @@ pub async fn serve_capped(
     }
     let router = builder
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection.v1)
+        .add_service(reflection.v1alpha)
         .add_service(worker)
         .add_optional_service(transfer);
     nibble_proto::serving::serve_with_drain(

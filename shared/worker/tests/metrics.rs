@@ -162,6 +162,12 @@ async fn workers_export_calls_transfers_pages_and_the_prefix_cache() {
         );
         assert_eq!(s.value(m::KV_PAGE_BYTES, &[("role", role)]), page_bytes);
         assert_eq!(s.value(m::RUNNING_REQUESTS, &[("role", role)]), 0.0);
+        // With nothing running, every page is free or only cached: none is in use.
+        let cached = s.value(m::KV_PAGES_CACHED, &[("role", role)]);
+        let usage = s.value(m::KV_CACHE_USAGE, &[("role", role)]);
+        assert!(cached > 0.0, "{role}: the prompt's pages stay cached");
+        assert_eq!(usage, 1.0 - (free + cached) / total, "{role}");
+        assert_eq!(usage, 0.0, "{role}");
     }
     assert_eq!(bytes, pages * page_bytes);
 

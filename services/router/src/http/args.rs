@@ -4,8 +4,6 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
-
 use super::limits::{ConnectionLimits, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 use super::{HttpConfig, DEFAULT_MAX_BODY_BYTES};
 use crate::HttpListener;
@@ -45,17 +43,18 @@ impl HttpArgs {
                 max_connections: self.http_max_connections.max(1),
                 idle_timeout: Duration::from_secs(self.http_idle_timeout_secs.max(1)),
             },
+            // The binary sets it: whether metrics are on is not an HTTP flag.
+            metrics: None,
         }
     }
 
-    /// Binds the API's listener, unless `--no-http`.
+    /// Binds the API's listener, unless `--no-http` (an address in use is an error naming
+    /// `--http-listen`).
     pub async fn bind(&self) -> std::io::Result<Option<HttpListener>> {
         if self.no_http {
             return Ok(None);
         }
-        let listener = TcpListener::bind(self.http_listen).await.map_err(|e| {
-            std::io::Error::new(e.kind(), format!("--http-listen {}: {e}", self.http_listen))
-        })?;
+        let listener = nibble_telemetry::listen::bind("--http-listen", self.http_listen).await?;
         Ok(Some(HttpListener {
             listener,
             config: self.config(),

@@ -7,11 +7,13 @@
 //!   JSON, or server-sent events ending in `data: [DONE]` with `"stream": true`;
 //! * `GET /v1/models`, `GET /v1/models/{model}`;
 //! * `GET /health` (the process is up) and `GET /ready` (a decode worker is known: decode
-//!   workers prefill locally when no prefill worker is, so one can serve a request).
+//!   workers prefill locally when no prefill worker is, so one can serve a request);
+//! * `GET /metrics`, the process's Prometheus metrics, when [`HttpConfig::metrics`] is set
+//!   (where aiperf and Prometheus look first; the same text as the metrics port).
 //!
 //! Errors are OpenAI's `{"error": {...}}` with their status ([`error`]). With an API key
 //! configured, every `/v1` route wants `Authorization: Bearer <key>` (compared in constant
-//! time); `/health` and `/ready` stay open for probes. With a certificate the API is served
+//! time); `/health`, `/ready` and `/metrics` stay open for probes and scrapers, as vLLM's. With a certificate the API is served
 //! over HTTPS ([`tls`]).
 
 pub mod args;
@@ -57,6 +59,9 @@ pub struct HttpConfig {
     pub max_body_bytes: usize,
     /// Connections open at once, and how long one may stay silent ([`limits`]).
     pub limits: limits::ConnectionLimits,
+    /// The process's metrics, served on `GET /metrics` (no API key: counts and latencies,
+    /// nothing about a request's content); `None` serves no `/metrics` here.
+    pub metrics: Option<&'static nibble_telemetry::Metrics>,
 }
 
 impl Default for HttpConfig {
@@ -65,6 +70,7 @@ impl Default for HttpConfig {
             api_key: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             limits: limits::ConnectionLimits::default(),
+            metrics: None,
         }
     }
 }
@@ -75,6 +81,7 @@ impl std::fmt::Debug for HttpConfig {
             .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
             .field("max_body_bytes", &self.max_body_bytes)
             .field("limits", &self.limits)
+            .field("metrics", &self.metrics.is_some())
             .finish()
     }
 }
@@ -104,7 +111,7 @@ impl HttpState {
 
     /// The served model's name.
     fn model(&self) -> &str {
-        &self.shared().config().router.model
+        self.shared().config().served_model()
     }
 
     fn tokenizer(&self) -> Arc<nibble_engine::Tokenizer> {
@@ -121,6 +128,7 @@ impl HttpState {
 /// The API's routes over `shared`.
 pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
     let limit = config.max_body_bytes;
+    let metrics = config.metrics;
     let state = HttpState::new(shared, config);
     let v1 = axum::Router::new()
         .route("/v1/completions", post(completions::completions))
@@ -130,10 +138,15 @@ pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
         .route("/tokenize", post(tokens::tokenize))
         .route("/detokenize", post(tokens::detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    let mut open = axum::Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready));
+    if let Some(metrics) = metrics {
+        open = open.route("/metrics", nibble_telemetry::route(metrics));
+    }
     axum::Router::new()
         .merge(v1)
-        .route("/health", get(health))
-        .route("/ready", get(ready))
+        .merge(open)
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
@@ -183,10 +196,24 @@ pub async fn serve(
         }
     });
     let limits = config.limits;
+    let _upkeep = config.metrics.map(upkeep);
     let app = router(shared, config).into_make_service_with_connect_info::<ConnectionUse>();
     axum::serve(Limited::new(listener, limits), app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Keeps `metrics`' histograms drained while the API serves them (stops when dropped).
+fn upkeep(metrics: &'static nibble_telemetry::Metrics) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(nibble_telemetry::upkeep(metrics)))
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// [`serve`], over HTTPS when `tls` is given.
@@ -201,6 +228,7 @@ pub async fn serve_tls(
         None => serve(listener, shared, config, shutdown).await,
         Some(tls) => {
             let limits = config.limits;
+            let _upkeep = config.metrics.map(upkeep);
             let listener = Limited::new(tls::TlsListener::new(listener, tls)?, limits);
             let app = router(shared, config).into_make_service_with_connect_info::<ConnectionUse>();
             axum::serve(listener, app)

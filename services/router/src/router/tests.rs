@@ -177,6 +177,32 @@ fn load_reports_steer_away_from_busy_workers() {
 }
 
 #[test]
+fn kv_cache_usage_sums_the_reachable_workers_reports() {
+    let mut router = router(&["p0"], &["d0", "d1"]);
+    // Registered with every page free.
+    assert_eq!(router.kv_cache_usage(Role::Decode), 0.0);
+    let report = |free, evictable| LoadReport {
+        running: 1,
+        waiting: 0,
+        free_pages: free,
+        total_pages: 10_000,
+        evictable_pages: evictable,
+    };
+    // d0 holds 6,000 pages (1,000 more only cached: evictable), d1 holds 2,000.
+    router
+        .report_load(Role::Decode, &id("d0"), report(3_000, 1_000))
+        .unwrap();
+    router
+        .report_load(Role::Decode, &id("d1"), report(8_000, 0))
+        .unwrap();
+    assert!((router.kv_cache_usage(Role::Decode) - 0.4).abs() < 1e-12);
+    assert_eq!(router.kv_cache_usage(Role::Prefill), 0.0);
+    // An unreachable worker is left out.
+    router.set_reachable(Role::Decode, &id("d1"), false);
+    assert!((router.kv_cache_usage(Role::Decode) - 0.6).abs() < 1e-12);
+}
+
+#[test]
 fn workers_without_room_are_avoided() {
     let mut router = router(&[], &["d0", "d1"]);
     let full = LoadReport {

@@ -102,8 +102,13 @@ impl Flow {
             .first_token
             .map(|t| (t - self.arrived).as_secs_f64() * 1e3);
         if outcome.is_ok() {
-            metrics::request(Outcome::Finished, tonic::Code::Ok);
-            metrics::duration(metrics::REQUEST_DURATION_SECONDS, ended - self.arrived);
+            let model = self.shared.config().served_model();
+            metrics::request(model, Outcome::Finished, tonic::Code::Ok);
+            metrics::model_duration(
+                metrics::REQUEST_DURATION_SECONDS,
+                model,
+                ended - self.arrived,
+            );
             tracing::info!(
                 prompt_tokens = self.tokens.len(),
                 completion_tokens = self.generated,
@@ -120,14 +125,16 @@ impl Flow {
                 .await;
             match stop {
                 Stop::Cancelled => {
-                    metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
+                    let model = self.shared.config().served_model();
+                    metrics::request(model, Outcome::Cancelled, tonic::Code::Cancelled);
                     tracing::info!(
                         completion_tokens = self.generated,
                         "cancelled by the client"
                     )
                 }
                 Stop::Failed(status) => {
-                    metrics::request(Outcome::Failed, status.code());
+                    let model = self.shared.config().served_model();
+                    metrics::request(model, Outcome::Failed, status.code());
                     if nibble_proto::serving::is_server_fault(status.code()) {
                         tracing::warn!(%status, "request failed");
                     } else {
@@ -333,16 +340,20 @@ impl Flow {
     /// one's gap after the previous.
     fn sent_tokens(&mut self, n: usize) {
         let now = Instant::now();
+        let model = self.shared.config().served_model();
         match self.last_token {
             None => {
                 self.first_token = Some(now);
-                metrics::duration(metrics::TIME_TO_FIRST_TOKEN_SECONDS, now - self.arrived);
+                let ttft = now - self.arrived;
+                metrics::model_duration(metrics::TIME_TO_FIRST_TOKEN_SECONDS, model, ttft);
             }
-            Some(last) => metrics::duration(metrics::INTER_TOKEN_LATENCY_SECONDS, now - last),
+            Some(last) => {
+                metrics::model_duration(metrics::INTER_TOKEN_LATENCY_SECONDS, model, now - last)
+            }
         }
         self.last_token = Some(now);
         self.generated += n as u64;
-        metrics::count(metrics::GENERATION_TOKENS_TOTAL, n as u64);
+        metrics::model_count(metrics::GENERATION_TOKENS_TOTAL, model, n as u64);
     }
 }
 

@@ -49,16 +49,22 @@ impl InferenceService {
     ) -> Result<GenerateStream, Status> {
         let ValidRequest { req, tokens, .. } = self.validate(req).await?;
         let prompt = Prompt::new(&tokens, self.0.config().router.page_size)?;
-        metrics::duration(metrics::PREPROCESS_DURATION_SECONDS, arrived.elapsed());
+        let model = self.0.config().served_model();
+        metrics::model_duration(
+            metrics::PREPROCESS_DURATION_SECONDS,
+            model,
+            arrived.elapsed(),
+        );
         let queued = Instant::now();
         let place = self.0.admission().admit().await?;
-        metrics::duration(metrics::QUEUE_WAIT_SECONDS, queued.elapsed());
+        metrics::model_duration(metrics::QUEUE_WAIT_SECONDS, model, queued.elapsed());
         let routed = {
             let mut router = self.0.router();
             let deciding = Instant::now();
             let routed = router.route(&prompt, WorkerSet::EMPTY)?;
             let decision = &routed.decision;
             metrics::decision(
+                model,
                 decision.reason,
                 deciding.elapsed(),
                 decision.prompt_tokens,
@@ -130,7 +136,8 @@ impl v1::inference_server::Inference for InferenceService {
             span.record("client_request_id", tracing::field::debug(label));
         }
         // A client that goes away while its request waits for a place drops this future.
-        let mut unanswered = Unanswered(Some(span.clone()));
+        let model = self.0.config().served_model().to_string();
+        let mut unanswered = Unanswered(Some(span.clone()), model);
         let started = self
             .start(req, label, arrived)
             .instrument(span.clone())
@@ -140,7 +147,7 @@ impl v1::inference_server::Inference for InferenceService {
             // The flow counts it from here.
             Ok(stream) => Ok(Response::new(stream)),
             Err(status) => {
-                metrics::request(Outcome::Refused, status.code());
+                metrics::request(&unanswered.1, Outcome::Refused, status.code());
                 span.in_scope(|| tracing::info!(%status, "refused"));
                 Err(status)
             }
@@ -153,7 +160,7 @@ impl v1::inference_server::Inference for InferenceService {
     ) -> Result<Response<v1::TokenizeResponse>, Status> {
         let req = request.into_inner();
         let config = self.0.config();
-        validate::check_model(&req.model, &config.router.model)?;
+        validate::check_model(&req.model, config.served_model())?;
         validate::check_prompt_bytes(req.text.len(), config)?;
         let shared = Arc::clone(&self.0);
         let tokenize = move || -> Result<v1::TokenizeResponse, Status> {
@@ -180,7 +187,7 @@ impl v1::inference_server::Inference for InferenceService {
         let stats = self.0.router().stats();
         Ok(Response::new(v1::ListModelsResponse {
             models: vec![v1::ModelInfo {
-                name: self.0.config().router.model.clone(),
+                name: self.0.config().served_model().to_string(),
                 max_context: self.0.config().max_context,
                 kv_format: None,
                 prefill_workers: stats.prefill_workers as u32,
@@ -193,12 +200,13 @@ impl v1::inference_server::Inference for InferenceService {
 
 /// Counts a request as cancelled if dropped while it holds the request's span: its client left
 /// before it was dispatched.
-struct Unanswered(Option<tracing::Span>);
+/// The second field is the served model's name (the metric's label).
+struct Unanswered(Option<tracing::Span>, String);
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
         if let Some(span) = self.0.take() {
-            metrics::request(Outcome::Cancelled, tonic::Code::Cancelled);
+            metrics::request(&self.1, Outcome::Cancelled, tonic::Code::Cancelled);
             span.in_scope(|| tracing::info!("cancelled by the client before dispatch"));
         }
     }

@@ -45,8 +45,11 @@ pub const PROMPT_BYTES_PER_TOKEN: usize = 64;
 /// What the router serves.
 #[derive(Clone)]
 pub struct ServiceConfig {
-    /// The routing core's configuration (its `model` is the name clients use).
+    /// The routing core's configuration (its `model` is the name workers register under).
     pub router: RouterConfig,
+    /// The name clients use for the model (`/v1/models`, a request's `model`), when it is not
+    /// the workers' [`RouterConfig::model`]: [`ServiceConfig::served_model`].
+    pub served_model_name: Option<String>,
     /// The model's tokenizer (and chat template).
     pub tokenizer: Arc<Tokenizer>,
     /// Longest prompt plus completion, in tokens (0: unknown, not checked).
@@ -77,6 +80,7 @@ impl ServiceConfig {
         tokenizer.warm_grammars();
         Self {
             router,
+            served_model_name: None,
             tokenizer,
             max_context,
             admission: AdmissionConfig::default(),
@@ -91,6 +95,15 @@ impl ServiceConfig {
 }
 
 impl ServiceConfig {
+    /// The model's name as clients see it: `served_model_name`, else the workers' name. The
+    /// router maps it to the workers' name; workers never see it.
+    pub fn served_model(&self) -> &str {
+        self.served_model_name
+            .as_deref()
+            .filter(|n| !n.is_empty())
+            .unwrap_or(&self.router.model)
+    }
+
     /// The prompt byte limit: `max_prompt_bytes`, else [`PROMPT_BYTES_PER_TOKEN`] per token of
     /// the context (4 MiB when the context is unknown). No tokenizer's tokens are that long on
     /// average, so the default refuses only prompts that cannot fit.
@@ -106,6 +119,7 @@ impl std::fmt::Debug for ServiceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServiceConfig")
             .field("router", &self.router)
+            .field("served_model_name", &self.served_model_name)
             .field("max_context", &self.max_context)
             .field("admission", &self.admission)
             .field("load_interval", &self.load_interval)

@@ -37,7 +37,7 @@ impl Shared {
             config,
             clients: Mutex::new(HashMap::new()),
         });
-        metrics::describe();
+        metrics::describe(shared.config.served_model());
         nibble_telemetry::register(&shared);
         Ok(shared)
     }

@@ -28,7 +28,7 @@ pub struct ValidRequest {
 
 /// Checks `req` against what `config` serves and tokenizes its prompt (blocking).
 pub fn validate(req: v1::GenerateRequest, config: &ServiceConfig) -> Result<ValidRequest, Status> {
-    check_model(&req.model, &config.router.model)?;
+    check_model(&req.model, config.served_model())?;
     let max_tokens = req.stopping.as_ref().and_then(|s| s.max_tokens);
     let limit = config.max_tokens_limit;
     if let Some(max) = max_tokens.filter(|&m| m > limit) {
@@ -246,6 +246,21 @@ mod tests {
         let mut config = ServiceConfig::new(RouterConfig::new("m", 16), tokenizer, 2048);
         config.max_prompt_bytes = Some(4096);
         config
+    }
+
+    #[test]
+    fn requests_name_the_served_model_not_the_workers() {
+        let mut config = config();
+        assert_eq!(config.served_model(), "m");
+        config.served_model_name = Some("smol".into());
+        assert_eq!(config.served_model(), "smol");
+        let named = |model: &str| v1::GenerateRequest {
+            model: model.into(),
+            ..text("Hello")
+        };
+        assert!(validate(named("smol"), &config).is_ok());
+        assert!(validate(named(""), &config).is_ok());
+        assert_eq!(refused(named("m"), &config), "model");
     }
 
     fn text(prompt: &str) -> v1::GenerateRequest {

@@ -198,6 +198,19 @@ impl Inner {
     }
 }
 
+/// The one line a process logs when etcd cannot be reached: e.g. `etcd at
+/// http://127.0.0.1:2379 is not reachable (connection refused); retrying in 0.2 s — is etcd
+/// running? (--etcd-endpoints)`. Every nibble binary names etcd with `--etcd-endpoints`.
+pub fn unreachable_hint(config: &EtcdConfig, error: &Error, retry_in: Duration) -> String {
+    format!(
+        "etcd at {} is not reachable ({}); retrying in {:.1} s — is etcd running? \
+         (--etcd-endpoints)",
+        config.endpoints.join(", "),
+        error.brief(),
+        retry_in.as_secs_f64()
+    )
+}
+
 /// Discovery on etcd; see the module docs.
 pub struct EtcdDiscovery {
     inner: Arc<Inner>,
@@ -216,18 +229,14 @@ impl std::fmt::Debug for EtcdDiscovery {
 impl EtcdDiscovery {
     /// [`connect`](Self::connect), retried until it succeeds: a process started while etcd is
     /// down (or not yet up) waits for it with backoff (0.2 s doubling to 5 s), logging one line
-    /// per failed attempt, instead of exiting. Cancel it by dropping the future.
+    /// per failed attempt, instead of exiting ([`unreachable_hint`]: where, why in a few words,
+    /// when again, and the flag that names etcd). Cancel it by dropping the future.
     pub async fn connect_retrying(config: EtcdConfig) -> Self {
         let mut delay = Duration::from_millis(200);
         loop {
             match Self::connect(config.clone()).await {
                 Ok(discovery) => return discovery,
-                Err(err) => tracing::warn!(
-                    endpoints = ?config.endpoints,
-                    %err,
-                    retry_in_ms = delay.as_millis() as u64,
-                    "etcd is unreachable; retrying"
-                ),
+                Err(err) => tracing::warn!("{}", unreachable_hint(&config, &err, delay)),
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(5));
