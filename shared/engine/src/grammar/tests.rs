@@ -151,6 +151,13 @@ fn bad_constraints_are_refused_with_what_is_wrong() {
         r#"{"type": "integer", "minimum": 5, "maximum": 1}"#.into(),
     ));
     assert!(!unsatisfiable.is_empty());
+    // A keyword llguidance does not implement is refused, not ignored.
+    let unsupported = refused(Constraint::JsonSchema(
+        r#"{"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}"#.into(),
+    ));
+    assert!(unsupported.contains("if"), "{unsupported}");
+    let empty = refused(Constraint::Regex(r"[^\s\S]".into()));
+    assert!(!empty.is_empty(), "a regex that matches nothing");
     assert!(!refused(Constraint::Regex("(".into())).is_empty());
     assert!(!refused(Constraint::Lark("start: (".into())).is_empty());
     let large = Constraint::Regex("a".repeat(MAX_CONSTRAINT_BYTES + 1));
