@@ -3,10 +3,13 @@
 //! bytes on the wire (status, headers, server-sent-event framing) are what is checked, and by the
 //! official `openai` Python package (`openai_client.py`).
 
+#[path = "support/cluster.rs"]
+mod cluster;
 mod support;
 
 use std::time::Duration;
 
+use cluster::Cluster;
 use logprobs::{check_chat_logprobs, check_completion_logprobs, joined_completion_logprobs};
 use nibble_discovery::{Role, StaticRegistry};
 use nibble_engine::scheduler::SchedulerConfig;
@@ -15,7 +18,7 @@ use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::HttpConfig;
 use nibble_testkit::http_client::{self, get, post_json, HttpResponse};
-use nibble_testkit::{generate, wait, Generated, RouterApi, WorkerApi};
+use nibble_testkit::{generate, Generated, RouterApi, WorkerApi};
 use serde_json::{json, Value};
 use support::{
     engine_with, greedy_request, prompt, RouterServer, Worker, MODEL, NEW_TOKENS, PROMPT,
@@ -24,53 +27,6 @@ use tokio::io::AsyncReadExt;
 use tonic::transport::Channel;
 
 const QUESTION: &str = "What is the capital of France?";
-
-/// A prefill and a decode worker and a router tracking both.
-struct Cluster {
-    prefill: Worker,
-    decode: Worker,
-    router: RouterServer,
-    _registry: StaticRegistry,
-}
-
-impl Cluster {
-    async fn start(http: HttpConfig) -> Self {
-        let registry = StaticRegistry::new();
-        let dtype = KvDtype::Nvfp4;
-        let prefill = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
-        let decode = Worker::start(&registry, Role::Decode, "d0", dtype).await;
-        let page_size = prefill.state.engine().info().page_size as u32;
-        let router = RouterServer::start(&registry, page_size, http, |_| {}).await;
-        router.wait_for_workers(1, 1).await;
-        Self {
-            prefill,
-            decode,
-            router,
-            _registry: registry,
-        }
-    }
-
-    fn http(&self) -> &str {
-        self.router.http_address()
-    }
-
-    async fn pages_back(&self) {
-        self.prefill.pages_back().await;
-        self.decode.pages_back().await;
-        wait::until(
-            Duration::from_secs(5),
-            Duration::from_millis(25),
-            || async {
-                match self.router.shared.router().stats().in_flight {
-                    0 => Ok(()),
-                    _ => Err(()),
-                }
-            },
-        )
-        .await
-        .unwrap_or_else(|()| panic!("the router still counts a request"));
-    }
-}
 
 /// The gRPC path's greedy answer once the prompt's pages are cached (run twice: the first run
 /// caches, so every later run, over HTTP too, starts from the same cache).

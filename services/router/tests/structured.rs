@@ -6,9 +6,11 @@
 //! format): `required` and a named function give calls whose arguments parse, streamed or not;
 //! a two-turn conversation carries the call and its result back; bad tools are 400s by name.
 
+#[path = "support/cluster.rs"]
+mod cluster;
 mod support;
 
-use nibble_discovery::{Role, StaticRegistry};
+use cluster::Cluster;
 use nibble_engine::grammar::Constraint;
 use nibble_engine::sampling::SamplingParams;
 use nibble_kvfmt::KvDtype;
@@ -16,9 +18,9 @@ use nibble_proto::request::{refused_field, wire_constraint};
 use nibble_proto::v1;
 use nibble_router::HttpConfig;
 use nibble_testkit::http_client::{post_json, HttpResponse};
-use nibble_testkit::{generate, reference_with, RouterApi, WorkerApi};
+use nibble_testkit::{generate, reference_with, RouterApi};
 use serde_json::{json, Value};
-use support::{greedy_request, prompt, RouterServer, Worker, MODEL};
+use support::{greedy_request, prompt, MODEL};
 
 const PERSON: &str = r#"{
     "type": "object",
@@ -31,41 +33,6 @@ const PERSON: &str = r#"{
     "additionalProperties": false
 }"#;
 
-/// A prefill and a decode worker and a router that sends every prompt through both.
-struct Cluster {
-    prefill: Worker,
-    decode: Worker,
-    router: RouterServer,
-    _registry: StaticRegistry,
-}
-
-impl Cluster {
-    async fn start() -> Self {
-        let registry = StaticRegistry::new();
-        let dtype = KvDtype::Nvfp4;
-        let prefill = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
-        let decode = Worker::start(&registry, Role::Decode, "d0", dtype).await;
-        let page_size = prefill.state.engine().info().page_size as u32;
-        let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
-        router.wait_for_workers(1, 1).await;
-        Self {
-            prefill,
-            decode,
-            router,
-            _registry: registry,
-        }
-    }
-
-    fn http(&self) -> &str {
-        self.router.http_address()
-    }
-
-    async fn pages_back(&self) {
-        self.prefill.pages_back().await;
-        self.decode.pages_back().await;
-    }
-}
-
 fn constrained(constraint: &Constraint, max_tokens: u32) -> v1::GenerateRequest {
     let mut request = greedy_request("");
     let sampling = request.sampling.as_mut().unwrap();
@@ -76,7 +43,7 @@ fn constrained(constraint: &Constraint, max_tokens: u32) -> v1::GenerateRequest 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constrained_request_through_prefill_and_decode_equals_one_engine() {
-    let cluster = Cluster::start().await;
+    let cluster = Cluster::start(HttpConfig::default()).await;
     let mut client = cluster.router.client().await;
     for constraint in [
         Constraint::JsonSchema(PERSON.into()),
@@ -106,7 +73,7 @@ async fn a_constrained_request_through_prefill_and_decode_equals_one_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_constraint_that_cannot_be_followed_is_refused_before_scheduling() {
-    let cluster = Cluster::start().await;
+    let cluster = Cluster::start(HttpConfig::default()).await;
     let mut client = cluster.router.client().await;
     for bad in [
         Constraint::JsonSchema(r#"{"type": "object", "properties": 3}"#.into()),
@@ -157,7 +124,7 @@ fn content(r: &HttpResponse) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_format_gives_json_streamed_or_not() {
-    let cluster = Cluster::start().await;
+    let cluster = Cluster::start(HttpConfig::default()).await;
     let http = cluster.http();
     let schema: Value = serde_json::from_str(PERSON).unwrap();
     let format = json!({"type": "json_schema",
@@ -217,7 +184,7 @@ async fn response_format_gives_json_streamed_or_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_structured_outputs_are_400s_naming_their_parameter() {
-    let cluster = Cluster::start().await;
+    let cluster = Cluster::start(HttpConfig::default()).await;
     let http = cluster.http();
     let cases = [
         (
@@ -294,13 +261,8 @@ fn arguments(call: &Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_through_the_http_api() {
-    let registry = StaticRegistry::new();
-    let prefill = Worker::start(&registry, Role::Prefill, "p0", KvDtype::Nvfp4).await;
-    let decode = Worker::start(&registry, Role::Decode, "d0", KvDtype::Nvfp4).await;
-    let page_size = prefill.state.engine().info().page_size as u32;
-    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
-    router.wait_for_workers(1, 1).await;
-    let http = router.http_address();
+    let cluster = Cluster::start(HttpConfig::default()).await;
+    let http = cluster.http();
 
     // required: a call of one of the tools, with arguments under its schema.
     let r = post_json(http, "/v1/chat/completions", &ask(json!("required"))).await;
@@ -386,16 +348,15 @@ async fn tool_calls_through_the_http_api() {
         assert_eq!(r.status, 400, "{body}: {}", r.text());
         assert_eq!(r.json()["error"]["param"], param, "{}", r.text());
     }
-    assert_eq!(router.shared.router().stats().in_flight, 0);
-    prefill.pages_back().await;
-    decode.pages_back().await;
+    assert_eq!(cluster.router.shared.router().stats().in_flight, 0);
+    cluster.pages_back().await;
 }
 
 /// The official `openai` Python client, with `jsonschema` validating its JSON
 /// (`openai_structured.py`). Both packages are required: scripts/deps.sh installs them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_client_gets_structured_outputs_and_tool_calls() {
-    let cluster = Cluster::start().await;
+    let cluster = Cluster::start(HttpConfig::default()).await;
     let base_url = format!("http://{}/v1", cluster.http());
     let python = std::env::var("NIBBLE_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_structured.py");
