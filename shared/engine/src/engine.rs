@@ -119,7 +119,7 @@ impl Request {
         Self {
             detok: Detokenizer::new(prompt),
             stop: StopMatcher::new(params.stop.clone()),
-            sampler: Sampler::new(params),
+            sampler: Sampler::new(params).after_prompt(prompt.len()),
             prompt_tokens: prompt.len(),
             completion_tokens: 0,
             cached_tokens: None,
