@@ -10,6 +10,9 @@ use nibble_engine::sampling::MAX_TOP_LOGPROBS;
 use nibble_proto::v1;
 use serde::Deserialize;
 
+use std::collections::HashSet;
+
+use super::choices;
 use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
@@ -57,16 +60,24 @@ pub struct ChatRequest {
 
 struct Parsed {
     request: v1::GenerateRequest,
+    /// Choices (`n`).
+    n: u32,
     delivery: Delivery,
     logprobs: bool,
     /// The parameters refusals name.
     names: ParamNames,
 }
 
-fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, ApiError> {
+fn parse(
+    body: ChatRequest,
+    served: &str,
+    max_n: u32,
+    request_id: String,
+) -> Result<Parsed, ApiError> {
     let c = &body.common;
     c.check_model(served)?;
     let delivery = c.delivery()?;
+    let n = c.n(max_n)?;
     if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid("tools", "tool calling is not supported"));
     }
@@ -147,11 +158,13 @@ fn parse(body: ChatRequest, served: &str, request_id: String) -> Result<Parsed, 
         logprobs: logprobs.then_some(v1::LogprobsOptions {
             enabled: true,
             top_logprobs,
+            prompt_logprobs: None,
         }),
         skip_special_tokens: c.skip_special_tokens,
     };
     Ok(Parsed {
         request,
+        n,
         delivery,
         logprobs,
         names: ParamNames {
@@ -180,32 +193,45 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let body: ChatRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
-    let parsed = parse(body, &served, id.to_string())?;
-    let started = generate::start(&state.service, &id, parsed.request, parsed.names).await?;
+    let parsed = parse(body, &served, state.config().max_n, id.to_string())?;
+    let choices = choices::fan_out(vec![parsed.request], parsed.n);
+    let prompts: Vec<usize> = choices.iter().map(|c| c.prompt).collect();
+    let merged = choices::start_all(&state.service, &id, choices, parsed.names).await?;
     let format = ChatChunks {
         id: id.to_string(),
         model: served,
         created: generate::unix_now(),
         tokenizer: parsed.logprobs.then(|| state.tokenizer()),
-        include_usage: parsed.delivery.include_usage,
-        sent_role: false,
+        sent_role: HashSet::new(),
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(started, format, parsed.names));
+        return Ok(generate::sse(
+            merged,
+            prompts,
+            format,
+            parsed.delivery,
+            parsed.names,
+        ));
     }
-    let collected = generate::collect(started, parsed.names).await?;
+    let (collected, usage) = generate::collect(merged, &prompts, parsed.names).await?;
+    let choices: Vec<_> = collected
+        .into_iter()
+        .map(|(index, c)| {
+            serde_json::json!({
+                "index": index,
+                "message": { "role": "assistant", "content": c.text },
+                "logprobs": format.logprobs(&c.logprobs),
+                "finish_reason": finish_reason(c.finish_reason),
+            })
+        })
+        .collect();
     Ok(Json(serde_json::json!({
         "id": format.id,
         "object": "chat.completion",
         "created": format.created,
         "model": format.model,
-        "choices": [{
-            "index": 0,
-            "message": { "role": "assistant", "content": collected.text },
-            "logprobs": format.logprobs(&collected.logprobs),
-            "finish_reason": finish_reason(collected.finish_reason),
-        }],
-        "usage": collected.usage.as_ref().map(usage_json),
+        "choices": choices,
+        "usage": usage_json(&usage),
     }))
     .into_response())
 }
@@ -216,8 +242,8 @@ struct ChatChunks {
     created: u64,
     /// Present when log-probabilities were asked for (to spell the tokens).
     tokenizer: Option<std::sync::Arc<nibble_engine::Tokenizer>>,
-    include_usage: bool,
-    sent_role: bool,
+    /// Choices whose opening (role) chunk was sent.
+    sent_role: HashSet<u32>,
 }
 
 impl ChatChunks {
@@ -254,35 +280,32 @@ impl ChatChunks {
 
     fn chunk(
         &self,
+        index: u32,
         delta: serde_json::Value,
         logprobs: serde_json::Value,
         finish: Option<&str>,
     ) -> serde_json::Value {
-        let mut json = serde_json::json!({
+        serde_json::json!({
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [{
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }],
-        });
-        if self.include_usage {
-            json["usage"] = serde_json::Value::Null;
-        }
-        json
+        })
     }
 }
 
 impl ChunkFormat for ChatChunks {
-    fn chunks(&mut self, chunk: v1::GenerateResponse) -> Vec<serde_json::Value> {
+    fn chunks(&mut self, index: u32, chunk: v1::GenerateResponse) -> Vec<serde_json::Value> {
         let mut out = Vec::new();
-        if !self.sent_role {
-            self.sent_role = true;
+        if self.sent_role.insert(index) {
             out.push(self.chunk(
+                index,
                 serde_json::json!({ "role": "assistant", "content": "" }),
                 serde_json::Value::Null,
                 None,
@@ -290,24 +313,27 @@ impl ChunkFormat for ChatChunks {
         }
         if !chunk.text.is_empty() || !chunk.logprobs.is_empty() {
             out.push(self.chunk(
+                index,
                 serde_json::json!({ "content": chunk.text }),
                 self.logprobs(&chunk.logprobs),
                 None,
             ));
         }
         if let Some(finish) = finish_reason(chunk.finish_reason) {
-            out.push(self.chunk(serde_json::json!({}), serde_json::Value::Null, Some(finish)));
-        }
-        if let (true, Some(usage)) = (self.include_usage, &chunk.usage) {
-            out.push(serde_json::json!({
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage_json(usage),
-            }));
+            let done = serde_json::json!({});
+            out.push(self.chunk(index, done, serde_json::Value::Null, Some(finish)));
         }
         out
+    }
+
+    fn usage_chunk(&self, usage: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        })
     }
 }

@@ -16,6 +16,7 @@
 
 pub mod args;
 pub mod chat;
+pub mod choices;
 pub mod completions;
 pub mod error;
 pub mod generate;
@@ -46,6 +47,12 @@ use limits::{ConnectionUse, Limited};
 /// Default largest request body, in bytes.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 
+/// Default largest `n` (and `best_of`).
+pub const DEFAULT_MAX_N: u32 = 16;
+
+/// Default most prompts in one `/v1/completions` request.
+pub const DEFAULT_MAX_PROMPTS: usize = 64;
+
 /// Settings of the HTTP API.
 #[derive(Clone)]
 pub struct HttpConfig {
@@ -55,6 +62,10 @@ pub struct HttpConfig {
     pub max_body_bytes: usize,
     /// Connections open at once, and how long one may stay silent ([`limits`]).
     pub limits: limits::ConnectionLimits,
+    /// Largest `n` and `best_of` (400 naming the parameter above).
+    pub max_n: u32,
+    /// Most prompts in one completions request (400 naming `prompt` above).
+    pub max_prompts: usize,
 }
 
 impl Default for HttpConfig {
@@ -63,6 +74,8 @@ impl Default for HttpConfig {
             api_key: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             limits: limits::ConnectionLimits::default(),
+            max_n: DEFAULT_MAX_N,
+            max_prompts: DEFAULT_MAX_PROMPTS,
         }
     }
 }
@@ -73,6 +86,8 @@ impl std::fmt::Debug for HttpConfig {
             .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
             .field("max_body_bytes", &self.max_body_bytes)
             .field("limits", &self.limits)
+            .field("max_n", &self.max_n)
+            .field("max_prompts", &self.max_prompts)
             .finish()
     }
 }
@@ -103,6 +118,10 @@ impl HttpState {
     /// The served model's name.
     fn model(&self) -> &str {
         &self.shared().config().router.model
+    }
+
+    fn config(&self) -> &HttpConfig {
+        &self.config
     }
 
     fn tokenizer(&self) -> Arc<nibble_engine::Tokenizer> {

@@ -38,6 +38,8 @@ pub struct Flow {
     last_token: Option<Instant>,
     /// Tokens sent.
     generated: u64,
+    /// Whether any chunk was sent (a scoring request's first ones carry no token).
+    sent: bool,
 }
 
 /// Why a flow stopped early.
@@ -81,6 +83,7 @@ impl Flow {
             first_token: None,
             last_token: None,
             generated: 0,
+            sent: false,
         }
     }
 
@@ -156,7 +159,7 @@ impl Flow {
                 other => return other,
             };
             let decode = &self.routed.decision.decode;
-            if self.generated > 0 || !unreachable(&status) || failed.len() + 1 >= DECODE_ATTEMPTS {
+            if self.sent || !unreachable(&status) || failed.len() + 1 >= DECODE_ATTEMPTS {
                 return Err(Stop::Failed(status));
             }
             let (slot, worker) = (decode.slot, Arc::clone(&decode.worker));
@@ -208,7 +211,17 @@ impl Flow {
         let request_id = self.req.request_id.clone();
         let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
         let mut reserved_cached = 0;
-        let handoff = match decision.prefill.clone() {
+        // A scoring request (prompt log-probabilities) computes its whole prompt where it
+        // decodes: the positions' logits exist only on the worker that computes them.
+        let scoring = (self.req.logprobs.as_ref()).is_some_and(|l| l.prompt_logprobs.is_some());
+        let prefill = match decision.prefill.clone() {
+            Some(_) if scoring => {
+                self.shared.router().prefill_done(self.routed.ticket);
+                None
+            }
+            prefill => prefill,
+        };
+        let handoff = match prefill {
             None => None,
             Some(mut prefill) => {
                 let reservation = decode
@@ -246,7 +259,7 @@ impl Flow {
                         .prefill(v1::PrefillRequest {
                             request_id: request_id.clone(),
                             token_ids: self.tokens.clone(),
-                            sampling: self.req.sampling,
+                            sampling: self.req.sampling.clone(),
                             logprobs: self.req.logprobs,
                             target: Some(target.clone()),
                         })
@@ -296,7 +309,7 @@ impl Flow {
                 request_id: request_id.clone(),
                 token_ids: self.tokens.clone(),
                 handoff,
-                sampling: self.req.sampling,
+                sampling: self.req.sampling.clone(),
                 stopping: self.req.stopping.clone(),
                 logprobs: self.req.logprobs,
                 skip_special_tokens: self.req.skip_special_tokens,
@@ -312,6 +325,12 @@ impl Flow {
                 u.cached_tokens = u.cached_tokens.max(reserved_cached);
                 u
             });
+            let first = !std::mem::replace(&mut self.sent, true);
+            let prompt_tokens = first.then_some(self.tokens.len() as u32);
+            let prompt_token_ids = match first && scoring {
+                true => self.tokens.clone(),
+                false => Vec::new(),
+            };
             let response = v1::GenerateResponse {
                 request_id: label.clone(),
                 text: chunk.text,
@@ -319,6 +338,9 @@ impl Flow {
                 logprobs: chunk.logprobs,
                 finish_reason: chunk.finish_reason,
                 usage,
+                prompt_logprobs: chunk.prompt_logprobs,
+                prompt_token_ids,
+                prompt_tokens,
             };
             if tx.send(Ok(response)).await.is_err() {
                 return Err(Stop::Cancelled);
