@@ -308,6 +308,9 @@ impl<B: Backend> Engine<B> {
         prefill_only: bool,
     ) -> std::result::Result<(), RequestError> {
         params.validate()?;
+        if prefill_only {
+            params.check_not_scoring()?;
+        }
         self.check_tokens(&prompt)?;
         let stop_tokens = self.stop_tokens(&params);
         self.state.submit(NewRequest {
@@ -675,6 +678,7 @@ impl<B: Backend> Engine<B> {
         params: SamplingParams,
     ) -> std::result::Result<Vec<Event>, RequestError> {
         params.validate()?;
+        params.check_not_scoring()?;
         let prompt = self
             .state
             .tokens(id)

@@ -333,6 +333,20 @@ impl SamplingParams {
         outside(Param::LogitBias, biased.iter())
     }
 
+    /// Refuses prompt log-probabilities, for a request whose prompt this engine does not both
+    /// compute and decode (prefill-only, a handed-off decode): the logits of every prompt
+    /// position exist only where the prompt is computed, and a hand-off moves pages.
+    pub fn check_not_scoring(&self) -> Result<(), InvalidParam> {
+        match self.prompt_logprobs {
+            Some(k) => Err(invalid(
+                Param::PromptLogprobs,
+                "absent where the prompt is handed off (run it on one worker)",
+                k,
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Whether anything changes the logits before the choice (a bias or a penalty).
     fn changes_logits(&self) -> bool {
         self.repetition_penalty != 1.0

@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use nibble_engine::sampling::SamplingParams;
+use nibble_engine::sampling::{Param, SamplingParams};
 use nibble_engine::scheduler::{FinishReason, SchedulerConfig, SeqId};
 use nibble_engine::{CpuBackend, Engine, EngineConfig, Event, KvConfig, Model, Tokenizer, Usage};
 use nibble_kvfmt::KvDtype;
@@ -456,18 +456,28 @@ fn a_scoring_request_gets_every_prompt_tokens_logprob() {
     all_pages_back(&mut e);
 
     // With tokens to generate, the prompt's entries come first; they are those of max_tokens 0.
-    let more = SamplingParams {
-        max_tokens: 2,
-        ..scoring
-    };
+    let more = with_tokens_params();
     e.submit(SeqId(3), tokens.clone(), more).unwrap();
     let with_tokens = run(&mut e).remove(&SeqId(3)).unwrap();
     assert_eq!(with_tokens.tokens.len(), 2);
     assert!(with_tokens.scored_before_tokens);
     assert_eq!(with_tokens.prompt_logprobs, out.prompt_logprobs);
-    // max_tokens 0 is only for scoring.
+    // max_tokens 0 is only for scoring, and scoring is not for a prefill worker.
     assert!(e
-        .submit(SeqId(4), tokens, SamplingParams::greedy(0))
+        .submit(SeqId(4), tokens.clone(), SamplingParams::greedy(0))
         .is_err());
+    let prefill_only = e.submit_prefill(SeqId(5), tokens, with_tokens_params());
+    assert!(matches!(
+        prefill_only,
+        Err(nibble_engine::RequestError::Param(p)) if p.field == Param::PromptLogprobs
+    ));
     all_pages_back(&mut e);
+}
+
+fn with_tokens_params() -> SamplingParams {
+    SamplingParams {
+        max_tokens: 2,
+        prompt_logprobs: Some(2),
+        ..SamplingParams::greedy(1)
+    }
 }
