@@ -268,5 +268,32 @@ async fn a_list_of_prompts_and_continuous_usage_while_streaming() {
     assert_eq!(so_far, 8);
     assert_eq!(texts[0], texts[1], "greedy choices agree");
     assert!(!texts[0].is_empty());
+
+    // Chat takes n too; streamed, each choice opens with its own role delta and finishes.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                      "temperature": 0, "n": 2});
+    let r = post_json(http, "/v1/chat/completions", &chat).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let j = r.json();
+    let choices = j["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(choices[0]["message"], choices[1]["message"]);
+    assert_eq!(
+        (choices[0]["index"].clone(), choices[1]["index"].clone()),
+        (json!(0), json!(1))
+    );
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let chunks = sse_chunks(&post_json(http, "/v1/chat/completions", &streamed).await);
+    for index in 0..2 {
+        let mine: Vec<&Value> = (chunks.iter().map(|c| &c["choices"][0]))
+            .filter(|c| c["index"] == index)
+            .collect();
+        assert_eq!(mine[0]["delta"]["role"], "assistant", "choice {index}");
+        assert!(
+            mine.last().unwrap()["finish_reason"].is_string(),
+            "choice {index}"
+        );
+    }
     cluster.pages_back().await;
 }
