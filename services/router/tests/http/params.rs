@@ -205,6 +205,24 @@ async fn echo_with_max_tokens_0_scores_the_prompt() {
         "scored {scored}, generated {generated_lp}"
     );
 
+    // Streamed alike: the echo leads the first chunk, the entries add up to the same.
+    let streamed = json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1,
+                              "temperature": 0, "stream": true});
+    let chunks = sse_chunks(&post_json(http, "/v1/completions", &streamed).await);
+    let text: String = (chunks.iter())
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, tokenizer.decode(&ids, true).unwrap());
+    let streamed_values: Vec<Value> = (chunks.iter())
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .clone()
+        })
+        .collect();
+    assert_eq!(&streamed_values, values);
+
     // Echo with tokens to generate: the prompt's text, then the completion's.
     let j = complete(
         http,
