@@ -399,13 +399,17 @@ impl<B: Backend> Engine<B> {
             pool: &self.state.pool,
             seqs,
         };
-        // A prompt chunk of a scoring request needs every row's logits (the whole batch gets
-        // them: scoring is rare, and each row's logits cost the LM head either way).
-        let scores = batch.items.iter().any(|i| {
-            self.requests.get(&i.seq).is_some_and(|r| {
-                (r.scoring.as_ref()).is_some_and(|s| s.needs(i.positions.start, r.prompt_tokens))
+        // A prompt chunk of a scoring request needs every row's logits; the others need only
+        // their last row.
+        let every: Vec<bool> = (batch.items.iter())
+            .map(|i| {
+                self.requests.get(&i.seq).is_some_and(|r| {
+                    (r.scoring.as_ref())
+                        .is_some_and(|s| s.needs(i.positions.start, r.prompt_tokens))
+                })
             })
-        });
+            .collect();
+        let scores = every.contains(&true);
         // A batch whose every sampled sequence decodes greedily needs only each row's argmax:
         // the backend finds it where the logits are, and they never come to the host.
         let greedy = !scores
@@ -430,19 +434,22 @@ impl<B: Backend> Engine<B> {
                 })
                 .collect());
         }
-        let which = if scores { Logits::All } else { Logits::Last };
+        let which = match scores {
+            true => Logits::Select(&every),
+            false => Logits::Last,
+        };
         self.model
             .forward_batch(&mut self.ws, &tokens, &mut kv, which, &mut self.logits)?;
         self.phases.forward = forwarding.elapsed();
         let sampling = Instant::now();
         let vocab = self.model.config().vocab_size;
-        // Each item's last row (its only row without scoring); scoring reads the raw rows first.
+        // Each item's last row (its only one unless scored); scoring reads the raw rows first.
         let mut ends = Vec::with_capacity(batch.items.len());
         let mut row = 0;
-        for item in &batch.items {
-            let rows = if scores { item.tokens.len() } else { 1 };
+        for (item, every) in batch.items.iter().zip(&every) {
+            let rows = if *every { item.tokens.len() } else { 1 };
             if let Some(r) = self.requests.get_mut(&item.seq) {
-                if let (true, Some(s)) = (scores, r.scoring.as_mut()) {
+                if let (true, Some(s)) = (*every, r.scoring.as_mut()) {
                     let seen = self.state.tokens(item.seq).unwrap_or_default();
                     let logits = &self.logits[row * vocab..(row + rows) * vocab];
                     s.score(logits, vocab, item.positions.start, seen, r.prompt_tokens);

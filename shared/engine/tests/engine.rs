@@ -462,6 +462,24 @@ fn a_scoring_request_gets_every_prompt_tokens_logprob() {
     assert_eq!(with_tokens.tokens.len(), 2);
     assert!(with_tokens.scored_before_tokens);
     assert_eq!(with_tokens.prompt_logprobs, out.prompt_logprobs);
+    // Beside a request that generates, in the same steps: each gets what it gets alone.
+    let other = prompt(&s, "The capital of France is");
+    e.submit(SeqId(6), other.clone(), SamplingParams::greedy(4))
+        .unwrap();
+    let alone = run(&mut e).remove(&SeqId(6)).unwrap().tokens;
+    e.submit(SeqId(7), other, SamplingParams::greedy(4))
+        .unwrap();
+    e.submit(SeqId(8), tokens.clone(), with_tokens_params())
+        .unwrap();
+    let mut both = run(&mut e);
+    assert_eq!(both.remove(&SeqId(7)).unwrap().tokens, alone);
+    let batched = both.remove(&SeqId(8)).unwrap().prompt_logprobs;
+    assert_eq!(batched.len(), out.prompt_logprobs.len());
+    for (b, a) in batched.iter().zip(&out.prompt_logprobs) {
+        assert_eq!(b.0, a.0);
+        assert!((b.1 - a.1).abs() < 1e-3, "{b:?} vs {a:?}");
+    }
+
     // max_tokens 0 is only for scoring, and scoring is not for a prefill worker.
     assert!(e
         .submit(SeqId(4), tokens.clone(), SamplingParams::greedy(0))

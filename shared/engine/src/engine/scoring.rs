@@ -2,7 +2,8 @@
 //! logits of the position before it, for a request that asks for `prompt_logprobs`.
 //!
 //! Such a request computes its whole prompt (the scheduler gives it no cached prefix), so each
-//! prompt chunk's step has logits for every row ([`Logits::All`](crate::model::Logits)); row `r`
+//! prompt chunk's step has logits for every row of that chunk
+//! ([`Logits::Select`](crate::model::Logits)); row `r`
 //! of a chunk starting at position `s` predicts the token at `s + r + 1`. Each position is scored
 //! once, in order, even when a preempted sequence computes its prompt again.
 
