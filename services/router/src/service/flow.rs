@@ -211,17 +211,9 @@ impl Flow {
         let request_id = self.req.request_id.clone();
         let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
         let mut reserved_cached = 0;
-        // A scoring request (prompt log-probabilities) computes its whole prompt where it
-        // decodes: the positions' logits exist only on the worker that computes them.
-        let scoring = (self.req.logprobs.as_ref()).is_some_and(|l| l.prompt_logprobs.is_some());
-        let prefill = match decision.prefill.clone() {
-            Some(_) if scoring => {
-                self.shared.router().prefill_done(self.routed.ticket);
-                None
-            }
-            prefill => prefill,
-        };
-        let handoff = match prefill {
+        // A scoring request is routed without a prefill worker (`Prompt::scored`).
+        let scoring = self.prompt.is_scored();
+        let handoff = match decision.prefill.clone() {
             None => None,
             Some(mut prefill) => {
                 let reservation = decode
