@@ -229,7 +229,7 @@ impl SamplingParams {
         if !(least..=MAX_TOKENS_LIMIT).contains(&self.max_tokens) {
             return Err(invalid(
                 Param::MaxTokens,
-                format!("between 1 (0 only with prompt_logprobs) and {MAX_TOKENS_LIMIT}"),
+                format!("between 1 and {MAX_TOKENS_LIMIT} (0 only to score the prompt)"),
                 self.max_tokens,
             ));
         }

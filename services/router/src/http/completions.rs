@@ -107,12 +107,8 @@ fn parse(
     }
     let echo = body.echo.unwrap_or(false);
     let max_tokens = body.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
-    if max_tokens == 0 && !echo {
-        return Err(ApiError::invalid(
-            "max_tokens",
-            "may be 0 only with echo (to score the prompt)",
-        ));
-    }
+    // max_tokens 0 without echo is refused by the engine's rule (0 only to score a prompt), on
+    // the generate path like any range.
     let prompts = match body.prompt {
         None => return Err(ApiError::invalid("prompt", "is required")),
         Some(PromptInput::Text(text)) => vec![Prompt::Text(text)],
@@ -237,11 +233,7 @@ async fn run(
     let mut choices = Vec::new();
     for (prompt, mut group) in by_prompt {
         if parsed.best_of > parsed.n {
-            group.sort_by(|a, b| {
-                b.1.cumulative_logprob()
-                    .total_cmp(&a.1.cumulative_logprob())
-            });
-            group.truncate(parsed.n as usize);
+            keep_best(&mut group, parsed.n as usize);
         }
         for (i, (index, c)) in group.into_iter().enumerate() {
             let out = prompt as u32 * parsed.n + i as u32;
@@ -257,6 +249,17 @@ async fn run(
         "usage": usage_json(&usage),
     }))
     .into_response())
+}
+
+/// `best_of`: keeps the `n` choices of highest cumulative log-probability, most likely first
+/// (equal ones in index order).
+fn keep_best(group: &mut Vec<(u32, Collected)>, n: usize) {
+    group.sort_by(|a, b| {
+        (b.1.cumulative_logprob())
+            .total_cmp(&a.1.cumulative_logprob())
+            .then(a.0.cmp(&b.0))
+    });
+    group.truncate(n);
 }
 
 /// Completions' `logprobs` object for some tokens of one choice, with text offsets running over
@@ -416,5 +419,35 @@ impl ChunkFormat for CompletionChunks {
             "choices": [],
             "usage": usage,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scored(logprobs: &[f32]) -> Collected {
+        Collected {
+            logprobs: (logprobs.iter())
+                .map(|&logprob| v1::TokenLogprob {
+                    logprob,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn best_of_keeps_the_most_likely_choices_first() {
+        let mut group = vec![
+            (0, scored(&[-1.0, -2.0])),
+            (1, scored(&[-0.5, -0.25])),
+            (2, scored(&[-3.0])),
+            (3, scored(&[-0.75])),
+        ];
+        keep_best(&mut group, 2);
+        let kept: Vec<u32> = group.iter().map(|(i, _)| *i).collect();
+        assert_eq!(kept, vec![1, 3], "-0.75 twice: the lower index first");
     }
 }

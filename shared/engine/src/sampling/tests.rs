@@ -248,7 +248,7 @@ fn validation_names_the_field() {
             max_tokens: 0,
             ..Default::default()
         }),
-        "max_tokens must be between 1 (0 only with prompt_logprobs) and 32768, got 0"
+        "max_tokens must be between 1 and 32768 (0 only to score the prompt), got 0"
     );
     assert_eq!(
         bad(SamplingParams {
