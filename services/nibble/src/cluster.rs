@@ -499,6 +499,9 @@ pub fn generate_request(args: &GenerateArgs) -> Result<v1::GenerateRequest> {
                 .constraint
                 .as_ref()
                 .map(nibble_proto::request::wire_constraint),
+            presence_penalty: Some(params.presence_penalty),
+            frequency_penalty: Some(params.frequency_penalty),
+            logit_bias: params.logit_bias.iter().copied().collect(),
         }),
         stopping: Some(v1::StoppingCriteria {
             max_tokens: Some(params.max_tokens),
@@ -509,6 +512,7 @@ pub fn generate_request(args: &GenerateArgs) -> Result<v1::GenerateRequest> {
         logprobs: Some(v1::LogprobsOptions {
             enabled: params.logprobs,
             top_logprobs: 0,
+            prompt_logprobs: None,
         }),
         skip_special_tokens: None,
     })

@@ -552,7 +552,7 @@ fn bad_flags_and_files_are_one_line_errors() {
                 "0".into(),
                 "x".into(),
             ],
-            "max_tokens must be between 1 and 32768, got 0",
+            "max_tokens must be between 1 and 32768 (0 only to score the prompt), got 0",
         ),
         (
             vec![

@@ -22,14 +22,18 @@ pub enum Reason {
     /// The prompt is long enough to disaggregate, but no prefill worker with the decode worker's
     /// KV format is available: the decode worker prefills it.
     NoPrefillWorkers,
+    /// A scoring request (prompt log-probabilities): the decode worker computes the whole
+    /// prompt, since the logits exist only where it is computed.
+    Scoring,
 }
 
 impl Reason {
     /// Every reason, for pre-registering metric labels.
-    pub const ALL: [Reason; 3] = [
+    pub const ALL: [Reason; 4] = [
         Reason::LocalPrefill,
         Reason::Disaggregated,
         Reason::NoPrefillWorkers,
+        Reason::Scoring,
     ];
 
     /// The metrics label.
@@ -38,6 +42,7 @@ impl Reason {
             Reason::LocalPrefill => "local_prefill",
             Reason::Disaggregated => "disaggregated",
             Reason::NoPrefillWorkers => "no_prefill_workers",
+            Reason::Scoring => "scoring",
         }
     }
 }

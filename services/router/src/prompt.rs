@@ -15,6 +15,8 @@ pub struct Prompt {
     hashes: Vec<BlockHash>,
     tokens: usize,
     page_size: u32,
+    /// A scoring request's: computed whole on its decode worker ([`Prompt::scored`]).
+    scored: bool,
 }
 
 impl Prompt {
@@ -25,6 +27,7 @@ impl Prompt {
             hashes: hash_blocks(token_ids, page_size as usize),
             tokens: token_ids.len(),
             page_size,
+            scored: false,
         })
     }
 
@@ -44,7 +47,22 @@ impl Prompt {
             hashes,
             tokens,
             page_size,
+            scored: false,
         })
+    }
+
+    /// The same prompt of a scoring request (prompt log-probabilities), which its decode worker
+    /// computes whole: routed without a prefill worker.
+    pub fn scored(self) -> Self {
+        Self {
+            scored: true,
+            ..self
+        }
+    }
+
+    /// Whether it is a scoring request's.
+    pub fn is_scored(&self) -> bool {
+        self.scored
     }
 
     /// The chained hashes of the prompt's full pages.

@@ -440,11 +440,16 @@ impl Router {
             .choose(decode, &depths, prompt, None)
             .ok_or(Error::NoDecodeWorkers)?;
         let uncached = prompt.tokens() - decode.cached_tokens;
-        if uncached < self.config.policy.local_prefill_threshold_tokens {
+        let local = match prompt.is_scored() {
+            true => Some(Reason::Scoring),
+            false => (uncached < self.config.policy.local_prefill_threshold_tokens)
+                .then_some(Reason::LocalPrefill),
+        };
+        if let Some(reason) = local {
             return Ok(Decision {
                 decode,
                 prefill: None,
-                reason: Reason::LocalPrefill,
+                reason,
                 prompt_tokens: prompt.tokens(),
             });
         }

@@ -7,6 +7,10 @@
 mod cluster;
 mod support;
 
+/// The common parameters (penalties, logit_bias, n, best_of, echo, prompt lists, usage).
+#[path = "http/params.rs"]
+mod params;
+
 use std::time::Duration;
 
 use cluster::Cluster;
@@ -426,14 +430,53 @@ async fn errors_have_openais_shape_and_status() {
             "temperature",
         ),
         (with(&ok_completion, "top_p", json!(0)), "top_p"),
-        (with(&ok_completion, "n", json!(2)), "n"),
+        (with(&ok_completion, "n", json!(17)), "n"),
+        (with(&ok_completion, "n", json!(0)), "n"),
+        (with(&ok_completion, "best_of", json!(17)), "best_of"),
+        (json!({"prompt": "Hello", "n": 2, "best_of": 1}), "best_of"),
+        (
+            json!({"prompt": "Hello", "best_of": 2, "stream": true}),
+            "best_of",
+        ),
+        (
+            with(&ok_completion, "presence_penalty", json!(2.5)),
+            "presence_penalty",
+        ),
+        (
+            with(&ok_completion, "frequency_penalty", json!(-3)),
+            "frequency_penalty",
+        ),
+        (
+            with(&ok_completion, "logit_bias", json!({"1": 101})),
+            "logit_bias",
+        ),
+        (
+            with(&ok_completion, "logit_bias", json!({"x": 1})),
+            "logit_bias",
+        ),
+        // Outside the vocabulary (49152).
+        (
+            with(&ok_completion, "logit_bias", json!({"49152": 1})),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "Hello", "echo": true, "max_tokens": 0, "logprobs": 6}),
+            "logprobs",
+        ),
+        (with(&ok_completion, "suffix", json!("x")), "suffix"),
         (with(&ok_completion, "max_tokens", json!(0)), "max_tokens"),
         (with(&ok_completion, "max_tokens", json!(-1)), "max_tokens"),
         (with(&ok_completion, "logprobs", json!(6)), "logprobs"),
         (with(&ok_completion, "logprobs", json!(-1)), "logprobs"),
         (with(&ok_completion, "stop", json!([""])), "stop"),
         (with(&ok_completion, "prompt", json!("")), "prompt"),
-        (with(&ok_completion, "prompt", json!(["a", "b"])), "prompt"),
+        (with(&ok_completion, "prompt", json!([])), "prompt"),
+        (
+            with(&ok_completion, "prompt", Value::from(vec!["a"; 65])),
+            "prompt",
+        ),
+        // One bad prompt of a list: refused by name before anything is scheduled.
+        (with(&ok_completion, "prompt", json!(["a", ""])), "prompt"),
         (json!({"max_tokens": 4}), "prompt"),
         (
             with(
@@ -457,7 +500,11 @@ async fn errors_have_openais_shape_and_status() {
             with(&ok_chat, "max_completion_tokens", json!(0)),
             "max_completion_tokens",
         ),
-        (with(&ok_chat, "n", json!(3)), "n"),
+        (with(&ok_chat, "n", json!(17)), "n"),
+        (
+            with(&ok_chat, "presence_penalty", json!(-2.5)),
+            "presence_penalty",
+        ),
         // top_logprobs needs logprobs: true, and is 0 to 20.
         (with(&ok_chat, "top_logprobs", json!(2)), "top_logprobs"),
         (

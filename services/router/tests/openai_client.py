@@ -9,7 +9,9 @@ check, a missing `openai` package or an unreachable server exits non-zero. Run b
 in-process cluster.
 """
 
+import json
 import sys
+import urllib.request
 
 try:
     import openai
@@ -130,12 +132,19 @@ def main():
     ]
     check(sampled[0] == sampled[1], "a seed makes sampling repeatable")
 
+    common_parameters(client, base_url, model, api_key)
+
     # Errors arrive as the client's exception types.
     try:
-        client.completions.create(model=model, prompt="x", max_tokens=4, n=2)
-        check(False, "n=2 refused")
+        client.completions.create(model=model, prompt="x", max_tokens=4, n=17)
+        check(False, "n=17 refused")
     except openai.BadRequestError as e:
-        check(e.status_code == 400 and (e.body or {}).get("param") == "n", "n=2 is a 400 naming n")
+        check(e.status_code == 400 and (e.body or {}).get("param") == "n", "n=17 is a 400 naming n")
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=0)
+        check(False, "max_tokens=0 without echo refused")
+    except openai.BadRequestError as e:
+        check((e.body or {}).get("param") == "max_tokens", "max_tokens=0 needs echo")
     try:
         client.chat.completions.create(model="no-such-model", messages=messages)
         check(False, "unknown model refused")
@@ -149,6 +158,96 @@ def main():
         check(e.status_code == 401, "a wrong key is a 401")
 
     print("all checks passed")
+
+
+def tokenize(base_url, api_key, text):
+    """Token ids of `text` (no special tokens) through the router's vLLM-style /tokenize."""
+    root = base_url.rsplit("/v1", 1)[0]
+    body = json.dumps({"prompt": text, "add_special_tokens": False}).encode()
+    request = urllib.request.Request(
+        f"{root}/tokenize",
+        data=body,
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["tokens"]
+
+
+def common_parameters(client, base_url, model, api_key):
+    """Penalties, logit_bias, n, best_of, echo with max_tokens 0, prompt lists, usage."""
+    prompt = "The capital of France is"
+    greedy = dict(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    plain = client.completions.create(**greedy).choices[0].text
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalized = client.completions.create(**greedy, **{name: 2.0}).choices[0].text
+        check(penalized != plain, f"{name}=2 changes the greedy text: {penalized!r}")
+
+    banana = tokenize(base_url, api_key, " banana")[0]
+    forced = client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, temperature=0, logit_bias={str(banana): 100}
+    )
+    check(forced.choices[0].text == " banana" * 3, f"logit_bias +100 forces a token: {forced.choices[0].text!r}")
+    paris = tokenize(base_url, api_key, " Paris")[0]
+    check(plain.startswith(" Paris"), f"the greedy answer starts with Paris: {plain!r}")
+    banned = client.completions.create(**greedy, logit_bias={str(paris): -100}).choices[0].text
+    check(" Paris" not in banned, f"logit_bias -100 bans a token: {banned!r}")
+
+    three = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=3, n=3
+    )
+    check([c.index for c in three.choices] == [0, 1, 2], "n=3 gives 3 choices")
+    one = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=3)
+    check(len({c.text for c in three.choices}) > 1, "the choices are sampled with their own seeds")
+    check(three.usage.prompt_tokens == one.usage.prompt_tokens
+          and 3 <= three.usage.completion_tokens <= 18,
+          "n=3 counts the prompt once and every choice's tokens")
+    best = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=3, n=1, best_of=3,
+    )
+    check(len(best.choices) == 1 and best.choices[0].index == 0, "best_of=3, n=1 gives 1 choice")
+    ranked = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=3, n=2, best_of=3,
+        logprobs=0,
+    )
+    sums = [sum(c.logprobs.token_logprobs) for c in ranked.choices]
+    check(len(sums) == 2 and sums[0] >= sums[1], f"best_of ranks by cumulative logprob: {sums}")
+
+    # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs.
+    ids = tokenize(base_url, api_key, prompt)
+    generated = client.completions.create(
+        model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=0
+    ).choices[0]
+    token = generated.logprobs.tokens[0]
+    next_id = tokenize(base_url, api_key, token)
+    scored = client.completions.create(
+        model=model, prompt=ids + next_id, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    lp = scored.choices[0].logprobs
+    check(scored.choices[0].text == prompt + token, f"echo returns the prompt: {scored.choices[0].text!r}")
+    check(len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None,
+          "echo logprobs cover the prompt, the first token's null")
+    check(all(v <= 0 for v in lp.token_logprobs[1:]) and lp.top_logprobs[0] is None,
+          "prompt logprobs are log-probabilities")
+    check(abs(lp.token_logprobs[-1] - generated.logprobs.token_logprobs[0]) < 0.02,
+          f"the scored token's logprob is the generated one's: {lp.token_logprobs[-1]} vs "
+          f"{generated.logprobs.token_logprobs[0]}")
+    check(scored.usage.completion_tokens == 0, "scoring generates nothing")
+
+    prompts = [prompt, "Once upon a time"]
+    listed = client.completions.create(
+        model=model, prompt=prompts, max_tokens=5, temperature=0, echo=True
+    )
+    check([c.index for c in listed.choices] == [0, 1], "a list of 2 prompts gives 2 choices")
+    check(all(c.text.startswith(p) and len(c.text) > len(p) for c, p in zip(listed.choices, prompts)),
+          "each listed prompt's choice completes it (echo shows which)")
+
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    counts = [chunk.usage.completion_tokens for chunk in stream]
+    check(counts == sorted(counts) and counts[-1] == 5 and len(counts) > 2,
+          f"continuous_usage_stats: every chunk carries the usage so far: {counts}")
 
 
 if __name__ == "__main__":

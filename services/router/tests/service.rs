@@ -112,6 +112,7 @@ async fn top_logprobs_come_through_prefill_handoff_and_decode() {
     request.logprobs = Some(v1::LogprobsOptions {
         enabled: true,
         top_logprobs: 4,
+        prompt_logprobs: None,
     });
     let mut stream = client.generate(request).await.unwrap().into_inner();
     let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
@@ -269,6 +270,7 @@ async fn invalid_requests_name_the_field() {
         r.logprobs = Some(v1::LogprobsOptions {
             enabled,
             top_logprobs,
+            prompt_logprobs: None,
         });
         cases.push((r, "logprobs.top_logprobs"));
     }

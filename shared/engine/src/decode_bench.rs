@@ -451,7 +451,7 @@ fn collect(
             Event::Finished {
                 error: Some(error), ..
             } => return Err(BenchError::StepFailed(error.to_string())),
-            Event::Finished { .. } => {}
+            Event::Finished { .. } | Event::PromptLogprobs { .. } => {}
             Event::Prefilled { id, .. } => {
                 return Err(BenchError::Config(format!(
                     "request {id:?} was prefilled; the bench only decodes"

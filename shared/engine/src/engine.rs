@@ -30,6 +30,9 @@ use crate::session::KvConfig;
 use crate::stop::{StopMatcher, StopStep};
 use crate::tokenizer::Tokenizer;
 
+mod scoring;
+use scoring::Scoring;
+
 /// Everything an engine is built with.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -80,6 +83,13 @@ pub enum Event {
         pages: Vec<PageId>,
         usage: Usage,
     },
+    /// Log-probabilities of prompt tokens (token, its values), in prompt order from the second
+    /// token, for a request with `prompt_logprobs`; reported before its first token, in one or
+    /// more events as its prompt's chunks run.
+    PromptLogprobs {
+        id: SeqId,
+        logprobs: Vec<(u32, TokenLogprobs)>,
+    },
     /// The request ended; `text` is what was held back (the tail of a stop-string candidate or
     /// an unfinished character).
     Finished {
@@ -115,6 +125,10 @@ struct Request {
     cached_tokens: Option<usize>,
     /// Whether special tokens are left out of the text.
     skip_special: bool,
+    /// Set for a request that scores its prompt (`prompt_logprobs`).
+    scoring: Option<Scoring>,
+    /// `max_tokens` 0: the request only scores its prompt, and its sampled token is dropped.
+    score_only: bool,
 }
 
 impl Request {
@@ -123,11 +137,13 @@ impl Request {
         Self {
             detok: Detokenizer::new(prompt),
             stop: StopMatcher::new(params.stop.clone()),
-            sampler,
             prompt_tokens: prompt.len(),
             completion_tokens: 0,
             cached_tokens: None,
             skip_special: params.skip_special_tokens,
+            scoring: params.prompt_logprobs.map(Scoring::new),
+            score_only: params.max_tokens == 0,
+            sampler: sampler.after_prompt(prompt.len()),
         }
     }
 }
@@ -318,15 +334,20 @@ impl<B: Backend> Engine<B> {
         prefill_only: bool,
     ) -> std::result::Result<(), RequestError> {
         params.validate()?;
+        if prefill_only {
+            params.check_not_scoring()?;
+        }
         self.check_tokens(&prompt)?;
         let sampler = self.sampler(&params, &[])?;
         let stop_tokens = self.stop_tokens(&params);
         self.state.submit(NewRequest {
             id,
             prompt: prompt.clone(),
-            max_tokens: params.max_tokens as usize,
+            // A request that only scores its prompt runs one step past it; the token is dropped.
+            max_tokens: params.max_tokens.max(1) as usize,
             stop_tokens,
             prefill_only,
+            reuse_prefix: params.prompt_logprobs.is_none(),
         })?;
         self.requests
             .insert(id, Request::new(&prompt, &params, sampler));
@@ -406,13 +427,25 @@ impl<B: Backend> Engine<B> {
             pool: &self.state.pool,
             seqs,
         };
+        // A prompt chunk of a scoring request needs every row's logits; the others need only
+        // their last row.
+        let every: Vec<bool> = (batch.items.iter())
+            .map(|i| {
+                self.requests.get(&i.seq).is_some_and(|r| {
+                    (r.scoring.as_ref())
+                        .is_some_and(|s| s.needs(i.positions.start, r.prompt_tokens))
+                })
+            })
+            .collect();
+        let scores = every.contains(&true);
         // A batch whose every sampled sequence decodes greedily needs only each row's argmax:
         // the backend finds it where the logits are, and they never come to the host.
-        let greedy = batch.items.iter().filter(|i| i.sample).all(|i| {
-            self.requests
-                .get(&i.seq)
-                .is_some_and(|r| r.sampler.is_greedy())
-        });
+        let greedy = !scores
+            && batch.items.iter().filter(|i| i.sample).all(|i| {
+                self.requests
+                    .get(&i.seq)
+                    .is_some_and(|r| r.sampler.is_greedy())
+            });
         if greedy {
             let mut tokens_out = Vec::with_capacity(batch.items.len());
             self.model
@@ -429,16 +462,33 @@ impl<B: Backend> Engine<B> {
                 })
                 .collect());
         }
-        self.model.forward_batch(
-            &mut self.ws,
-            &tokens,
-            &mut kv,
-            Logits::Last,
-            &mut self.logits,
-        )?;
+        let which = match scores {
+            true => Logits::Select(&every),
+            false => Logits::Last,
+        };
+        self.model
+            .forward_batch(&mut self.ws, &tokens, &mut kv, which, &mut self.logits)?;
         self.phases.forward = forwarding.elapsed();
         let sampling = Instant::now();
         let vocab = self.model.config().vocab_size;
+        // Each item's last row (its only one unless scored); scoring reads the raw rows first.
+        let mut ends = Vec::with_capacity(batch.items.len());
+        let mut row = 0;
+        for (item, every) in batch.items.iter().zip(&every) {
+            let rows = if *every { item.tokens.len() } else { 1 };
+            if let Some(r) = self.requests.get_mut(&item.seq) {
+                if let (true, Some(s)) = (*every, r.scoring.as_mut()) {
+                    let seen = self.state.tokens(item.seq).unwrap_or_default();
+                    let logits = &self.logits[row * vocab..(row + rows) * vocab];
+                    s.score(logits, vocab, item.positions.start, seen, r.prompt_tokens);
+                }
+            }
+            row += rows;
+            ends.push(row - 1);
+        }
+        let mut last_rows = (self.logits.chunks_exact_mut(vocab).enumerate())
+            .filter(|(i, _)| ends.binary_search(i).is_ok())
+            .map(|(_, row)| row);
         // The sampled rows in batch order, each with its request's sampler and the tokens it
         // has seen; the requests are disjoint, so rows can be sampled on several threads.
         let mut samplers: HashMap<SeqId, &mut Sampler> = self
@@ -447,7 +497,7 @@ impl<B: Backend> Engine<B> {
             .map(|(id, r)| (*id, &mut r.sampler))
             .collect();
         let mut work = Vec::new();
-        for (item, row) in batch.items.iter().zip(self.logits.chunks_exact_mut(vocab)) {
+        for (item, row) in batch.items.iter().zip(&mut last_rows) {
             if item.sample {
                 let sampler = samplers.remove(&item.seq).expect("submitted requests");
                 let seen = self.state.tokens(item.seq).unwrap_or_default();
@@ -463,6 +513,15 @@ impl<B: Backend> Engine<B> {
         let pairs: Vec<(SeqId, u32)> = sampled.iter().map(|(id, s)| (*id, s.token)).collect();
         let outcomes = self.state.complete(batch, &pairs);
         let mut events = Vec::new();
+        for item in &batch.items {
+            let scored = (self.requests.get_mut(&item.seq))
+                .and_then(|r| r.scoring.as_mut())
+                .map(Scoring::take);
+            if let Some(logprobs) = scored.filter(|l| !l.is_empty()) {
+                let id = item.seq;
+                events.push(Event::PromptLogprobs { id, logprobs });
+            }
+        }
         for ((id, outcome), (_, s)) in outcomes.into_iter().zip(sampled) {
             let grammar_error = self
                 .requests
@@ -498,6 +557,14 @@ impl<B: Backend> Engine<B> {
                 return;
             }
         };
+        if self.requests.get(&id).is_some_and(|r| r.score_only) {
+            // max_tokens 0: the prompt is scored; the token sampled after it is not output.
+            if finished.is_none() {
+                self.state.abort(id);
+            }
+            events.push(self.close(id, FinishReason::Length, None, false));
+            return;
+        }
         let tokenizer = Arc::clone(&self.tokenizer);
         let Some(request) = self.requests.get_mut(&id) else {
             return;
@@ -667,6 +734,7 @@ impl<B: Backend> Engine<B> {
         params: SamplingParams,
     ) -> std::result::Result<Vec<Event>, RequestError> {
         params.validate()?;
+        params.check_not_scoring()?;
         let prompt = self
             .state
             .tokens(id)
@@ -718,60 +786,4 @@ impl<B: Backend> Engine<B> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn samplers(n: usize) -> Vec<Sampler> {
-        (0..n)
-            .map(|i| {
-                Sampler::new(SamplingParams {
-                    temperature: 0.8,
-                    top_p: 0.9,
-                    seed: Some(i as u64),
-                    logprobs: true,
-                    top_logprobs: 2,
-                    ..SamplingParams::greedy(8)
-                })
-            })
-            .collect()
-    }
-
-    /// Spread over threads or not, every row gets what its sampler alone would draw, in order.
-    #[test]
-    fn rows_sampled_on_threads_match_one_by_one() {
-        let (n, vocab) = (37, 500);
-        let logits: Vec<f32> = (0..n * vocab)
-            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
-            .collect();
-        let seen = [1u32, 2, 3];
-        for rounds in 0..3 {
-            let (mut threaded, mut alone) = (samplers(n), samplers(n));
-            let mut rows = logits.clone();
-            let mut expected = Vec::new();
-            for _ in 0..=rounds {
-                let work: Vec<_> = threaded
-                    .iter_mut()
-                    .zip(rows.chunks_exact_mut(vocab))
-                    .enumerate()
-                    .map(|(i, (s, row))| (SeqId(i as u64), s, row, &seen[..]))
-                    .collect();
-                let got = sample_rows(work);
-                expected.clear();
-                for (i, (s, row)) in alone.iter_mut().zip(logits.chunks(vocab)).enumerate() {
-                    let mut row = row.to_vec();
-                    expected.push((SeqId(i as u64), s.sample(&mut row, &seen)));
-                }
-                assert_eq!(got.len(), n);
-                for ((gi, g), (ei, e)) in got.iter().zip(&expected) {
-                    assert_eq!(gi, ei);
-                    assert_eq!(g.token, e.token, "row {gi:?}");
-                    assert_eq!(
-                        g.logprobs.as_ref().map(|l| l.logprob),
-                        e.logprobs.as_ref().map(|l| l.logprob)
-                    );
-                }
-                rows.copy_from_slice(&logits);
-            }
-        }
-    }
-}
+mod tests;

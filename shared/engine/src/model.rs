@@ -27,13 +27,16 @@ pub struct SeqInput<'a, B: Backend> {
 
 /// Which rows of the batch get logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Logits {
+pub enum Logits<'a> {
     /// None (a prompt chunk that is not the last).
     None,
     /// The last new token of each sequence: one row per sequence.
     Last,
     /// Every new token, in batch order (perplexity, teacher forcing).
     All,
+    /// Per sequence, every new token's row where `true` (a prompt being scored), else its
+    /// last one; in batch order.
+    Select(&'a [bool]),
 }
 
 /// Where a forward pass's result goes.
@@ -233,7 +236,7 @@ impl<B: Backend> Model<B> {
         &self,
         ws: &mut Workspace<B>,
         batch: &mut [SeqInput<'_, B>],
-        which: Logits,
+        which: Logits<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let tokens: Vec<&[u32]> = batch.iter().map(|s| s.tokens).collect();
@@ -251,7 +254,7 @@ impl<B: Backend> Model<B> {
         ws: &mut Workspace<B>,
         tokens: &[&[u32]],
         kv: &mut dyn KvBatch<B>,
-        which: Logits,
+        which: Logits<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         self.backend
@@ -277,7 +280,7 @@ impl<B: Backend> Model<B> {
         ws: &mut Workspace<B>,
         tokens: &[&[u32]],
         kv: &mut dyn KvBatch<B>,
-        which: Logits,
+        which: Logits<'_>,
         mut out: Output<'_>,
     ) -> Result<()> {
         match &mut out {
@@ -434,7 +437,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Final norm and LM head for the rows `which` selects, then their logits or greedy tokens.
-    fn logits(&self, ws: &mut Workspace<B>, which: Logits, out: Output<'_>) -> Result<()> {
+    fn logits(&self, ws: &mut Workspace<B>, which: Logits<'_>, out: Output<'_>) -> Result<()> {
         let be = &*self.backend;
         let c = &self.config;
         let source = match which {
@@ -444,6 +447,20 @@ impl<B: Backend> Model<B> {
                 be.resize(&mut ws.selected, ws.spans.len(), c.hidden_size);
                 for (i, span) in ws.spans.iter().enumerate() {
                     be.copy_rows(&ws.x, span.end - 1, &mut ws.selected, i, 1)?;
+                }
+                &ws.selected
+            }
+            Logits::Select(every) => {
+                let rows = |(span, every): (&Range<usize>, &bool)| match every {
+                    true => span.clone(),
+                    false => span.end - 1..span.end,
+                };
+                let count = ws.spans.iter().zip(every).map(rows).map(|r| r.len()).sum();
+                be.resize(&mut ws.selected, count, c.hidden_size);
+                let mut at = 0;
+                for r in ws.spans.iter().zip(every).map(rows) {
+                    be.copy_rows(&ws.x, r.start, &mut ws.selected, at, r.len())?;
+                    at += r.len();
                 }
                 &ws.selected
             }

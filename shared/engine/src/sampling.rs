@@ -2,12 +2,18 @@
 //!
 //! [`SamplingParams`] are validated once ([`SamplingParams::validate`] names the field that is out
 //! of range); a [`Sampler`] then holds one sequence's random state. The order of operations is the
-//! usual one: repetition penalty over every token seen so far (prompt and output), then greedy
-//! when temperature is 0, else temperature, top-k, top-p and min-p filtering, renormalization and a
+//! usual one (vLLM's): `logit_bias` added, the repetition penalty over every token seen so far
+//! (prompt and output), the presence and frequency penalties over the output tokens only
+//! (OpenAI's `logit -= presence * [count > 0] + frequency * count`; [`penalty`]), then greedy when
+//! temperature is 0, else temperature, top-k, top-p and min-p filtering, renormalization and a
 //! draw.
 //!
+//! A scoring request (`prompt_logprobs`) also gets the log-probability of every prompt token
+//! after the first under the same raw distribution ([`prompt_logprobs`]); only such a request may
+//! ask for `max_tokens` 0.
+//!
 //! Log-probabilities ([`TokenLogprobs`]) are under the model's own distribution: the log-softmax
-//! of the raw logits, before the repetition penalty, temperature and any truncation, as OpenAI
+//! of the raw logits, before the logit bias, every penalty, temperature and any truncation, as OpenAI
 //! reports them. So they do not depend on the sampling settings, and the chosen token and its
 //! `top_logprobs` alternatives share one distribution: the chosen token's value is exactly its
 //! entry among the alternatives when it is one of them. With greedy decoding and no penalty the
@@ -19,12 +25,23 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::grammar::{Constraint, Grammar, MAX_CONSTRAINT_BYTES};
+mod penalty;
+pub use penalty::prompt_logprobs;
 
 /// Largest `max_tokens` a request may ask for.
 pub const MAX_TOKENS_LIMIT: u32 = 32_768;
 
 /// Most alternatives per token a request may ask for (OpenAI's chat limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Most `logit_bias` entries one request may give (OpenAI documents 300).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// The largest presence or frequency penalty, either sign (OpenAI's range).
+pub const MAX_PENALTY: f32 = 2.0;
+
+/// The largest logit bias, either sign (OpenAI's range).
+pub const MAX_BIAS: f32 = 100.0;
 
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +76,17 @@ pub struct SamplingParams {
     /// Leave special tokens out of the text (the token ids keep them). With `false` they are
     /// spelled out, except the stop token that ends the output.
     pub skip_special_tokens: bool,
+    /// Subtracted once from the logit of every token the output already holds; -2 to 2.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the output holds it; -2 to 2.
+    pub frequency_penalty: f32,
+    /// (token, bias) added to those logits before sampling, each token once; at most
+    /// [`MAX_LOGIT_BIAS`] entries, biases -100 to 100.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// A scoring request: report the log-probability of every prompt token after the first,
+    /// with this many alternatives (0 to 20). The prompt is then computed whole (no prefix
+    /// cache), and `max_tokens` may be 0.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Default for SamplingParams {
@@ -78,6 +106,10 @@ impl Default for SamplingParams {
             ignore_eos: false,
             constraint: None,
             skip_special_tokens: true,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            prompt_logprobs: None,
         }
     }
 }
@@ -106,6 +138,10 @@ pub enum Param {
     StopTokenIds,
     TopLogprobs,
     Constraint,
+    PresencePenalty,
+    FrequencyPenalty,
+    LogitBias,
+    PromptLogprobs,
 }
 
 impl Param {
@@ -123,6 +159,10 @@ impl Param {
             Param::StopTokenIds => "stop_token_ids",
             Param::TopLogprobs => "top_logprobs",
             Param::Constraint => "constraint",
+            Param::PresencePenalty => "presence_penalty",
+            Param::FrequencyPenalty => "frequency_penalty",
+            Param::LogitBias => "logit_bias",
+            Param::PromptLogprobs => "prompt_logprobs",
         }
     }
 }
@@ -194,11 +234,55 @@ impl SamplingParams {
         if !(r > 0.0 && r <= 10.0) {
             return Err(invalid(Param::RepetitionPenalty, "in (0, 10]", r));
         }
-        if !(1..=MAX_TOKENS_LIMIT).contains(&self.max_tokens) {
+        // 0 only scores the prompt, so only a scoring request may ask for it.
+        let least = u32::from(self.prompt_logprobs.is_none());
+        if !(least..=MAX_TOKENS_LIMIT).contains(&self.max_tokens) {
             return Err(invalid(
                 Param::MaxTokens,
-                format!("between 1 and {MAX_TOKENS_LIMIT}"),
+                format!("between 1 and {MAX_TOKENS_LIMIT} (0 only to score the prompt)"),
                 self.max_tokens,
+            ));
+        }
+        if let Some(k) = self.prompt_logprobs.filter(|k| *k > MAX_TOP_LOGPROBS) {
+            return Err(invalid(
+                Param::PromptLogprobs,
+                format!("at most {MAX_TOP_LOGPROBS}"),
+                k,
+            ));
+        }
+        for (field, value) in [
+            (Param::PresencePenalty, self.presence_penalty),
+            (Param::FrequencyPenalty, self.frequency_penalty),
+        ] {
+            if !(-MAX_PENALTY..=MAX_PENALTY).contains(&value) {
+                return Err(invalid(field, "between -2 and 2", value));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(invalid(
+                Param::LogitBias,
+                format!("at most {MAX_LOGIT_BIAS} entries"),
+                format!("{} entries", self.logit_bias.len()),
+            ));
+        }
+        if let Some((token, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-MAX_BIAS..=MAX_BIAS).contains(b))
+        {
+            return Err(invalid(
+                Param::LogitBias,
+                "biases between -100 and 100",
+                format!("{bias} for token {token}"),
+            ));
+        }
+        let mut tokens: Vec<u32> = self.logit_bias.iter().map(|(t, _)| *t).collect();
+        tokens.sort_unstable();
+        if let Some(w) = tokens.windows(2).find(|w| w[0] == w[1]) {
+            return Err(invalid(
+                Param::LogitBias,
+                "each token once",
+                format!("token {} twice", w[0]),
             ));
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
@@ -259,17 +343,43 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Checks that every token id this request names (its stop tokens) is in a vocabulary of
-    /// `vocab` tokens.
+    /// Checks that every token id this request names (its stop tokens, its logit biases) is
+    /// in a vocabulary of `vocab` tokens.
     pub fn check_vocab(&self, vocab: usize) -> Result<(), InvalidParam> {
-        match self.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
-            Some(&bad) => Err(invalid(
-                Param::StopTokenIds,
-                format!("token ids below the vocabulary size {vocab}"),
-                bad,
+        let outside =
+            |field, mut ids: std::slice::Iter<'_, u32>| match ids.find(|&&t| t as usize >= vocab) {
+                Some(&bad) => Err(invalid(
+                    field,
+                    format!("token ids below the vocabulary size {vocab}"),
+                    bad,
+                )),
+                None => Ok(()),
+            };
+        outside(Param::StopTokenIds, self.stop_token_ids.iter())?;
+        let biased: Vec<u32> = self.logit_bias.iter().map(|(t, _)| *t).collect();
+        outside(Param::LogitBias, biased.iter())
+    }
+
+    /// Refuses prompt log-probabilities, for a request whose prompt this engine does not both
+    /// compute and decode (prefill-only, a handed-off decode): the logits of every prompt
+    /// position exist only where the prompt is computed, and a hand-off moves pages.
+    pub fn check_not_scoring(&self) -> Result<(), InvalidParam> {
+        match self.prompt_logprobs {
+            Some(k) => Err(invalid(
+                Param::PromptLogprobs,
+                "absent where the prompt is handed off (run it on one worker)",
+                k,
             )),
             None => Ok(()),
         }
+    }
+
+    /// Whether anything changes the logits before the choice (a bias or a penalty).
+    fn changes_logits(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
     }
 }
 
@@ -309,6 +419,11 @@ pub struct Sampler {
     marked: Vec<bool>,
     /// The request's constraint, whose mask is applied before every draw.
     grammar: Option<Grammar>,
+    /// How many times each token is in the output, for the presence and frequency penalties
+    /// (zeroed after each step).
+    counts: Vec<u32>,
+    /// How many of the tokens `sample` sees are the prompt's (the rest are output).
+    prompt_len: usize,
 }
 
 /// log Σ exp(logits): `logits[t]` minus it is the log-softmax of token t.
@@ -370,8 +485,17 @@ impl Sampler {
             rng,
             candidates: Vec::new(),
             marked: Vec::new(),
+            counts: Vec::new(),
+            prompt_len: 0,
             grammar: None,
         }
+    }
+
+    /// The same sampler for a sequence whose first `prompt_len` seen tokens are its prompt:
+    /// the presence and frequency penalties count only the tokens after them (without this,
+    /// every seen token is output).
+    pub fn after_prompt(self, prompt_len: usize) -> Self {
+        Self { prompt_len, ..self }
     }
 
     /// This sampler with `grammar` masking every draw (the request's constraint, started).
@@ -386,27 +510,39 @@ impl Sampler {
     }
 
     /// Whether [`sample`](Self::sample) is a plain argmax of the logits (temperature 0, no
-    /// repetition penalty, no log-probabilities, no constraint): then the token can come from
-    /// `Backend::argmax_rows` without the logits.
+    /// bias, penalty or constraint, no log-probabilities of any kind): then the token can come
+    /// from `Backend::argmax_rows` without the logits.
     pub fn is_greedy(&self) -> bool {
         let p = &self.params;
-        p.temperature == 0.0 && p.repetition_penalty == 1.0 && !p.logprobs && self.grammar.is_none()
+        p.temperature == 0.0
+            && !p.changes_logits()
+            && !p.logprobs
+            && p.prompt_logprobs.is_none()
+            && self.grammar.is_none()
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
 
-    /// Picks the next token from `logits` (modified in place by the penalty), given every token
-    /// the sequence has seen so far.
+    /// Picks the next token from `logits` (modified in place by the bias and penalties), given
+    /// every token the sequence has seen so far (its prompt, then its output).
     pub fn sample(&mut self, logits: &mut [f32], seen: &[u32]) -> Sampled {
         let p = &self.params;
-        // Log-probabilities come from the raw logits, before the penalty or a mask changes them.
-        let changes = p.repetition_penalty != 1.0 || self.grammar.is_some();
+        // Log-probabilities come from the raw logits, before the bias, penalties and a mask
+        // change them.
+        let changes = p.changes_logits() || self.grammar.is_some();
         let raw = (p.logprobs && changes).then(|| logits.to_vec());
+        let (presence, frequency) = (p.presence_penalty, p.frequency_penalty);
+        penalty::bias(logits, &p.logit_bias);
         if p.repetition_penalty != 1.0 {
             self.penalize(logits, seen);
         }
+        if presence != 0.0 || frequency != 0.0 {
+            let output = seen.get(self.prompt_len..).unwrap_or_default();
+            penalty::presence_frequency(logits, output, presence, frequency, &mut self.counts);
+        }
+        // The constraint last: what it allows is never biased back in.
         if let Some(grammar) = &mut self.grammar {
             grammar.mask(logits);
         }

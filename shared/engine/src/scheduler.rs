@@ -183,6 +183,9 @@ struct Sequence {
     /// Cached tokens it started from, for usage reporting.
     prefix_hit: usize,
     prefill_only: bool,
+    /// Whether admission may start it from cached pages (not for a scoring request, which needs
+    /// every prompt position's logits).
+    reuse_prefix: bool,
 }
 
 impl Sequence {
@@ -201,6 +204,9 @@ pub struct NewRequest {
     /// Stop after the prompt: sample the first token and hold the pages for export to a decode
     /// worker (see [`State::release_held`]).
     pub prefill_only: bool,
+    /// Start from the longest cached prefix (false: compute the whole prompt, so every position
+    /// has logits; its pages are still offered to the cache).
+    pub reuse_prefix: bool,
 }
 
 /// The scheduler's state: queues, pages, prefix cache.
@@ -347,6 +353,7 @@ impl State {
             hashes: Vec::new(),
             prefix_hit: 0,
             prefill_only: request.prefill_only,
+            reuse_prefix: request.reuse_prefix,
         });
         Ok(())
     }
@@ -530,7 +537,10 @@ impl State {
             // Reuse the longest cached prefix, keeping at least one token to compute so the step
             // produces logits.
             let hashes = hash_blocks(&seq.tokens[..seq.tokens.len() - 1], page_size);
-            let mut pages = self.cache.match_prefix(&hashes);
+            let mut pages = match seq.reuse_prefix {
+                true => self.cache.match_prefix(&hashes),
+                false => Vec::new(),
+            };
             pages.truncate(self.reusable_pages(seq.tokens.len(), pages.len()));
             let hit = &hashes[..pages.len()];
             self.cache.lock(hit).expect("just matched");

@@ -157,7 +157,7 @@ impl<B: Backend> PagedSession<B> {
         model: &Model<B>,
         ws: &mut Workspace<B>,
         tokens: &[u32],
-        which: Logits,
+        which: Logits<'_>,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
         let stored = self.table.len();

@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use nibble_engine::sampling::SamplingParams;
+use nibble_engine::sampling::{Param, SamplingParams};
 use nibble_engine::scheduler::{FinishReason, SchedulerConfig, SeqId};
 use nibble_engine::{CpuBackend, Engine, EngineConfig, Event, KvConfig, Model, Tokenizer, Usage};
 use nibble_kvfmt::KvDtype;
@@ -47,6 +47,10 @@ struct Output {
     text: String,
     reason: Option<FinishReason>,
     usage: Usage,
+    /// Scored prompt tokens (token, log-probability, alternatives), and whether each event of
+    /// them came before the first token.
+    prompt_logprobs: Vec<(u32, f32, usize)>,
+    scored_before_tokens: bool,
 }
 
 fn run(engine: &mut Engine<CpuBackend>) -> HashMap<SeqId, Output> {
@@ -76,6 +80,12 @@ fn run(engine: &mut Engine<CpuBackend>) -> HashMap<SeqId, Output> {
                     o.text.push_str(&text);
                     o.reason = Some(reason);
                     o.usage = usage;
+                }
+                Event::PromptLogprobs { id, logprobs } => {
+                    let o = out.entry(id).or_default();
+                    o.scored_before_tokens = o.tokens.is_empty();
+                    let entries = logprobs.iter().map(|(t, l)| (*t, l.logprob, l.top.len()));
+                    o.prompt_logprobs.extend(entries);
                 }
                 Event::Prefilled { id, .. } => panic!("{id:?} was not submitted prefill-only"),
             }
@@ -404,4 +414,88 @@ fn a_window_that_does_not_fit_is_refused() {
             .contains("not a multiple of the page size (16)"),
         "{err}"
     );
+}
+
+/// A scoring request (prompt log-probabilities, `max_tokens` 0: what lm-eval's loglikelihood
+/// sends) gets every prompt token after the first scored, over two prompt blocks, close to the
+/// f32 reference `eval ppl` uses, even with its prompt cached (it computes it whole), and
+/// generates nothing.
+#[test]
+fn a_scoring_request_gets_every_prompt_tokens_logprob() {
+    let s = setup();
+    let mut e = engine(&s, KvDtype::Bf16, 256, SchedulerConfig::default());
+    let tokens = austen(&s, 300);
+    // Cache the prompt first: the scoring request must not reuse it.
+    e.submit(SeqId(1), tokens.clone(), SamplingParams::greedy(1))
+        .unwrap();
+    run(&mut e);
+    let scoring = SamplingParams {
+        max_tokens: 0,
+        prompt_logprobs: Some(2),
+        ..SamplingParams::greedy(1)
+    };
+    e.submit(SeqId(2), tokens.clone(), scoring.clone()).unwrap();
+    let out = run(&mut e).remove(&SeqId(2)).unwrap();
+    assert!(out.tokens.is_empty(), "max_tokens 0 generates nothing");
+    assert_eq!(out.reason, Some(FinishReason::Length));
+    assert_eq!(out.usage.completion_tokens, 0);
+    assert_eq!(
+        out.usage.cached_tokens, 0,
+        "a scoring request reuses nothing"
+    );
+    let scored: Vec<u32> = out.prompt_logprobs.iter().map(|e| e.0).collect();
+    assert_eq!(scored, tokens[1..]);
+    assert!(out.prompt_logprobs.iter().all(|e| e.2 == 2 && e.1 <= 0.0));
+    let reference = nibble_engine::eval::score_window(&s.model, &tokens).unwrap();
+    let diffs: Vec<f64> = (out.prompt_logprobs.iter().zip(&reference.nll))
+        .map(|(e, nll)| (e.1 as f64 + nll).abs())
+        .collect();
+    let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
+    let worst = diffs.iter().fold(0.0f64, |m, d| m.max(*d));
+    assert!(mean < 0.02 && worst < 0.25, "mean {mean}, worst {worst}");
+    all_pages_back(&mut e);
+
+    // With tokens to generate, the prompt's entries come first; they are those of max_tokens 0.
+    let more = with_tokens_params();
+    e.submit(SeqId(3), tokens.clone(), more).unwrap();
+    let with_tokens = run(&mut e).remove(&SeqId(3)).unwrap();
+    assert_eq!(with_tokens.tokens.len(), 2);
+    assert!(with_tokens.scored_before_tokens);
+    assert_eq!(with_tokens.prompt_logprobs, out.prompt_logprobs);
+    // Beside a request that generates, in the same steps: each gets what it gets alone.
+    let other = prompt(&s, "The capital of France is");
+    e.submit(SeqId(6), other.clone(), SamplingParams::greedy(4))
+        .unwrap();
+    let alone = run(&mut e).remove(&SeqId(6)).unwrap().tokens;
+    e.submit(SeqId(7), other, SamplingParams::greedy(4))
+        .unwrap();
+    e.submit(SeqId(8), tokens.clone(), with_tokens_params())
+        .unwrap();
+    let mut both = run(&mut e);
+    assert_eq!(both.remove(&SeqId(7)).unwrap().tokens, alone);
+    let batched = both.remove(&SeqId(8)).unwrap().prompt_logprobs;
+    assert_eq!(batched.len(), out.prompt_logprobs.len());
+    for (b, a) in batched.iter().zip(&out.prompt_logprobs) {
+        assert_eq!(b.0, a.0);
+        assert!((b.1 - a.1).abs() < 1e-3, "{b:?} vs {a:?}");
+    }
+
+    // max_tokens 0 is only for scoring, and scoring is not for a prefill worker.
+    assert!(e
+        .submit(SeqId(4), tokens.clone(), SamplingParams::greedy(0))
+        .is_err());
+    let prefill_only = e.submit_prefill(SeqId(5), tokens, with_tokens_params());
+    assert!(matches!(
+        prefill_only,
+        Err(nibble_engine::RequestError::Param(p)) if p.field == Param::PromptLogprobs
+    ));
+    all_pages_back(&mut e);
+}
+
+fn with_tokens_params() -> SamplingParams {
+    SamplingParams {
+        max_tokens: 2,
+        prompt_logprobs: Some(2),
+        ..SamplingParams::greedy(1)
+    }
 }

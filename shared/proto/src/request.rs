@@ -35,6 +35,11 @@ pub fn sampling_params(
         p.repetition_penalty = s.repetition_penalty.unwrap_or(p.repetition_penalty);
         p.seed = s.seed;
         p.constraint = s.constraint.as_ref().and_then(constraint);
+        p.presence_penalty = s.presence_penalty.unwrap_or(p.presence_penalty);
+        p.frequency_penalty = s.frequency_penalty.unwrap_or(p.frequency_penalty);
+        p.logit_bias = s.logit_bias.iter().map(|(t, b)| (*t, *b)).collect();
+        // In token order: the same request gives the same parameters.
+        p.logit_bias.sort_unstable_by_key(|(t, _)| *t);
     }
     p.max_tokens = room.clamp(1, MAX_TOKENS_LIMIT as usize) as u32;
     if let Some(s) = stopping {
@@ -48,6 +53,7 @@ pub fn sampling_params(
     if let Some(l) = logprobs {
         p.logprobs = l.enabled;
         p.top_logprobs = l.top_logprobs;
+        p.prompt_logprobs = l.prompt_logprobs;
     }
     p
 }
@@ -66,6 +72,10 @@ pub fn field_path(param: Param) -> &'static str {
         Param::StopTokenIds => "stopping.stop_token_ids",
         Param::TopLogprobs => "logprobs.top_logprobs",
         Param::Constraint => "sampling.constraint",
+        Param::PresencePenalty => "sampling.presence_penalty",
+        Param::FrequencyPenalty => "sampling.frequency_penalty",
+        Param::LogitBias => "sampling.logit_bias",
+        Param::PromptLogprobs => "logprobs.prompt_logprobs",
     }
 }
 
@@ -139,6 +149,7 @@ mod tests {
         let options = |enabled, top_logprobs| v1::LogprobsOptions {
             enabled,
             top_logprobs,
+            prompt_logprobs: None,
         };
         let p = sampling_params(None, None, Some(&options(true, 3)), 10);
         assert!(p.logprobs);
@@ -148,6 +159,34 @@ mod tests {
             let p = sampling_params(None, None, Some(&bad), 10);
             assert_eq!(p.validate().unwrap_err().field, Param::TopLogprobs);
         }
+    }
+
+    #[test]
+    fn penalties_biases_and_prompt_logprobs_reach_the_engine() {
+        let s = v1::SamplingParams {
+            presence_penalty: Some(0.5),
+            frequency_penalty: Some(-1.0),
+            logit_bias: [(7, 100.0), (3, -100.0)].into_iter().collect(),
+            ..Default::default()
+        };
+        let l = v1::LogprobsOptions {
+            prompt_logprobs: Some(2),
+            ..Default::default()
+        };
+        let stop = v1::StoppingCriteria {
+            max_tokens: Some(0),
+            ..Default::default()
+        };
+        let p = sampling_params(Some(&s), Some(&stop), Some(&l), 10);
+        assert_eq!((p.presence_penalty, p.frequency_penalty), (0.5, -1.0));
+        assert_eq!(p.logit_bias, vec![(3, -100.0), (7, 100.0)]);
+        assert_eq!(p.prompt_logprobs, Some(2));
+        assert!(p.validate().is_ok(), "max_tokens 0 scores the prompt");
+        let err = p.check_vocab(7).unwrap_err();
+        assert_eq!(
+            refused_field(&invalid_param(&err)),
+            Some("sampling.logit_bias")
+        );
     }
 
     #[test]

@@ -101,7 +101,10 @@ fn element_paths(file: &FileDescriptorProto) -> Vec<(Vec<i32>, String)> {
             out.push((child(MESSAGE_ENUM, i), format!("{}.{}", m.name(), e.name())));
         }
         for (i, nested) in m.nested_type.iter().enumerate() {
-            message(child(MESSAGE_NESTED, i), nested, out);
+            // A `map` field's entry message is protoc's, with no source of its own.
+            if !nested.options.as_ref().is_some_and(|o| o.map_entry()) {
+                message(child(MESSAGE_NESTED, i), nested, out);
+            }
         }
     }
 

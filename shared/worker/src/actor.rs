@@ -651,7 +651,7 @@ where
     fn route(&mut self, events: Vec<Event>) {
         for event in events {
             let (id, last) = match &event {
-                Event::Token { id, .. } => (*id, false),
+                Event::Token { id, .. } | Event::PromptLogprobs { id, .. } => (*id, false),
                 Event::Prefilled { id, .. } | Event::Finished { id, .. } => (*id, true),
             };
             let prefilled = matches!(event, Event::Prefilled { .. });

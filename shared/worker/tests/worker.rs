@@ -155,6 +155,7 @@ async fn top_logprobs_survive_the_handoff() {
     let options = v1::LogprobsOptions {
         enabled: true,
         top_logprobs: 3,
+        prompt_logprobs: None,
     };
     let Handoff {
         tokens,
@@ -197,6 +198,7 @@ async fn top_logprobs_survive_the_handoff() {
                 logprobs: Some(v1::LogprobsOptions {
                     enabled,
                     top_logprobs,
+                    prompt_logprobs: None,
                 }),
                 target: None,
             })

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::limits::{ConnectionLimits, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
-use super::{HttpConfig, DEFAULT_MAX_BODY_BYTES};
+use super::{HttpConfig, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS};
 use crate::HttpListener;
 
 /// Where and how the OpenAI-compatible HTTP API is served.
@@ -31,6 +31,12 @@ pub struct HttpArgs {
     /// idle keep-alive) before it is closed; a request being answered is never idle.
     #[arg(long, env = "NIBBLE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub http_idle_timeout_secs: u64,
+    /// Largest `n` (choices per prompt) and `best_of` of an HTTP request (400 above).
+    #[arg(long, env = "NIBBLE_MAX_N", default_value_t = DEFAULT_MAX_N)]
+    pub max_n: u32,
+    /// Most prompts in one /v1/completions request (400 above).
+    #[arg(long, env = "NIBBLE_MAX_PROMPTS", default_value_t = DEFAULT_MAX_PROMPTS)]
+    pub max_prompts: usize,
 }
 
 impl HttpArgs {
@@ -45,6 +51,8 @@ impl HttpArgs {
             },
             // The binary sets it: whether metrics are on is not an HTTP flag.
             metrics: None,
+            max_n: self.max_n.max(1),
+            max_prompts: self.max_prompts.max(1),
         }
     }
 
@@ -87,12 +95,15 @@ mod tests {
             "k",
             "--http-max-body-bytes",
             "10",
+            "--max-n",
+            "4",
         ])
         .unwrap();
         assert_eq!(cli.http.http_listen.port(), 9000);
         let config = cli.http.config();
         assert_eq!(config.api_key.as_deref(), Some("k"));
         assert_eq!(config.max_body_bytes, 10);
+        assert_eq!((config.max_n, config.max_prompts), (4, DEFAULT_MAX_PROMPTS));
         assert!(Cli::try_parse_from(["x", "--http-listen", "nowhere"]).is_err());
     }
 }

@@ -12,6 +12,9 @@ use nibble_engine::Tokenizer;
 use nibble_proto::v1;
 use serde::Deserialize;
 
+use std::collections::{HashMap, HashSet};
+
+use super::choices;
 use super::error::{ApiError, ParamNames};
 use super::generate::{self, finish_reason, usage_json, ChunkFormat};
 use super::params::{self, Common, Delivery};
@@ -68,6 +71,8 @@ pub struct ChatRequest {
 
 struct Parsed {
     request: v1::GenerateRequest,
+    /// Choices (`n`).
+    n: u32,
     delivery: Delivery,
     logprobs: bool,
     /// The parameters refusals name.
@@ -79,12 +84,14 @@ struct Parsed {
 fn parse(
     body: ChatRequest,
     served: &str,
+    max_n: u32,
     request_id: String,
     tokenizer: &Tokenizer,
 ) -> Result<Parsed, ApiError> {
     let c = &body.common;
     c.check_model(served)?;
     let delivery = c.delivery()?;
+    let n = c.n(max_n)?;
     let plan = ToolPlan::new(
         body.tools.as_deref(),
         body.tool_choice.as_ref(),
@@ -139,11 +146,7 @@ fn parse(
             Ok(v1::ChatMessage {
                 role: m.role,
                 content,
-                tool_calls: m
-                    .tool_calls
-                    .as_deref()
-                    .map(message_calls)
-                    .unwrap_or_default(),
+                tool_calls: m.tool_calls.as_deref().map(message_calls).unwrap_or_default(),
                 tool_call_id: m.tool_call_id,
                 name: m.name,
             })
@@ -187,11 +190,13 @@ fn parse(
         logprobs: logprobs.then_some(v1::LogprobsOptions {
             enabled: true,
             top_logprobs,
+            prompt_logprobs: None,
         }),
         skip_special_tokens,
     };
     Ok(Parsed {
         request,
+        n,
         delivery,
         logprobs,
         names: ParamNames {
@@ -222,44 +227,59 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let body: ChatRequest = params::parse_body(&read_body(&state, body)?)?;
     let served = state.model().to_string();
-    let parsed = parse(body, &served, id.to_string(), &state.tokenizer())?;
-    let started = generate::start(&state.service, &id, parsed.request, parsed.names).await?;
+    let max_n = state.config().max_n;
+    let parsed = parse(body, &served, max_n, id.to_string(), &state.tokenizer())?;
+    let choices = choices::fan_out(vec![parsed.request], parsed.n);
+    let prompts: Vec<usize> = choices.iter().map(|c| c.prompt).collect();
+    let merged = choices::start_all(&state.service, &id, choices, parsed.names).await?;
     let format = ChatChunks {
         id: id.to_string(),
         model: served,
         created: generate::unix_now(),
         tokenizer: parsed.logprobs.then(|| state.tokenizer()),
-        include_usage: parsed.delivery.include_usage,
-        sent_role: false,
-        tools: parsed.tools.map(ToolStream::new),
+        sent_role: HashSet::new(),
+        tools: parsed.tools,
+        calls: HashMap::new(),
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(started, format, parsed.names));
+        return Ok(generate::sse(
+            merged,
+            prompts,
+            format,
+            parsed.delivery,
+            parsed.names,
+        ));
     }
-    let collected = generate::collect(started, parsed.names).await?;
-    let mut finish = finish_reason(collected.finish_reason);
-    let message = match parsed.tools {
-        Some(format) => {
-            let (message, called) = tools::message(format, &collected.text);
-            if called && finish == Some("stop") {
-                finish = Some("tool_calls");
-            }
-            message
-        }
-        None => serde_json::json!({ "role": "assistant", "content": collected.text }),
-    };
+    let (collected, usage) = generate::collect(merged, &prompts, parsed.names).await?;
+    let choices: Vec<_> = collected
+        .into_iter()
+        .map(|(index, c)| {
+            let mut finish = finish_reason(c.finish_reason);
+            let message = match parsed.tools {
+                Some(tool_format) => {
+                    let (message, called) = tools::message(tool_format, &c.text);
+                    if called && finish == Some("stop") {
+                        finish = Some("tool_calls");
+                    }
+                    message
+                }
+                None => serde_json::json!({ "role": "assistant", "content": c.text }),
+            };
+            serde_json::json!({
+                "index": index,
+                "message": message,
+                "logprobs": format.logprobs(&c.logprobs),
+                "finish_reason": finish,
+            })
+        })
+        .collect();
     Ok(Json(serde_json::json!({
         "id": format.id,
         "object": "chat.completion",
         "created": format.created,
         "model": format.model,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": format.logprobs(&collected.logprobs),
-            "finish_reason": finish,
-        }],
-        "usage": collected.usage.as_ref().map(usage_json),
+        "choices": choices,
+        "usage": usage_json(&usage),
     }))
     .into_response())
 }
@@ -270,10 +290,12 @@ struct ChatChunks {
     created: u64,
     /// Present when log-probabilities were asked for (to spell the tokens).
     tokenizer: Option<std::sync::Arc<nibble_engine::Tokenizer>>,
-    include_usage: bool,
-    sent_role: bool,
-    /// The calls being read out of the text, when tools are offered.
-    tools: Option<ToolStream>,
+    /// Choices whose opening (role) chunk was sent.
+    sent_role: HashSet<u32>,
+    /// The call format to read, when tools are offered.
+    tools: Option<ToolFormat>,
+    /// Per choice, the calls being read out of its text.
+    calls: HashMap<u32, ToolStream>,
 }
 
 impl ChatChunks {
@@ -310,78 +332,88 @@ impl ChatChunks {
 
     fn chunk(
         &self,
+        index: u32,
         delta: serde_json::Value,
         logprobs: serde_json::Value,
         finish: Option<&str>,
     ) -> serde_json::Value {
-        let mut json = serde_json::json!({
+        serde_json::json!({
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [{
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }],
-        });
-        if self.include_usage {
-            json["usage"] = serde_json::Value::Null;
-        }
-        json
+        })
     }
 }
 
 impl ChunkFormat for ChatChunks {
-    fn chunks(&mut self, chunk: v1::GenerateResponse) -> Vec<serde_json::Value> {
+    fn chunks(&mut self, index: u32, chunk: v1::GenerateResponse) -> Vec<serde_json::Value> {
         let mut out = Vec::new();
-        if !self.sent_role {
-            self.sent_role = true;
+        if self.sent_role.insert(index) {
             out.push(self.chunk(
+                index,
                 serde_json::json!({ "role": "assistant", "content": "" }),
                 serde_json::Value::Null,
                 None,
             ));
         }
-        let text = match &mut self.tools {
+        let mut calls = self
+            .tools
+            .map(|f| self.calls.remove(&index).unwrap_or_else(|| ToolStream::new(f)));
+        let text = match &mut calls {
             Some(calls) => calls.push(&chunk.text),
             None => chunk.text,
         };
         if !text.is_empty() || !chunk.logprobs.is_empty() {
             out.push(self.chunk(
+                index,
                 serde_json::json!({ "content": text }),
                 self.logprobs(&chunk.logprobs),
                 None,
             ));
         }
-        if let Some(mut finish) = finish_reason(chunk.finish_reason) {
-            if let Some(calls) = &mut self.tools {
-                let (rest, calls) = calls.finish();
-                if !rest.is_empty() {
-                    let delta = serde_json::json!({ "content": rest });
-                    out.push(self.chunk(delta, serde_json::Value::Null, None));
-                }
-                if !calls.is_empty() {
-                    let delta = serde_json::json!({ "tool_calls": calls });
-                    out.push(self.chunk(delta, serde_json::Value::Null, None));
-                    if finish == "stop" {
-                        finish = "tool_calls";
+        match finish_reason(chunk.finish_reason) {
+            Some(mut finish) => {
+                if let Some(mut calls) = calls {
+                    let (rest, calls) = calls.finish();
+                    if !rest.is_empty() {
+                        let delta = serde_json::json!({ "content": rest });
+                        out.push(self.chunk(index, delta, serde_json::Value::Null, None));
+                    }
+                    if !calls.is_empty() {
+                        let delta = serde_json::json!({ "tool_calls": calls });
+                        out.push(self.chunk(index, delta, serde_json::Value::Null, None));
+                        if finish == "stop" {
+                            finish = "tool_calls";
+                        }
                     }
                 }
+                let done = serde_json::json!({});
+                out.push(self.chunk(index, done, serde_json::Value::Null, Some(finish)));
             }
-            out.push(self.chunk(serde_json::json!({}), serde_json::Value::Null, Some(finish)));
-        }
-        if let (true, Some(usage)) = (self.include_usage, &chunk.usage) {
-            out.push(serde_json::json!({
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": usage_json(usage),
-            }));
+            None => {
+                if let Some(calls) = calls {
+                    self.calls.insert(index, calls);
+                }
+            }
         }
         out
+    }
+
+    fn usage_chunk(&self, usage: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        })
     }
 }

@@ -205,6 +205,8 @@ impl ParamNames {
             "logprobs.top_logprobs" => "top_logprobs".to_string(),
             "sampling.constraint" => self.constraint.to_string(),
             "prompt.chat.tools" => "tools".to_string(),
+            // Completions ask for prompt log-probabilities with `echo` and `logprobs`.
+            "logprobs.prompt_logprobs" => "logprobs".to_string(),
             _ if path.split('.').next() == Some("prompt") => self.prompt.to_string(),
             _ if path.starts_with("sampling.") || path.starts_with("stopping.") => last.to_string(),
             _ => path.to_string(),

@@ -18,6 +18,7 @@
 
 pub mod args;
 pub mod chat;
+pub mod choices;
 pub mod completions;
 pub mod error;
 pub mod generate;
@@ -50,6 +51,12 @@ use limits::{ConnectionUse, Limited};
 /// Default largest request body, in bytes.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 
+/// Default largest `n` (and `best_of`).
+pub const DEFAULT_MAX_N: u32 = 16;
+
+/// Default most prompts in one `/v1/completions` request.
+pub const DEFAULT_MAX_PROMPTS: usize = 64;
+
 /// Settings of the HTTP API.
 #[derive(Clone)]
 pub struct HttpConfig {
@@ -62,6 +69,10 @@ pub struct HttpConfig {
     /// The process's metrics, served on `GET /metrics` (no API key: counts and latencies,
     /// nothing about a request's content); `None` serves no `/metrics` here.
     pub metrics: Option<&'static nibble_telemetry::Metrics>,
+    /// Largest `n` and `best_of` (400 naming the parameter above).
+    pub max_n: u32,
+    /// Most prompts in one completions request (400 naming `prompt` above).
+    pub max_prompts: usize,
 }
 
 impl Default for HttpConfig {
@@ -71,6 +82,8 @@ impl Default for HttpConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             limits: limits::ConnectionLimits::default(),
             metrics: None,
+            max_n: DEFAULT_MAX_N,
+            max_prompts: DEFAULT_MAX_PROMPTS,
         }
     }
 }
@@ -82,6 +95,8 @@ impl std::fmt::Debug for HttpConfig {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("limits", &self.limits)
             .field("metrics", &self.metrics.is_some())
+            .field("max_n", &self.max_n)
+            .field("max_prompts", &self.max_prompts)
             .finish()
     }
 }
@@ -112,6 +127,10 @@ impl HttpState {
     /// The served model's name.
     fn model(&self) -> &str {
         self.shared().config().served_model()
+    }
+
+    fn config(&self) -> &HttpConfig {
+        &self.config
     }
 
     fn tokenizer(&self) -> Arc<nibble_engine::Tokenizer> {

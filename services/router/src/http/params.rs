@@ -1,6 +1,7 @@
 //! The request parameters both generating endpoints share, parsed into the router's
-//! `GenerateRequest` pieces. This module checks what only the HTTP API has (its types, `n`, the
-//! parameters nibble does not take, `stream_options`); the ranges are checked once, for both
+//! `GenerateRequest` pieces. This module checks what only the HTTP API has (its types, `n`
+//! against the configured limit, `logit_bias`'s keys, `stream_options`); the ranges are checked
+//! once, for both
 //! APIs, by the router's validation (`service::validate`), whose refusals name the field and
 //! come back here as the OpenAI parameter ([`ApiError::from_status`]).
 
@@ -23,6 +24,8 @@ pub enum StopStrings {
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
+    /// vLLM's extension: every chunk carries the usage so far.
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// Parameters of both `/v1/completions` and `/v1/chat/completions`. Every field is optional
@@ -61,6 +64,8 @@ pub struct Delivery {
     pub stream: bool,
     /// A last streamed chunk with the usage (and `usage: null` on the others).
     pub include_usage: bool,
+    /// Every streamed chunk carries the usage so far (`stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
 }
 
 /// Parses a JSON body into `T`. A body that does not parse is a 400 naming the first
@@ -106,41 +111,50 @@ impl Common {
                 "is only allowed when stream is true",
             ));
         }
-        let include_usage = self
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
+        let options = self.stream_options.clone().unwrap_or_default();
         Ok(Delivery {
             stream,
-            include_usage,
+            include_usage: options.include_usage.unwrap_or(false),
+            continuous_usage: options.continuous_usage_stats.unwrap_or(false),
         })
+    }
+
+    /// `n`: choices per prompt, 1 to `max_n` (the router's `--max-n`). Default 1.
+    pub fn n(&self, max_n: u32) -> Result<u32, ApiError> {
+        match self.n.unwrap_or(1) {
+            n if (1..=max_n).contains(&n) => Ok(n),
+            n => Err(ApiError::invalid(
+                "n",
+                format!("must be between 1 and {max_n}, got {n}"),
+            )),
+        }
+    }
+
+    /// `logit_bias`: token ids (as JSON object keys) to numbers. The ranges, the number of
+    /// entries and the vocabulary are the engine's checks.
+    fn logit_bias(&self) -> Result<std::collections::HashMap<u32, f32>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Default::default());
+        };
+        map.iter()
+            .map(|(key, value)| {
+                let token = key.trim().parse::<u32>().map_err(|_| {
+                    ApiError::invalid("logit_bias", format!("keys must be token ids, got {key:?}"))
+                })?;
+                let bias = value.as_f64().ok_or_else(|| {
+                    ApiError::invalid(
+                        "logit_bias",
+                        format!("values must be numbers, got {value} for {key:?}"),
+                    )
+                })?;
+                Ok((token, bias as f32))
+            })
+            .collect()
     }
 
     /// The sampling parameters; refuses what the engine cannot do instead of ignoring it.
     pub fn sampling(&self) -> Result<v1::SamplingParams, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ApiError::invalid(
-                    "n",
-                    format!("only n=1 is supported, got {n}"),
-                ));
-            }
-        }
-        for (name, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if value.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(
-                    name,
-                    "is not supported (only 0); repetition_penalty is",
-                ));
-            }
-        }
-        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-            return Err(ApiError::invalid("logit_bias", "is not supported"));
-        }
+        let logit_bias = self.logit_bias()?;
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => None,
             Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
@@ -170,6 +184,9 @@ impl Common {
             repetition_penalty: self.repetition_penalty,
             seed,
             constraint: self.structured.constraint()?.map(|(c, _)| c),
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias,
         })
     }
 
@@ -212,10 +229,10 @@ mod tests {
     #[test]
     fn ranges_are_checked_by_name() {
         let cases = [
-            (r#"{"n": 2}"#, "n"),
             (r#"{"top_k": -3}"#, "top_k"),
-            (r#"{"presence_penalty": 0.5}"#, "presence_penalty"),
-            (r#"{"logit_bias": {"1": 5}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"one": 5}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"1": "x"}}"#, "logit_bias"),
+            (r#"{"logit_bias": {"-1": 5}}"#, "logit_bias"),
             (r#"{"seed": 1.5}"#, "seed"),
         ];
         for (json, param) in cases {
@@ -223,6 +240,15 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param), "{json}: {e:?}");
             assert!(e.message.starts_with(param), "{e:?}");
         }
+        for n in [0, 17] {
+            let e = common(&format!(r#"{{"n": {n}}}"#))
+                .unwrap()
+                .n(16)
+                .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("n"), "{e:?}");
+        }
+        assert_eq!(common(r#"{"n": 16}"#).unwrap().n(16).unwrap(), 16);
+        assert_eq!(common("{}").unwrap().n(16).unwrap(), 1);
         let e = common(r#"{"stream_options": {"include_usage": true}}"#)
             .unwrap()
             .delivery()
@@ -242,6 +268,15 @@ mod tests {
         assert_eq!(s.top_p, Some(0.9));
         assert_eq!(s.seed, Some(u64::MAX));
         assert_eq!(s.top_k, None);
+        let penalized = common(
+            r#"{"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"42": -100, " 7": 3.5}}"#,
+        )
+        .unwrap();
+        let s = penalized.sampling().unwrap();
+        assert_eq!(s.presence_penalty, Some(0.5));
+        assert_eq!(s.frequency_penalty, Some(-1.0));
+        assert_eq!(s.logit_bias.get(&42), Some(&-100.0));
+        assert_eq!(s.logit_bias.get(&7), Some(&3.5));
         let stop = c.stopping(Some(5));
         assert_eq!(stop.stop, vec!["\n".to_string()]);
         assert_eq!(stop.max_tokens, Some(5));
@@ -249,7 +284,8 @@ mod tests {
             c.delivery().unwrap(),
             Delivery {
                 stream: true,
-                include_usage: true
+                include_usage: true,
+                continuous_usage: false,
             }
         );
         assert!(c.check_model("m").is_ok());

@@ -284,6 +284,19 @@ fn no_prefill_workers_means_local_prefill() {
 }
 
 #[test]
+fn a_scoring_prompt_is_computed_whole_on_its_decode_worker() {
+    let mut router = router(&["p0"], &["d0"]);
+    let long = prompt(0, 4096);
+    assert_eq!(
+        router.decide(&long, WorkerSet::EMPTY).unwrap().reason,
+        Reason::Disaggregated
+    );
+    let decision = router.decide(&long.scored(), WorkerSet::EMPTY).unwrap();
+    assert_eq!(decision.reason, Reason::Scoring);
+    assert!(decision.prefill.is_none());
+}
+
+#[test]
 fn no_decode_workers_is_an_error() {
     let mut router = router(&["p0"], &[]);
     assert!(matches!(

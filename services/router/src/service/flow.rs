@@ -38,6 +38,8 @@ pub struct Flow {
     last_token: Option<Instant>,
     /// Tokens sent.
     generated: u64,
+    /// Whether any chunk was sent (a scoring request's first ones carry no token).
+    sent: bool,
 }
 
 /// Why a flow stopped early.
@@ -81,6 +83,7 @@ impl Flow {
             first_token: None,
             last_token: None,
             generated: 0,
+            sent: false,
         }
     }
 
@@ -163,7 +166,7 @@ impl Flow {
                 other => return other,
             };
             let decode = &self.routed.decision.decode;
-            if self.generated > 0 || !unreachable(&status) || failed.len() + 1 >= DECODE_ATTEMPTS {
+            if self.sent || !unreachable(&status) || failed.len() + 1 >= DECODE_ATTEMPTS {
                 return Err(Stop::Failed(status));
             }
             let (slot, worker) = (decode.slot, Arc::clone(&decode.worker));
@@ -215,6 +218,8 @@ impl Flow {
         let request_id = self.req.request_id.clone();
         let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
         let mut reserved_cached = 0;
+        // A scoring request is routed without a prefill worker (`Prompt::scored`).
+        let scoring = self.prompt.is_scored();
         let handoff = match decision.prefill.clone() {
             None => None,
             Some(mut prefill) => {
@@ -319,6 +324,12 @@ impl Flow {
                 u.cached_tokens = u.cached_tokens.max(reserved_cached);
                 u
             });
+            let first = !std::mem::replace(&mut self.sent, true);
+            let prompt_tokens = first.then_some(self.tokens.len() as u32);
+            let prompt_token_ids = match first && scoring {
+                true => self.tokens.clone(),
+                false => Vec::new(),
+            };
             let response = v1::GenerateResponse {
                 request_id: label.clone(),
                 text: chunk.text,
@@ -326,6 +337,9 @@ impl Flow {
                 logprobs: chunk.logprobs,
                 finish_reason: chunk.finish_reason,
                 usage,
+                prompt_logprobs: chunk.prompt_logprobs,
+                prompt_token_ids,
+                prompt_tokens,
             };
             if tx.send(Ok(response)).await.is_err() {
                 return Err(Stop::Cancelled);

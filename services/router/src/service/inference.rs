@@ -48,7 +48,10 @@ impl InferenceService {
         arrived: Instant,
     ) -> Result<GenerateStream, Status> {
         let ValidRequest { req, tokens, .. } = self.validate(req).await?;
-        let prompt = Prompt::new(&tokens, self.0.config().router.page_size)?;
+        let mut prompt = Prompt::new(&tokens, self.0.config().router.page_size)?;
+        if (req.logprobs.as_ref()).is_some_and(|l| l.prompt_logprobs.is_some()) {
+            prompt = prompt.scored();
+        }
         let model = self.0.config().served_model();
         metrics::model_duration(
             metrics::PREPROCESS_DURATION_SECONDS,

@@ -101,6 +101,15 @@ impl MintedId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The id of choice `index` of a response of several (`n`, a list of prompts): choice 0
+    /// keeps this id, choice i > 0 is `{id}-{i}`, so each names its own work on the workers.
+    pub fn choice(&self, index: u32) -> MintedId {
+        match index {
+            0 => self.clone(),
+            i => MintedId(format!("{}-{i}", self.0)),
+        }
+    }
 }
 
 impl std::fmt::Display for MintedId {

@@ -317,6 +317,33 @@ mod tests {
             ..text("Hello")
         };
         assert_eq!(refused(stop_ids, &config), "stopping.stop_token_ids");
+        let pushy = with(v1::SamplingParams {
+            presence_penalty: Some(2.5),
+            ..Default::default()
+        });
+        assert_eq!(refused(pushy, &config), "sampling.presence_penalty");
+        let outside = with(v1::SamplingParams {
+            logit_bias: [(49_152, 1.0)].into_iter().collect(),
+            ..Default::default()
+        });
+        assert_eq!(refused(outside, &config), "sampling.logit_bias");
+        let scoring = |max_tokens, prompt_logprobs| v1::GenerateRequest {
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(max_tokens),
+                ..Default::default()
+            }),
+            logprobs: Some(v1::LogprobsOptions {
+                prompt_logprobs,
+                ..Default::default()
+            }),
+            ..text("Hello")
+        };
+        assert_eq!(refused(scoring(0, None), &config), "stopping.max_tokens");
+        assert_eq!(
+            refused(scoring(0, Some(21)), &config),
+            "logprobs.prompt_logprobs"
+        );
+        assert!(validate(scoring(0, Some(5)), &config).is_ok(), "score only");
         let valid = validate(text("Hello"), &config).unwrap();
         assert!(!valid.tokens.is_empty());
         assert_eq!(valid.params.max_tokens as usize, 2048 - valid.tokens.len());

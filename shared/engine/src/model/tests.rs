@@ -198,6 +198,29 @@ fn batched_sequences_match_separate_runs() {
     assert_close(&out[..VOCAB], &last(&fa), "a");
     assert_close(&out[VOCAB..2 * VOCAB], &last(&fb), "b");
     assert_close(&out[2 * VOCAB..], &last(&fc), "c");
+
+    // Selected: every row of `a` (scored), the last of `b`.
+    let (mut ka, mut kb) = (model.new_kv(4), model.new_kv(4));
+    model
+        .forward(
+            &mut model.workspace(),
+            &mut [
+                SeqInput {
+                    tokens: &a,
+                    kv: &mut ka,
+                },
+                SeqInput {
+                    tokens: &b,
+                    kv: &mut kb,
+                },
+            ],
+            Logits::Select(&[true, false]),
+            &mut out,
+        )
+        .unwrap();
+    assert_eq!(out.len(), (a.len() + 1) * VOCAB);
+    assert_close(&out[..a.len() * VOCAB], &fa, "every row of a");
+    assert_close(&out[a.len() * VOCAB..], &last(&fb), "b's last row");
 }
 
 #[test]

@@ -248,7 +248,7 @@ fn validation_names_the_field() {
             max_tokens: 0,
             ..Default::default()
         }),
-        "max_tokens must be between 1 and 32768, got 0"
+        "max_tokens must be between 1 and 32768 (0 only to score the prompt), got 0"
     );
     assert_eq!(
         bad(SamplingParams {
@@ -323,6 +323,57 @@ fn validation_names_the_field() {
         "top_logprobs must be 0 unless logprobs is set, got 2"
     );
     assert!(with_top(20, SamplingParams::default()).validate().is_ok());
+}
+
+#[test]
+fn penalties_biases_and_scoring_are_checked_by_name() {
+    let field = |p: SamplingParams| p.validate().unwrap_err().field;
+    let scoring = SamplingParams {
+        max_tokens: 0,
+        prompt_logprobs: Some(3),
+        ..Default::default()
+    };
+    assert!(scoring.validate().is_ok(), "max_tokens 0 scores the prompt");
+    assert_eq!(
+        field(SamplingParams {
+            prompt_logprobs: Some(21),
+            ..scoring.clone()
+        }),
+        Param::PromptLogprobs
+    );
+    for bad in [2.5, -2.01, f32::NAN] {
+        assert_eq!(
+            field(SamplingParams {
+                presence_penalty: bad,
+                ..Default::default()
+            }),
+            Param::PresencePenalty
+        );
+        assert_eq!(
+            field(SamplingParams {
+                frequency_penalty: bad,
+                ..Default::default()
+            }),
+            Param::FrequencyPenalty
+        );
+    }
+    let biased = |logit_bias: Vec<(u32, f32)>| SamplingParams {
+        logit_bias,
+        ..Default::default()
+    };
+    assert!(biased(vec![(1, 100.0), (2, -100.0)]).validate().is_ok());
+    assert_eq!(field(biased(vec![(1, 100.5)])), Param::LogitBias);
+    assert_eq!(field(biased(vec![(1, 1.0), (1, 2.0)])), Param::LogitBias);
+    let many = (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect();
+    assert_eq!(field(biased(many)), Param::LogitBias);
+    let e = biased(vec![(3, 1.0), (49_152, 1.0)])
+        .check_vocab(49_152)
+        .unwrap_err();
+    assert_eq!(e.field, Param::LogitBias);
+    assert_eq!(
+        e.to_string(),
+        "logit_bias must be token ids below the vocabulary size 49152, got 49152"
+    );
 }
 
 /// The argmax the backends reproduce: the first largest value; NaNs never win unless first.

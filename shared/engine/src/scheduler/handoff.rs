@@ -87,6 +87,7 @@ impl State {
                 hashes,
                 prefix_hit: cached.len() * page_size,
                 prefill_only: false,
+                reuse_prefix: true,
             },
         );
         Ok(reservation)

@@ -48,6 +48,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
         max_tokens,
         stop_tokens: vec![],
         prefill_only: false,
+        reuse_prefix: true,
     }
 }
 
@@ -192,6 +193,25 @@ fn a_cached_prefix_is_reused() {
         out[&SeqId(3)],
         expected_output(&(0..8).collect::<Vec<_>>(), 1)
     );
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn a_scoring_request_computes_its_whole_prompt_despite_the_cache() {
+    let mut s = state(16, paged_blocks());
+    let prompt: Vec<u32> = (0..13).collect();
+    s.submit(request(1, prompt.clone(), 1)).unwrap();
+    drain(&mut s);
+    s.submit(NewRequest {
+        reuse_prefix: false,
+        ..request(2, prompt.clone(), 1)
+    })
+    .unwrap();
+    let (batch, _) = step(&mut s);
+    assert_eq!(batch.items[0].positions, 0..4, "nothing reused");
+    assert_eq!(s.prefix_hit(SeqId(2)), Some(0));
+    let out = drain(&mut s);
+    assert_eq!(out[&SeqId(2)], expected_output(&prompt, 1));
     assert_no_leak(&mut s);
 }
 

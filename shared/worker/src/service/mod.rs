@@ -270,7 +270,7 @@ impl WorkerState {
                         None => Error::Aborted(r.request_id.clone()),
                     })
                 }
-                Some(Event::Token { .. }) => {}
+                Some(Event::Token { .. } | Event::PromptLogprobs { .. }) => {}
                 // The events end without an end only when the engine thread is gone.
                 None => return Err(Error::EngineStopped),
             }
@@ -415,6 +415,13 @@ impl WorkerState {
                     tracked.finish(&result, &usage);
                     result
                 }
+                Event::PromptLogprobs { logprobs, .. } => Ok(v1::DecodeResponse {
+                    prompt_logprobs: logprobs
+                        .into_iter()
+                        .filter_map(|(token, l)| convert::logprob(token, Some(l)))
+                        .collect(),
+                    ..Default::default()
+                }),
                 Event::Prefilled { .. } => Err(Status::internal("unexpected prefill event")),
             }
         });
