@@ -146,7 +146,11 @@ fn parse(
             Ok(v1::ChatMessage {
                 role: m.role,
                 content,
-                tool_calls: m.tool_calls.as_deref().map(message_calls).unwrap_or_default(),
+                tool_calls: m
+                    .tool_calls
+                    .as_deref()
+                    .map(message_calls)
+                    .unwrap_or_default(),
                 tool_call_id: m.tool_call_id,
                 name: m.name,
             })
@@ -363,9 +367,11 @@ impl ChunkFormat for ChatChunks {
                 None,
             ));
         }
-        let mut calls = self
-            .tools
-            .map(|f| self.calls.remove(&index).unwrap_or_else(|| ToolStream::new(f)));
+        let mut calls = self.tools.map(|f| {
+            self.calls
+                .remove(&index)
+                .unwrap_or_else(|| ToolStream::new(f))
+        });
         let text = match &mut calls {
             Some(calls) => calls.push(&chunk.text),
             None => chunk.text,
