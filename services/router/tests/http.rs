@@ -512,9 +512,10 @@ async fn errors_have_openais_shape_and_status() {
                    "top_logprobs": 21}),
             "top_logprobs",
         ),
+        // A function tool without its function.
         (
             with(&ok_chat, "tools", json!([{"type": "function"}])),
-            "tools",
+            "tools[0].function",
         ),
         (
             json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),

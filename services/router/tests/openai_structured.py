@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Structured outputs and tool calling through nibble's HTTP API with the official `openai` client.
 
-    python3 openai_structured.py BASE_URL MODEL
+    python3 openai_structured.py BASE_URL MODEL [API_KEY]
 
 BASE_URL ends in /v1. JSON outputs are validated against their schemas with the `jsonschema`
 package; tool calls are round-tripped through a two-turn conversation. Exits 0 and prints "all
 checks passed" when every check holds; any failed check, a missing package or an unreachable
-server exits non-zero. Run by the Rust test `the_openai_client_gets_structured_outputs_and_tool_calls`
-(services/router/tests/structured.rs) against an in-process cluster.
+server exits non-zero. Run by the Rust tests `the_openai_client_gets_structured_outputs_and_tool_calls`
+(services/router/tests/structured.rs, an in-process cluster) and
+`the_openai_client_scripts_pass_against_nibble_up` (services/nibble/tests/up_openai.rs, the real
+`nibble up`).
 """
 
 import json
@@ -55,7 +57,8 @@ WEATHER = {
 
 def main():
     base_url, model = sys.argv[1:3]
-    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    api_key = sys.argv[3] if len(sys.argv) > 3 else "none"
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Describe a French programmer as JSON."}]
 
     # json_schema, non-streamed and streamed: both valid instances, the same text (greedy).
