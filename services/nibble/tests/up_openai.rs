@@ -24,22 +24,10 @@ impl Drop for Up {
     }
 }
 
-/// Runs one of the router's client scripts against `base_url`.
+/// Runs one of the router's client scripts.
 fn script(name: &str, args: &[&str]) {
-    let python = std::env::var("NIBBLE_PYTHON").unwrap_or_else(|_| "python3".into());
     let path = format!("{}/../router/tests/{name}", env!("CARGO_MANIFEST_DIR"));
-    let output = Command::new(&python)
-        .arg(&path)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {python} (scripts/deps.sh installs it): {e}"));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && stdout.contains("all checks passed"),
-        "{name} failed ({}):\n{stdout}\n{stderr}",
-        output.status
-    );
+    nibble_testkit::python::run_checks(path.as_ref(), args);
 }
 
 #[test]

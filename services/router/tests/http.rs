@@ -22,6 +22,7 @@ use nibble_proto::v1;
 use nibble_proto::v1::inference_client::InferenceClient;
 use nibble_router::HttpConfig;
 use nibble_testkit::http_client::{self, get, post_json, HttpResponse};
+use nibble_testkit::python;
 use nibble_testkit::{generate, Generated, RouterApi, WorkerApi};
 use serde_json::{json, Value};
 use support::{
@@ -654,24 +655,14 @@ async fn the_openai_python_client_works_against_the_api() {
     })
     .await;
     let base_url = format!("http://{}/v1", cluster.http());
-    let python = std::env::var("NIBBLE_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(&python)
-            .args([script, &base_url, MODEL, "test-key"])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {python} (scripts/deps.sh installs it): {e}"))
+    let args = [base_url.as_str(), MODEL, "test-key"].map(String::from);
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        python::run_checks(script.as_ref(), &args)
     })
     .await
     .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "openai_client.py failed ({}):\n{stdout}\n{stderr}",
-        output.status
-    );
-    assert!(stdout.contains("all checks passed"), "{stdout}");
     cluster.pages_back().await;
 }
 

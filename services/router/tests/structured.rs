@@ -358,23 +358,11 @@ async fn tool_calls_through_the_http_api() {
 async fn the_openai_client_gets_structured_outputs_and_tool_calls() {
     let cluster = Cluster::start(HttpConfig::default()).await;
     let base_url = format!("http://{}/v1", cluster.http());
-    let python = std::env::var("NIBBLE_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_structured.py");
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(&python)
-            .args([script, &base_url, MODEL])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {python} (scripts/deps.sh installs it): {e}"))
+    tokio::task::spawn_blocking(move || {
+        nibble_testkit::python::run_checks(script.as_ref(), &[&base_url, MODEL])
     })
     .await
     .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "openai_structured.py failed ({}):\n{stdout}\n{stderr}",
-        output.status
-    );
-    assert!(stdout.contains("all checks passed"), "{stdout}");
     cluster.pages_back().await;
 }

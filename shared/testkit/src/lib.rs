@@ -1,6 +1,7 @@
 //! What nibble's tests and benchmarks share, across crates: where the model file they run is,
 //! the committed fixtures ([`fixture`]), a real etcd ([`EtcdServer`]), waiting for a condition
-//! ([`wait::until`]) and a raw HTTP/1.1 client ([`http_client`]). With feature `model`: the model
+//! ([`wait::until`]), a raw HTTP/1.1 client ([`http_client`]) and the Python check scripts' runner
+//! ([`python::run_checks`]). With feature `model`: the model
 //! loaded once per process ([`model()`]) and its greedy tokens ([`reference`]). With feature
 //! `grpc`: workers and routers as tests drive them through their gRPC APIs ([`WorkerApi`]: a
 //! worker's `Load`, the wait until its pages are back, the prefill → transfer → decode
@@ -15,6 +16,7 @@ mod etcd;
 pub mod http_client;
 #[cfg(feature = "model")]
 mod model;
+pub mod python;
 #[cfg(feature = "grpc")]
 pub mod reflection;
 #[cfg(feature = "grpc")]
