@@ -343,6 +343,11 @@ async fn tool_calls_through_the_http_api() {
         (retrieval, "tools[0].type"),
         (both, "tool_choice"),
         (ask(json!("sometimes")), "tool_choice"),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                "functions": [{"name": "f"}]}),
+            "functions",
+        ),
     ] {
         let r = post_json(http, "/v1/chat/completions", &body).await;
         assert_eq!(r.status, 400, "{body}: {}", r.text());

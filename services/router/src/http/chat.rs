@@ -65,6 +65,9 @@ pub struct ChatRequest {
     pub tools: Option<Vec<ToolSpec>>,
     pub tool_choice: Option<ToolChoice>,
     pub parallel_tool_calls: Option<bool>,
+    /// OpenAI's deprecated forms of `tools` and `tool_choice`: refused by name.
+    pub functions: Option<serde_json::Value>,
+    pub function_call: Option<serde_json::Value>,
     /// Append the opening of the assistant's turn (vLLM's extension). Default true.
     pub add_generation_prompt: Option<bool>,
 }
@@ -92,6 +95,17 @@ fn parse(
     c.check_model(served)?;
     let delivery = c.delivery()?;
     let n = c.n(max_n)?;
+    for (name, given) in [
+        ("functions", body.functions.is_some()),
+        ("function_call", body.function_call.is_some()),
+    ] {
+        if given {
+            return Err(ApiError::invalid(
+                name,
+                "is deprecated and not supported; use tools and tool_choice",
+            ));
+        }
+    }
     let plan = ToolPlan::new(
         body.tools.as_deref(),
         body.tool_choice.as_ref(),
