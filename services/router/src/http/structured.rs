@@ -182,11 +182,36 @@ impl Structured {
     }
 
     /// The parameter a constraint refusal names.
+    /// Read off which fields are set, without building the constraint again.
     pub fn param(&self) -> &'static str {
-        self.constraint()
-            .ok()
-            .flatten()
-            .map_or("response_format", |(_, p)| p)
+        let so = self.structured_outputs.as_ref();
+        let asked = [
+            (
+                matches!(
+                    self.response_format,
+                    Some(ResponseFormat::JsonObject | ResponseFormat::JsonSchema { .. })
+                ),
+                "response_format",
+            ),
+            (
+                so.is_some_and(|s| {
+                    s.json.is_some()
+                        || s.regex.is_some()
+                        || s.choice.is_some()
+                        || s.grammar.is_some()
+                        || s.json_object == Some(true)
+                }),
+                "structured_outputs",
+            ),
+            (self.guided_json.is_some(), "guided_json"),
+            (self.guided_regex.is_some(), "guided_regex"),
+            (self.guided_choice.is_some(), "guided_choice"),
+            (self.guided_grammar.is_some(), "guided_grammar"),
+        ];
+        asked
+            .into_iter()
+            .find_map(|(set, p)| set.then_some(p))
+            .unwrap_or("response_format")
     }
 }
 
