@@ -2,7 +2,8 @@
 //! (the same code as `nibble-router`, `nibble-prefill` and `nibble-decode`), `nibble up` runs a
 //! whole cluster in this process, and `nibble generate --url` is a client of a running router.
 //!
-//! `nibble up` starts one prefill and one decode worker and a router on loopback, joined by an
+//! `nibble up` starts a router and its workers (one prefill and one decode worker unless
+//! `--prefill-workers` / `--decode-workers` say otherwise) on loopback, joined by an
 //! in-process registry (the same `Discovery` trait etcd serves; no etcd is needed), prints each
 //! address, and once both workers are registered prints the line
 //! `nibble up: ready on ADDR` and serves until Ctrl-C.
@@ -43,12 +44,21 @@ pub struct UpArgs {
     /// Address of the router's Inference API.
     #[arg(long, env = "NIBBLE_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
-    /// Address of the prefill worker (port 0: any free port).
+    /// Address of the prefill worker (port 0: any free port; with several, each its own).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub prefill_listen: SocketAddr,
-    /// Address of the decode worker (port 0: any free port).
+    /// Address of the decode worker (port 0: any free port; with several, each its own).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub decode_listen: SocketAddr,
+    /// Prefill workers; 0 runs an aggregated cluster (every prompt prefilled on its decode
+    /// worker).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(0..=16))]
+    pub prefill_workers: u16,
+    /// Decode workers (the router spreads requests over them).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub decode_workers: u16,
     /// KV cache dtype of both workers: bf16, fp8 or nvfp4.
     #[arg(long, value_name = "DTYPE", env = "NIBBLE_KV_DTYPE", default_value = "nvfp4",
           value_parser = KvDtype::parse)]
@@ -200,8 +210,31 @@ pub async fn up_until(
         None => None,
         Some(listen) => Some(bind("--metrics-listen", listen).await?),
     };
-    let prefill_listener = bind("--prefill-listen", args.prefill_listen).await?;
-    let decode_listener = bind("--decode-listen", args.decode_listen).await?;
+    let mut worker_listeners = Vec::new();
+    for (role, flag, address, count) in [
+        (
+            Role::Prefill,
+            "--prefill-listen",
+            args.prefill_listen,
+            args.prefill_workers,
+        ),
+        (
+            Role::Decode,
+            "--decode-listen",
+            args.decode_listen,
+            args.decode_workers,
+        ),
+    ] {
+        if count > 1 && address.port() != 0 {
+            return Err(Error::Cluster(format!(
+                "nibble up: {flag} {address} names one port, but {count} {role} workers need \
+                 one each: give port 0 (any free port)"
+            )));
+        }
+        for _ in 0..count {
+            worker_listeners.push((role, count, bind(flag, address).await?));
+        }
+    }
     let listener = bind("--listen", args.listen).await?;
     let mut http = args
         .serving
@@ -278,10 +311,7 @@ pub async fn up_until(
         std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
     });
     let mut workers = Vec::new();
-    for (role, listener) in [
-        (Role::Prefill, prefill_listener),
-        (Role::Decode, decode_listener),
-    ] {
+    for (role, count, listener) in worker_listeners {
         let worker = WorkerConfig {
             model_name: Some(model_name.clone()),
             kv_dtype: args.kv_dtype,
@@ -292,10 +322,11 @@ pub async fn up_until(
             no_smooth_k: args.no_smooth_k,
             kv_window: args.kv_window,
             kv_budget_mib: args.kv_budget_mib,
+            // Several workers of a role share its share of the GPU.
             kv_memory_fraction: match role {
                 Role::Prefill => UP_PREFILL_KV_FRACTION,
                 _ => UP_DECODE_KV_FRACTION,
-            },
+            } / f64::from(count),
             threads,
             device: args.device,
             // One /metrics for the whole process, the router's (`--metrics-listen`).
@@ -340,7 +371,9 @@ pub async fn up_until(
     let ready = async {
         loop {
             let stats = shared.router().stats();
-            if stats.prefill_workers >= 1 && stats.decode_workers >= 1 {
+            if stats.prefill_workers >= usize::from(args.prefill_workers)
+                && stats.decode_workers >= usize::from(args.decode_workers)
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -94,6 +94,30 @@ fn a_port_in_use_is_reported_before_anything_loads() {
     }
 }
 
+#[test]
+fn several_workers_of_a_role_on_one_fixed_port_are_refused_before_anything_loads() {
+    let args = [
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--decode-workers",
+        "2",
+        "--decode-listen",
+        "127.0.0.1:47001",
+        "--model",
+        NO_MODEL,
+    ];
+    let (status, stderr, _) = run(&args);
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--decode-listen 127.0.0.1:47001 names one port, but 2 decode workers"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("nibble-startup-test"), "{stderr}");
+}
+
 /// Reads `nibble ARGS`'s stderr until a line contains `wanted` (at most 20 s), then kills it.
 fn first_line_with(args: &[&str], wanted: &str) -> String {
     let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))

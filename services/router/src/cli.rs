@@ -12,7 +12,7 @@ use nibble_engine::ModelSource;
 use nibble_security::{Secret, SecurityArgs};
 
 use crate::http::HttpArgs;
-use crate::{AdmissionConfig, RouterConfig, ServiceConfig};
+use crate::{AdmissionConfig, RouterConfig, Routing, ServiceConfig};
 
 /// The router's configuration.
 #[derive(Debug, Clone, clap::Args)]
@@ -66,6 +66,10 @@ pub struct ServingArgs {
     /// lacks fewer than this many of its tokens.
     #[arg(long, env = "NIBBLE_LOCAL_PREFILL_THRESHOLD", default_value_t = 512)]
     pub local_prefill_threshold: usize,
+    /// How a worker is chosen: `prefix` (where the prompt's prefix is cached, weighed against
+    /// load) or `round-robin` (each in turn; a baseline for benchmarks).
+    #[arg(long, env = "NIBBLE_ROUTING", value_enum, default_value_t = Routing::PrefixAware)]
+    pub routing: Routing,
     /// Requests dispatched to workers at once; more wait in the queue.
     #[arg(long, env = "NIBBLE_MAX_RUNNING", default_value_t = 64)]
     pub max_running: usize,
@@ -106,6 +110,7 @@ impl ServingArgs {
         let max_context = source.config()?.max_context as u32;
         let mut router = RouterConfig::new(model_name, page_size);
         router.policy.local_prefill_threshold_tokens = self.local_prefill_threshold;
+        router.policy.routing = self.routing;
         let mut config = ServiceConfig::new(router, tokenizer, max_context);
         config.served_model_name = self.served_model_name.clone();
         config.admission = AdmissionConfig {

@@ -47,7 +47,7 @@ pub use http::HttpConfig;
 pub use index::sync::{self, Gap, SyncReport, SyncStatus};
 pub use index::{PrefixDepths, PrefixIndex, UnknownSlot};
 pub use load::{Load, LoadReport};
-pub use policy::PolicyConfig;
+pub use policy::{PolicyConfig, Routing};
 pub use prompt::Prompt;
 pub use router::{Router, RouterConfig, RouterStats, WorkerStatus};
 pub use server::{

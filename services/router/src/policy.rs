@@ -19,9 +19,34 @@
 //! and cold starts spread over workers instead of piling on the first one. The seed makes runs
 //! reproducible.
 
+/// How a worker is chosen among those that can take a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Routing {
+    /// The cheapest by [`PolicyConfig::cost`]: where the prompt's prefix is cached, unless that
+    /// worker is loaded more than the prefix saves.
+    #[default]
+    #[value(name = "prefix")]
+    PrefixAware,
+    /// Each in turn, whatever it holds or runs (the baseline a plain load balancer gives). Pages
+    /// a worker happens to cache are still reused; they only do not attract requests.
+    RoundRobin,
+}
+
+impl Routing {
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Routing::PrefixAware => "prefix",
+            Routing::RoundRobin => "round-robin",
+        }
+    }
+}
+
 /// Tunables of the placement policy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyConfig {
+    /// How workers are chosen.
+    pub routing: Routing,
     /// The decode worker prefills locally (no prefill worker, no transfer) when it lacks fewer
     /// than this many prompt tokens.
     pub local_prefill_threshold_tokens: usize,
@@ -38,6 +63,7 @@ pub struct PolicyConfig {
 impl Default for PolicyConfig {
     fn default() -> Self {
         Self {
+            routing: Routing::PrefixAware,
             local_prefill_threshold_tokens: 512,
             request_cost_tokens: 256.0,
             page_pressure_cost_tokens: 1024.0,

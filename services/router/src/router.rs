@@ -23,7 +23,7 @@ use nibble_kvcache::{KvEvent, KvSnapshot};
 use crate::decision::{Decision, Placement, Reason, Routed, Ticket};
 use crate::index::{PrefixDepths, PrefixIndex, DEFAULT_MAX_BUFFERED_EVENTS};
 use crate::load::{LiveLoad, Load, LoadReport};
-use crate::policy::{Chooser, Offer, PolicyConfig, TieBreaker};
+use crate::policy::{Chooser, Offer, PolicyConfig, Routing, TieBreaker};
 use crate::prompt::Prompt;
 use crate::slots::{WorkerSet, WorkerSlot, MAX_WORKERS};
 use crate::sync::SyncReport;
@@ -127,6 +127,9 @@ pub struct Router {
     next_ticket: u64,
     next_generation: u64,
     tie_breaker: TieBreaker,
+    /// Under [`Routing::RoundRobin`]: the slot index each role's next turn starts from (decode,
+    /// prefill).
+    turn: [usize; 2],
 }
 
 impl Router {
@@ -151,6 +154,7 @@ impl Router {
             next_ticket: 1,
             next_generation: 1,
             tie_breaker: TieBreaker::new(config.policy.seed),
+            turn: [0; 2],
             config,
         })
     }
@@ -437,7 +441,7 @@ impl Router {
             .index
             .prefix_depths(prompt.hashes(), decode.union(prefill));
         let decode = self
-            .choose(decode, &depths, prompt, None)
+            .choose(Role::Decode, decode, &depths, prompt, None)
             .ok_or(Error::NoDecodeWorkers)?;
         let uncached = prompt.tokens() - decode.cached_tokens;
         let local = match prompt.is_scored() {
@@ -454,7 +458,7 @@ impl Router {
             });
         }
         let fingerprint = decode.worker.kv_fingerprint;
-        let prefill = self.choose(prefill, &depths, prompt, Some(fingerprint));
+        let prefill = self.choose(Role::Prefill, prefill, &depths, prompt, Some(fingerprint));
         let reason = match prefill {
             Some(_) => Reason::Disaggregated,
             None => Reason::NoPrefillWorkers,
@@ -518,7 +522,13 @@ impl Router {
         }
         let candidates = self.prefill.difference(failed.union(self.down));
         let depths = self.index.prefix_depths(prompt.hashes(), candidates);
-        let Some(placement) = self.choose(candidates, &depths, prompt, Some(fingerprint)) else {
+        let Some(placement) = self.choose(
+            Role::Prefill,
+            candidates,
+            &depths,
+            prompt,
+            Some(fingerprint),
+        ) else {
             return Ok(None);
         };
         let hold = self.hold(&placement, prompt);
@@ -541,21 +551,27 @@ impl Router {
         true
     }
 
-    /// The cheapest worker of `set` for `prompt` (only those with `fingerprint`, when given):
-    /// among those with room for the pages they lack, or among all if none has room.
+    /// The worker of `set` for `prompt` (only those with `fingerprint`, when given): among those
+    /// with room for the pages they lack, or among all if none has room; the cheapest, or under
+    /// [`Routing::RoundRobin`] the next in turn for `role`.
     fn choose(
         &mut self,
+        role: Role,
         set: WorkerSet,
         depths: &PrefixDepths,
         prompt: &Prompt,
         fingerprint: Option<u64>,
     ) -> Option<Placement> {
         let page_size = self.config.page_size as usize;
+        let turn = usize::from(role == Role::Prefill);
+        let round_robin = self.config.policy.routing == Routing::RoundRobin;
         for require_room in [true, false] {
             let mut chooser = Chooser::new(
                 self.config.policy.tie_tolerance_tokens,
                 &mut self.tie_breaker,
             );
+            // Round robin: the first eligible slot at or after the turn, else the first one.
+            let mut next: Option<(usize, Offer<(WorkerSlot, usize)>)> = None;
             for slot in set {
                 let Some(worker) = self.workers[slot.index()].as_ref() else {
                     continue;
@@ -569,17 +585,33 @@ impl Router {
                     continue;
                 }
                 let cached_tokens = depth * page_size;
-                chooser.offer(Offer {
+                let offer = Offer {
                     cost: self
                         .config
                         .policy
                         .cost(prompt.tokens() - cached_tokens, &load),
                     own_requests: load.own_requests,
                     item: (slot, cached_tokens),
-                });
+                };
+                if round_robin {
+                    // Slots iterate in index order: ahead of the turn beats wrapped around.
+                    let rank = (slot.index() + MAX_WORKERS - self.turn[turn]) % MAX_WORKERS;
+                    if next.as_ref().is_none_or(|(best, _)| rank < *best) {
+                        next = Some((rank, offer));
+                    }
+                } else {
+                    chooser.offer(offer);
+                }
             }
-            if let Some(offer) = chooser.chosen() {
+            let chosen = match round_robin {
+                true => next.map(|(_, offer)| offer),
+                false => chooser.chosen(),
+            };
+            if let Some(offer) = chosen {
                 let (slot, cached_tokens) = offer.item;
+                if round_robin {
+                    self.turn[turn] = (slot.index() + 1) % MAX_WORKERS;
+                }
                 let worker = self.workers[slot.index()].as_ref()?;
                 return Some(Placement {
                     slot,

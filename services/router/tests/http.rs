@@ -46,6 +46,7 @@ async fn warm_grpc(
         text,
         usage,
         finish_reason: finish,
+        ..
     } = generate(client, request).await.unwrap();
     let usage = usage.expect("the last chunk carries usage");
     assert_eq!(tokens.len(), usage.completion_tokens as usize);

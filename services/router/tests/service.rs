@@ -36,10 +36,15 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
         tokens,
         usage,
         finish_reason: finish,
+        route,
         ..
     } = generate(&mut client, greedy_request("cold")).await.unwrap();
     let usage = usage.expect("the last chunk carries usage");
     assert_eq!(tokens, expected, "router → P → D gives the engine's tokens");
+    let route = route.expect("the first chunk says where the request ran");
+    assert_eq!(route.prefill_worker, "p0");
+    assert_eq!(route.reason, "disaggregated");
+    assert!(["d0", "d1"].contains(&route.decode_worker.as_str()));
     assert_eq!(finish, v1::FinishReason::Length as i32);
     assert_eq!(usage.prompt_tokens as usize, prompt().len());
     assert_eq!(usage.completion_tokens, NEW_TOKENS);
@@ -71,8 +76,17 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 
-    let Generated { tokens, usage, .. } =
-        generate(&mut client, greedy_request("warm")).await.unwrap();
+    let Generated {
+        tokens,
+        usage,
+        route: warm_route,
+        ..
+    } = generate(&mut client, greedy_request("warm")).await.unwrap();
+    assert_eq!(
+        warm_route.unwrap().decode_worker,
+        route.decode_worker,
+        "the warm request ran where the prefix lives"
+    );
     let usage = usage.expect("the last chunk carries usage");
     assert_eq!(
         tokens, expected_warm,

@@ -35,6 +35,8 @@ pub struct Generated {
     pub usage: Option<v1::Usage>,
     /// The finish reason of the chunk that carried the usage.
     pub finish_reason: i32,
+    /// Where the request ran (the first chunk's route).
+    pub route: Option<v1::Route>,
 }
 
 /// Sends `request` and reads its whole stream.
@@ -47,6 +49,9 @@ pub async fn generate(
     while let Some(chunk) = stream.message().await? {
         out.tokens.extend(chunk.token_ids);
         out.text.push_str(&chunk.text);
+        if chunk.route.is_some() {
+            out.route = chunk.route;
+        }
         if let Some(usage) = chunk.usage {
             out.usage = Some(usage);
             out.finish_reason = chunk.finish_reason;

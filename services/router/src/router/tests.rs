@@ -102,6 +102,52 @@ fn routes_to_the_decode_worker_holding_the_prefix() {
 }
 
 #[test]
+fn round_robin_takes_workers_in_turn_whatever_they_cache() {
+    let policy = PolicyConfig {
+        routing: Routing::RoundRobin,
+        ..PolicyConfig::default()
+    };
+    let mut router = router_with(policy, &["p0", "p1"], &["d0", "d1", "d2"]);
+    let p = prompt(0, 2048);
+    cache(&mut router, Role::Decode, "d2", &p, 100);
+    let mut decodes = Vec::new();
+    let mut prefills = Vec::new();
+    for _ in 0..6 {
+        let routed = router.route(&p, WorkerSet::EMPTY).unwrap();
+        decodes.push(name(&routed.decision.decode).to_string());
+        prefills.push(
+            routed
+                .decision
+                .prefill
+                .as_ref()
+                .map(|p| name(p).to_string()),
+        );
+        // What a worker happens to hold is still reused, and still counted.
+        let cached = match decodes.last().unwrap().as_str() {
+            "d2" => 1600,
+            _ => 0,
+        };
+        assert_eq!(routed.decision.decode.cached_tokens, cached);
+    }
+    assert_eq!(decodes, ["d0", "d1", "d2", "d0", "d1", "d2"]);
+    // The prompt is long: d2 lacks 448 of its tokens, under the threshold, so it prefills
+    // them itself; the others take the prefill workers in turn.
+    let prefills: Vec<_> = prefills.iter().map(|p| p.as_deref()).collect();
+    assert_eq!(
+        prefills,
+        [Some("p0"), Some("p1"), None, Some("p0"), Some("p1"), None]
+    );
+    // A worker left out is skipped, and the turn goes on after it.
+    let d0 = router.slot(Role::Decode, &id("d0")).unwrap();
+    let mut exclude = WorkerSet::EMPTY;
+    exclude.insert(d0);
+    let next = router.route(&p, exclude).unwrap();
+    assert_eq!(name(&next.decision.decode), "d1");
+    let next = router.route(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(name(&next.decision.decode), "d2");
+}
+
+#[test]
 fn cold_requests_spread_evenly_when_dispatched() {
     let mut router = router(&[], &["d0", "d1", "d2", "d3"]);
     let mut counts: HashMap<String, usize> = HashMap::new();

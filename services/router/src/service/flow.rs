@@ -218,6 +218,11 @@ impl Flow {
         let request_id = self.req.request_id.clone();
         let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
         let mut reserved_cached = 0;
+        let mut route = v1::Route {
+            decode_worker: decode_worker.id.to_string(),
+            prefill_worker: String::new(),
+            reason: decision.reason.as_str().to_string(),
+        };
         // A scoring request is routed without a prefill worker (`Prompt::scored`).
         let scoring = self.prompt.is_scored();
         let handoff = match decision.prefill.clone() {
@@ -284,14 +289,19 @@ impl Flow {
                 self.shared.router().prefill_done(self.routed.ticket);
                 *prefill_address = None;
                 match prefilled {
-                    Some(prefilled) => Some(v1::Handoff {
-                        reservation_id: reservation.reservation_id,
-                        first_token: prefilled.first_token,
-                        first_logprob: prefilled.logprob,
-                    }),
+                    Some(prefilled) => {
+                        // After any retry: the worker that did prefill it.
+                        route.prefill_worker = prefill.worker.id.to_string();
+                        Some(v1::Handoff {
+                            reservation_id: reservation.reservation_id,
+                            first_token: prefilled.first_token,
+                            first_logprob: prefilled.logprob,
+                        })
+                    }
                     None => {
                         tracing::warn!("no prefill worker can take the prompt; prefilling on the decode worker");
                         metrics::count(metrics::LOCAL_PREFILL_FALLBACKS_TOTAL, 1);
+                        route.reason = "prefill_failed".to_string();
                         // Its reservation goes; the decode call below prefills from scratch.
                         let abort = v1::AbortRequest {
                             request_id: request_id.clone(),
@@ -340,6 +350,7 @@ impl Flow {
                 prompt_logprobs: chunk.prompt_logprobs,
                 prompt_token_ids,
                 prompt_tokens,
+                route: first.then(|| route.clone()),
             };
             if tx.send(Ok(response)).await.is_err() {
                 return Err(Stop::Cancelled);
