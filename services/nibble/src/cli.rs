@@ -51,6 +51,9 @@ pub enum Command {
     /// Run a whole cluster on this machine: a router, a prefill and a decode worker on
     /// loopback, without etcd, on the default model (fetched on first use).
     Up(crate::cluster::UpArgs),
+    /// Measure a running cluster under load (or a suite of clusters it starts itself): TTFT,
+    /// ITL, throughput and goodput per load point, as JSON and plots.
+    Bench(crate::bench::BenchArgs),
     /// Run the router (as `nibble-router`): the Inference API over workers found in etcd.
     Router(nibble_router::cli::RouterArgs),
     /// Run a prefill worker (as `nibble-prefill`).

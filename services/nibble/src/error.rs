@@ -64,6 +64,9 @@ pub enum Error {
     /// A cluster process (`nibble up`, `router`, `prefill`, `decode`) failed.
     #[error("{0}")]
     Cluster(String),
+    /// `nibble bench` could not measure: a bad suite, an unreachable or unfit cluster.
+    #[error("nibble bench: {0}")]
+    Bench(String),
     /// The router (`generate --url`) refused or failed the request.
     #[error("{url}: {code:?}: {message}")]
     Remote {

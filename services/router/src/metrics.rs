@@ -73,6 +73,9 @@ pub const IN_FLIGHT_REQUESTS: &str = "nibble_router_in_flight_requests";
 /// 1 - (free + evictable) / total over the reachable workers of each `role` (vLLM's
 /// `vllm:kv_cache_usage_perc`). Labelled `role` and `model_name`.
 pub const KV_CACHE_USAGE: &str = "nibble_router_kv_cache_usage";
+/// Gauge: tokens of KV the reachable workers of each `role` hold in all (their pages, from
+/// their load reports, times the page size), labelled `role` and `model_name`.
+pub const KV_CAPACITY_TOKENS: &str = "nibble_router_kv_capacity_tokens";
 
 /// The label every per-request series carries: the served model's name.
 pub const MODEL_NAME: &str = "model_name";
@@ -190,6 +193,10 @@ pub fn describe(model: &str) {
         KV_CACHE_USAGE,
         "Share of the workers' KV pages in use (0 to 1), by role, from their load reports."
     );
+    describe_gauge!(
+        KV_CAPACITY_TOKENS,
+        "Tokens of KV the reachable workers hold in all, by role, from their load reports."
+    );
     for reason in Reason::ALL {
         metrics::counter!(DECISIONS_TOTAL, "reason" => reason.as_str()).absolute(0);
     }
@@ -288,10 +295,16 @@ impl Collect for Shared {
                 nibble_discovery::Role::Prefill,
                 nibble_discovery::Role::Decode,
             ] {
-                let usage = self.router().kv_cache_usage(role);
+                let router = self.router();
+                let (usage, (_, pages)) = (router.kv_cache_usage(role), router.kv_pages(role));
+                let tokens = pages * u64::from(router.config().page_size);
+                drop(router);
                 metrics::gauge!(KV_CACHE_USAGE, "role" => role_label(role),
                     MODEL_NAME => model.clone())
                 .set(usage);
+                metrics::gauge!(KV_CAPACITY_TOKENS, "role" => role_label(role),
+                    MODEL_NAME => model.clone())
+                .set(tokens as f64);
             }
         })
     }

@@ -349,10 +349,19 @@ impl Router {
     /// their last load reports (or registrations) say: pages neither free nor evictable over
     /// all pages, summed over the workers. 0 when none has reported a capacity.
     pub fn kv_cache_usage(&self, role: Role) -> f64 {
+        match self.kv_pages(role) {
+            (_, 0) => 0.0,
+            (used, total) => used as f64 / total as f64,
+        }
+    }
+
+    /// KV pages in use and in all over the reachable workers of `role`, from their load
+    /// reports (a page only the prefix cache holds is not in use).
+    pub fn kv_pages(&self, role: Role) -> (u64, u64) {
         let set = match role {
             Role::Prefill => self.prefill,
             Role::Decode => self.decode,
-            Role::Router => return 0.0,
+            Role::Router => return (0, 0),
         };
         let (mut used, mut total) = (0u64, 0u64);
         for slot in set.difference(self.down) {
@@ -362,10 +371,7 @@ impl Router {
                 total += reported.total_pages;
             }
         }
-        match total {
-            0 => 0.0,
-            total => used as f64 / total as f64,
-        }
+        (used, total)
     }
 
     /// Counts for gauges.
