@@ -221,9 +221,12 @@ impl Collect for WorkerState {
                 return; // the engine stopped: its last values stay
             };
             let role = role_label(self);
+            // Several workers may share one process (`nibble up --decode-workers 2`) and so
+            // one recorder: each sets its own series.
+            let worker = self.identity().worker_id.clone();
             let page_size = self.engine().info().page_size as u64;
             let gauge = |name: &'static str, value: usize| {
-                metrics::gauge!(name, "role" => role).set(value as f64);
+                metrics::gauge!(name, "role" => role, "worker" => worker.clone()).set(value as f64);
             };
             gauge(KV_PAGES_TOTAL, load.total_pages);
             gauge(KV_PAGES_FREE, load.free_pages);
@@ -236,14 +239,14 @@ impl Collect for WorkerState {
                 0 => 0.0,
                 total => used as f64 / total as f64,
             };
-            metrics::gauge!(KV_CACHE_USAGE, "role" => role).set(usage);
+            metrics::gauge!(KV_CACHE_USAGE, "role" => role, "worker" => worker.clone()).set(usage);
             gauge(RUNNING_REQUESTS, load.running);
             gauge(WAITING_REQUESTS, load.waiting);
             gauge(PENDING_RESERVATIONS, self.pending_reservations());
             gauge(NCCL_LINKS, self.nccl().map_or(0, |n| n.live_links()));
             let cache = load.cache;
             let counter = |name: &'static str, value: u64| {
-                metrics::counter!(name, "role" => role).absolute(value);
+                metrics::counter!(name, "role" => role, "worker" => worker.clone()).absolute(value);
             };
             counter(PREFIX_CACHE_LOOKUPS_TOTAL, cache.queries);
             counter(PREFIX_CACHE_QUERIES_TOTAL, cache.query_blocks * page_size);

@@ -7,8 +7,8 @@
 //! tokenized again over HTTP, as a chat client would send it) plus its new tokens, after the
 //! workload's think time.
 //!
-//! When a request fails as an unreachable cluster does and the cluster no longer answers a
-//! fresh connection, the point stops sending: what was measured is kept and the point is marked
+//! When a request fails and the cluster no longer answers a fresh call, the point stops
+//! sending: what was measured is kept and the point is marked
 //! lost, so the run can report it and exit non-zero.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -97,7 +97,7 @@ impl Shared {
             let failed = record.error.clone();
             let _ = self.records.send(record);
             if let Some(error) = failed {
-                if looks_unreachable(&error) && !client.alive().await {
+                if !client.alive().await {
                     self.stop.store(true, Ordering::Relaxed);
                     self.lost.lock().expect("not poisoned").get_or_insert(error);
                 }
@@ -111,19 +111,6 @@ impl Shared {
             }
         }
     }
-}
-
-/// Whether an error reads like a cluster that cannot be reached.
-fn looks_unreachable(error: &str) -> bool {
-    [
-        "Unavailable",
-        "connect",
-        "error sending request",
-        "broken pipe",
-        "connection",
-    ]
-    .iter()
-    .any(|s| error.contains(s))
 }
 
 /// Runs `point` against `client`, sampling `scraper` while it runs.

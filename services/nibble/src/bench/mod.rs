@@ -216,6 +216,15 @@ pub async fn measure(
     let loads = target.loads.clone().unwrap_or_else(|| plan.loads.clone());
     let shape = shape(&target).await?;
     check(plan, &loads, &shape, &target.name)?;
+    if shape.kv_tokens.is_none() {
+        writeln!(
+            out,
+            "nibble bench: {}: no /metrics read (--metrics URL): the KV capacity is not checked \
+             and no cluster statistics are recorded",
+            target.name
+        )
+        .map_err(Error::Stdout)?;
+    }
     if plan.warmup > 0 {
         let mut prompts =
             Prompts::new(corpus.to_vec(), plan.seed ^ 0x5741_524d).map_err(Error::Bench)?;

@@ -1,11 +1,11 @@
 //! The cluster's own numbers, read from its Prometheus `/metrics` endpoints before, during and
 //! after a load point: prefix-cache hits, KV pages in use, running requests and transfer bytes.
 //!
-//! nibble's router exports the cluster-wide gauges (`nibble_router_running_requests`,
-//! `nibble_router_kv_cache_usage{role="decode"}`, the mean over decode workers' load reports);
-//! the workers' counters (`nibble_worker_prefix_cache_{hits,queries}_total`,
-//! `nibble_worker_kv_transfer_bytes_total{direction="sent"}`) are summed over every endpoint
-//! given. `nibble up` serves all of them on its HTTP port.
+//! Resident sequences are the decode workers' `nibble_worker_running_requests`, summed; the KV
+//! in use is the router's `nibble_router_kv_cache_usage{role="decode"}` (over its decode
+//! workers' load reports); the workers' counters (`nibble_worker_prefix_cache_{hits,queries}_total`,
+//! `nibble_worker_kv_transfer_bytes_total{direction="sent"}`) are summed over every series of
+//! every endpoint given. `nibble up` serves all of them on its HTTP port.
 
 use std::time::{Duration, Instant};
 
@@ -78,10 +78,11 @@ impl Metrics {
             .fold(None, |m, v| Some(m.map_or(v, |m: f64| m.max(v))))
     }
 
-    /// Requests running on the cluster: the router's gauge, else the decode workers' sum.
+    /// Sequences resident on the decode workers (being prefilled or decoded there), else the
+    /// router's running requests (which counts those waiting on a worker too).
     pub fn running(&self) -> Option<f64> {
-        self.sum("nibble_router_running_requests", &[])
-            .or_else(|| self.sum("nibble_worker_running_requests", &[("role", "decode")]))
+        self.sum("nibble_worker_running_requests", &[("role", "decode")])
+            .or_else(|| self.sum("nibble_router_running_requests", &[]))
     }
 
     /// The decode workers' share of KV pages in use: the router's, else the fullest worker's.
@@ -232,7 +233,10 @@ mod tests {
 
     const TEXT: &str = r#"# HELP nibble_router_running_requests Requests holding a running place.
 # TYPE nibble_router_running_requests gauge
-nibble_router_running_requests 3
+nibble_router_running_requests 9
+nibble_worker_running_requests{role="decode",worker="d0"} 1
+nibble_worker_running_requests{role="decode",worker="d1"} 2
+nibble_worker_running_requests{role="prefill",worker="p0"} 5
 nibble_router_kv_cache_usage{role="decode"} 0.25
 nibble_router_kv_cache_usage{role="prefill"} 0.75
 nibble_worker_prefix_cache_hits_total{role="decode"} 32

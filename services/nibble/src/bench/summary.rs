@@ -198,7 +198,7 @@ pub struct ClusterStats {
     pub prefix_cache_hit_rate: Option<f64>,
     /// The largest fraction of the decode workers' KV pages in use seen while it ran.
     pub peak_kv_usage: Option<f64>,
-    /// The most requests running on the cluster at once, as sampled.
+    /// The most sequences resident on the decode workers at once, as sampled.
     pub peak_running: Option<f64>,
     /// KV bytes sent from prefill to decode workers during the point.
     pub transfer_bytes: Option<f64>,
@@ -209,7 +209,7 @@ pub struct ClusterStats {
 pub struct Sample {
     /// Seconds since the point started.
     pub t_s: f64,
-    /// Requests running on the cluster (dispatched to workers).
+    /// Sequences resident on the decode workers (being prefilled or decoded there).
     pub running: f64,
     /// Fraction of the decode workers' KV pages in use.
     pub kv_usage: Option<f64>,

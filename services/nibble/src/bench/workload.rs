@@ -7,7 +7,8 @@
 //!
 //! * fixed: every prompt `input` tokens, every answer `output` tokens;
 //! * lognormal: prompt and answer lengths drawn from lognormal distributions with the given
-//!   means and shape `sigma` (μ = ln(mean) − σ²/2, so the mean is as given), at least 1 token;
+//!   means and shape `sigma` (μ = ln(mean) − σ²/2, so the mean is as given), at least 1 token
+//!   and at most four times the mean;
 //! * shared-prefix: G groups, each a system prompt of S tokens; each request is one group's
 //!   system prompt (groups in turn) followed by a unique question of `input` tokens;
 //! * multi-turn: sessions of T turns; each turn sends the whole conversation so far (every
@@ -102,11 +103,11 @@ impl Workload {
     }
 
     /// The longest context one request of this workload can reach (prompt and answer), in
-    /// tokens; lognormal lengths are capped at eight times their means.
+    /// tokens; lognormal lengths are capped at four times their means.
     pub fn max_context(&self) -> usize {
         match *self {
             Workload::Fixed { input, output } => input + output,
-            Workload::Lognormal { input, output, .. } => 8 * (input + output),
+            Workload::Lognormal { input, output, .. } => 4 * (input + output),
             Workload::SharedPrefix {
                 system,
                 input,
@@ -243,7 +244,7 @@ impl Prompts {
                 let draw = |rng: &mut StdRng, mean: usize| {
                     let mu = (mean as f64).ln() - sigma * sigma / 2.0;
                     let d = LogNormal::new(mu, sigma).expect("sigma checked finite, >= 0");
-                    (d.sample(rng).round() as usize).clamp(1, 8 * mean)
+                    (d.sample(rng).round() as usize).clamp(1, 4 * mean)
                 };
                 (0..count)
                     .map(|_| {
