@@ -79,6 +79,15 @@ impl RadixCache {
         self.nodes.is_empty()
     }
 
+    /// Cached pages nothing else holds (no request, no lock): what eviction can give back,
+    /// leaves first. A cached page a running request also holds is in use, not reclaimable.
+    pub fn reclaimable(&self, pool: &PagePool) -> usize {
+        self.nodes
+            .values()
+            .filter(|n| n.locks == 0 && pool.refcount(n.page).is_ok_and(|c| c == 1))
+            .count()
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.stats
     }

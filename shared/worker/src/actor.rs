@@ -65,6 +65,8 @@ pub struct LoadSnapshot {
     pub total_pages: usize,
     /// Pages held by the prefix cache.
     pub cached_pages: usize,
+    /// Of those, pages nothing else holds (no running or held request): reclaimable.
+    pub evictable_pages: usize,
     /// Requests being prefilled or decoded.
     pub running: usize,
     /// Requests waiting for admission.
@@ -566,6 +568,7 @@ where
                     free_pages: s.pool.free_pages(),
                     total_pages: s.pool.total_pages(),
                     cached_pages: s.cache.len(),
+                    evictable_pages: s.cache.reclaimable(&s.pool),
                     running: s.running(),
                     waiting: s.waiting(),
                     held: s.held(),

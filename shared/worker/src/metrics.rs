@@ -48,7 +48,7 @@ pub const KV_PAGES_FREE: &str = "nibble_worker_kv_pages_free";
 /// Gauge: pages held by the prefix cache (evictable when no request holds them).
 pub const KV_PAGES_CACHED: &str = "nibble_worker_kv_pages_cached";
 /// Gauge: the share of the KV page pool in use, in `[0, 1]`: pages neither free nor held
-/// only by the prefix cache, over all pages (vLLM's `vllm:kv_cache_usage_perc`; the router's
+/// only by the prefix cache (a cached page a request holds is in use), over all pages (vLLM's `vllm:kv_cache_usage_perc`; the router's
 /// `nibble_router_kv_cache_usage` sums the same over its workers' load reports).
 pub const KV_CACHE_USAGE: &str = "nibble_worker_kv_cache_usage";
 /// Gauge: bytes of one KV page.
@@ -234,7 +234,7 @@ impl Collect for WorkerState {
             gauge(KV_PAGE_BYTES, self.engine().info().page_bytes);
             let used = load
                 .total_pages
-                .saturating_sub(load.free_pages + load.cached_pages);
+                .saturating_sub(load.free_pages + load.evictable_pages);
             let usage = match load.total_pages {
                 0 => 0.0,
                 total => used as f64 / total as f64,

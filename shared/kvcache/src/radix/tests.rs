@@ -48,6 +48,26 @@ fn match_insert_and_reuse() {
 }
 
 #[test]
+fn pages_a_request_still_holds_are_cached_but_not_reclaimable() {
+    let mut pool = pool(16);
+    let mut cache = RadixCache::default();
+    let tokens: Vec<u32> = (0..12).collect();
+    let hashes = hash_blocks(&tokens, PAGE);
+    let mut table = PageTable::from_shared(&mut pool, &[]).unwrap();
+    table.append(&mut pool, tokens.len()).unwrap();
+    cache.insert(&mut pool, &hashes, table.pages()).unwrap();
+    // The request is running: its three pages are cached and held.
+    assert_eq!((cache.len(), cache.reclaimable(&pool)), (3, 0));
+    table.release(&mut pool).unwrap();
+    assert_eq!((cache.len(), cache.reclaimable(&pool)), (3, 3));
+    // A locked prefix (a request about to reuse it) is not reclaimable either.
+    cache.lock(&hashes[..1]).unwrap();
+    assert_eq!(cache.reclaimable(&pool), 2);
+    cache.unlock(&hashes[..1]).unwrap();
+    pool.check_invariants().unwrap();
+}
+
+#[test]
 fn a_block_cached_again_moves_to_the_new_copy() {
     let mut pool = pool(8);
     let mut cache = RadixCache::default();

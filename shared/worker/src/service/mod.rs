@@ -455,7 +455,7 @@ impl WorkerState {
         Ok(v1::LoadResponse {
             free_pages: l.free_pages as u64,
             total_pages: l.total_pages as u64,
-            evictable_pages: l.cached_pages as u64,
+            evictable_pages: l.evictable_pages as u64,
             running_requests: l.running as u32,
             waiting_requests: l.waiting as u32,
             pending_reservations: self.reservations.len() as u32,
