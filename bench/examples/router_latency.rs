@@ -1,8 +1,11 @@
 //! The router's added latency: time to first token through the router minus time to first
 //! token asking the decode worker directly, for the same request.
 //!
-//!     cargo run --release -p nibble-bench --example router_latency [-- REQUESTS PROMPT_TOKENS]
+//!     cargo run --release -p nibble-bench --example router_latency [-- REQUESTS PROMPT_TOKENS [LOAD]]
 //!
+//! With LOAD, that many other clients keep streaming requests through the router the whole time
+//! (each a new 128-token prompt and 32 generated tokens, one after another), so the router is
+//! measured under load: admission, routing and relays of other streams compete with each probe.
 //! One prefill worker, one decode worker and a router, real gRPC servers on loopback ports.
 //! The router's local-prefill threshold is above the prompt, so through the router the decode
 //! worker prefills the prompt itself — exactly the work a direct `Decode` call asks of it — and
@@ -40,6 +43,7 @@ async fn main() {
     let prompt_tokens: usize = args
         .next()
         .map_or(64, |a| a.parse().expect("PROMPT_TOKENS"));
+    let load: usize = args.next().map_or(0, |a| a.parse().expect("LOAD"));
     let prompt = text_tokens(prompt_tokens);
     let cluster = LocalCluster::start(&Setup {
         kv_dtype: KvDtype::Nvfp4,
@@ -54,6 +58,41 @@ async fn main() {
     let mut decode = WorkerClient::connect(format!("http://{}", cluster.decode))
         .await
         .expect("connect to the decode worker");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut background = Vec::new();
+    let corpus = text_tokens(4096);
+    for client in 0..load {
+        let mut router = router.clone();
+        let stop = stop_rx.clone();
+        let corpus = corpus.clone();
+        background.push(tokio::spawn(async move {
+            let mut sent = 0usize;
+            while !*stop.borrow() {
+                // A new prompt each time (not cached), from its own place in the text.
+                let at = (client * 997 + sent * 131) % (corpus.len() - 128);
+                let request = v1::GenerateRequest {
+                    prompt: Some(v1::generate_request::Prompt::Tokens(v1::TokenIds {
+                        ids: corpus[at..at + 128].to_vec(),
+                    })),
+                    sampling: sampling(),
+                    stopping: Some(v1::StoppingCriteria {
+                        max_tokens: Some(32),
+                        ignore_eos: true,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                let mut stream = router
+                    .generate(request)
+                    .await
+                    .expect("Generate")
+                    .into_inner();
+                while stream.message().await.expect("stream").is_some() {}
+                sent += 1;
+            }
+            sent
+        }));
+    }
     let (mut direct, mut routed) = (Vec::new(), Vec::new());
     for i in 0..requests + 10 {
         let start = Instant::now();
@@ -95,6 +134,14 @@ async fn main() {
             direct.push(direct_ttft.as_secs_f64() * 1e3);
             routed.push(routed_ttft.as_secs_f64() * 1e3);
         }
+    }
+    let _ = stop_tx.send(true);
+    let mut streamed = 0;
+    for task in background {
+        streamed += task.await.expect("a background client");
+    }
+    if load > 0 {
+        println!("under load: {load} clients streamed {streamed} other requests meanwhile");
     }
     let mut added: Vec<f64> = routed.iter().zip(&direct).map(|(r, d)| r - d).collect();
     println!(

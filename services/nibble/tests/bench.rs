@@ -96,7 +96,7 @@ fn the_ci_suite_writes_records_summaries_and_plots() {
     for s in &summaries {
         assert_eq!(s["requests"], 6);
         assert_eq!(s["errors"], 0);
-        assert_eq!(s["decode_workers"], 2);
+        assert_eq!(s["workers"], 3, "one prefill and two decode workers");
         for key in ["ttft_ms", "itl_ms", "e2e_ms"] {
             let p = &s[key];
             assert!(

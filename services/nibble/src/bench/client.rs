@@ -157,7 +157,8 @@ impl Client {
         })
     }
 
-    /// The served model's context length and decode workers (0 when the API does not say).
+    /// The served model's context length and workers, prefill and decode (0 when the API does
+    /// not say).
     pub async fn describe(&self) -> Result<(usize, usize), String> {
         match self {
             Client::Grpc(client) => {
@@ -173,7 +174,8 @@ impl Client {
                     .find(|m| m.is_default)
                     .or(models.models.first())
                     .ok_or("the router serves no model (no worker registered)")?;
-                Ok((model.max_context as usize, model.decode_workers as usize))
+                let workers = model.prefill_workers + model.decode_workers;
+                Ok((model.max_context as usize, workers as usize))
             }
             Client::Http {
                 http,

@@ -141,16 +141,16 @@ fn open_tokenizer(model: &Path) -> Result<Tokenizer> {
         .map_err(fail)
 }
 
-/// What a cluster says of itself before any load: its context length and decode workers.
+/// What a cluster says of itself before any load: its context length and workers.
 struct Shape {
     max_context: usize,
-    decode_workers: usize,
+    workers: usize,
     kv_tokens: Option<f64>,
 }
 
 async fn shape(target: &Target) -> Result<Shape> {
     let fail = |e: String| Error::Bench(format!("{}: {e}", target.name));
-    let (max_context, mut decode_workers) = target.client.describe().await.map_err(fail)?;
+    let (max_context, mut workers) = target.client.describe().await.map_err(fail)?;
     let metrics = match target.scraper.is_empty() {
         true => None,
         false => Some(target.scraper.read().await.map_err(fail)?),
@@ -158,15 +158,15 @@ async fn shape(target: &Target) -> Result<Shape> {
     let kv_tokens = metrics
         .as_ref()
         .and_then(|m| m.sum("nibble_router_kv_capacity_tokens", &[("role", "decode")]));
-    if decode_workers == 0 {
-        decode_workers = metrics
+    if workers == 0 {
+        workers = metrics
             .as_ref()
-            .and_then(|m| m.sum("nibble_router_workers", &[("role", "decode")]))
+            .and_then(|m| m.sum("nibble_router_workers", &[]))
             .unwrap_or(1.0) as usize;
     }
     Ok(Shape {
         max_context,
-        decode_workers: decode_workers.max(1),
+        workers: workers.max(1),
         kv_tokens,
     })
 }
@@ -275,7 +275,7 @@ pub async fn measure(
         let of = summary::Of {
             config: &target.name,
             load: *load,
-            decode_workers: shape.decode_workers,
+            workers: shape.workers,
             slo: plan.slo,
         };
         let summary = Summary::new(

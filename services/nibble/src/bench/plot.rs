@@ -1,7 +1,7 @@
 //! The plots `nibble bench` draws from a sweep's summaries, as PNGs:
 //!
 //! - `pareto.png`: the Pareto curve of throughput against interactivity: output tokens/s per
-//!   decode worker against each user's tokens/s, one line per configuration through its load
+//!   worker (prefill and decode) against each user's tokens/s, one line per configuration through its load
 //!   points, each point labelled with its load (`c=4`).
 //! - `latency.png`: TTFT (left) and inter-token latency (right) p50, p90 and p99 against load.
 //! - `goodput.png`: requests/s that met the SLO against load, with every completed request/s as
@@ -349,7 +349,8 @@ fn line<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, series: &Series) -> Drawn {
     Ok(())
 }
 
-/// Output tokens/s per decode worker against tokens/s per user, one curve per configuration.
+/// Output tokens/s per worker (prefill and decode) against tokens/s per user, one curve per
+/// configuration.
 fn pareto(configs: &[Config]) -> Plot {
     let curve = |c: &Config| {
         let point = |s: &Summary| {
@@ -375,7 +376,7 @@ fn pareto(configs: &[Config]) -> Plot {
         caption: "Throughput against interactivity".into(),
         axes: (
             "tokens/s per user (median over requests)",
-            "output tokens/s per decode worker",
+            "output tokens/s per worker",
         ),
         legend: Some(SeriesLabelPosition::UpperRight),
         series: configs.iter().map(curve).collect(),
@@ -554,7 +555,7 @@ mod tests {
         let of = Of {
             config: name,
             load: Load::Concurrency(c),
-            decode_workers: 2,
+            workers: 2,
             slo,
         };
         Summary::new(of, &records, duration, stats, (0..60).map(sample).collect())

@@ -220,8 +220,8 @@ pub struct Sample {
 pub struct Of<'a> {
     pub config: &'a str,
     pub load: Load,
-    /// Decode workers, for per-worker throughput.
-    pub decode_workers: usize,
+    /// Workers (prefill and decode: GPUs, where each has one), for per-worker throughput.
+    pub workers: usize,
     /// The objectives goodput counts.
     pub slo: Option<Slo>,
 }
@@ -231,8 +231,8 @@ pub struct Of<'a> {
 pub struct Summary {
     pub config: String,
     pub load: Load,
-    /// Workers that generate tokens (decode workers), for per-worker throughput.
-    pub decode_workers: usize,
+    /// Workers, prefill and decode (GPUs, where each has one), for per-worker throughput.
+    pub workers: usize,
     pub requests: usize,
     pub errors: usize,
     /// From the first request sent to the last answer, in seconds.
@@ -246,7 +246,7 @@ pub struct Summary {
     /// Prompt and generated tokens per second.
     pub total_tokens_per_s: f64,
     pub requests_per_s: f64,
-    /// Generated tokens per second per decode worker.
+    /// Generated tokens per second per worker.
     pub output_tokens_per_s_per_worker: f64,
     /// The median over requests of each one's generated tokens per second after its first.
     pub tokens_per_s_per_user: Option<f64>,
@@ -278,7 +278,7 @@ impl Summary {
         let Of {
             config,
             load,
-            decode_workers,
+            workers,
             slo,
         } = of;
         let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.ok()).collect();
@@ -295,7 +295,7 @@ impl Summary {
         Self {
             config: config.to_string(),
             load,
-            decode_workers,
+            workers,
             requests: records.len(),
             errors: records.len() - ok.len(),
             duration_s,
@@ -305,7 +305,7 @@ impl Summary {
             output_tokens_per_s: output as f64 / seconds,
             total_tokens_per_s: (output + prompt) as f64 / seconds,
             requests_per_s: ok.len() as f64 / seconds,
-            output_tokens_per_s_per_worker: output as f64 / seconds / decode_workers.max(1) as f64,
+            output_tokens_per_s_per_worker: output as f64 / seconds / workers.max(1) as f64,
             tokens_per_s_per_user: Percentiles::of(&per_user).map(|p| p.p50),
             cached_fraction: match prompt {
                 0 => 0.0,
@@ -411,7 +411,7 @@ mod tests {
         let of = Of {
             config: "x",
             load: Load::Concurrency(2),
-            decode_workers: 2,
+            workers: 2,
             slo: Some(slo),
         };
         let s = Summary::new(of, &records, 2.0, ClusterStats::default(), Vec::new());

@@ -10,7 +10,7 @@
 //!   means and shape `sigma` (μ = ln(mean) − σ²/2, so the mean is as given), at least 1 token
 //!   and at most four times the mean;
 //! * shared-prefix: G groups, each a system prompt of S tokens; each request is one group's
-//!   system prompt (groups in turn) followed by a unique question of `input` tokens;
+//!   system prompt (a group drawn at random) followed by a unique question of `input` tokens;
 //! * multi-turn: sessions of T turns; each turn sends the whole conversation so far (every
 //!   earlier prompt and answer) plus a new user message of `input` tokens, after a think time.
 
@@ -123,20 +123,20 @@ impl Workload {
         }
     }
 
-    /// The KV tokens one request in flight keeps resident at most, and those its requests
-    /// share (the shared-prefix groups' system prompts, held once each); lognormal lengths
-    /// count at their means.
+    /// The fewest KV tokens requests in flight can keep resident: each one's own tokens, and
+    /// those they may share (a shared-prefix group's system prompt, held once); lognormal
+    /// lengths count at their means.
     pub fn resident_tokens(&self) -> (usize, usize) {
         match *self {
             Workload::Fixed { input, output } | Workload::Lognormal { input, output, .. } => {
                 (input + output, 0)
             }
             Workload::SharedPrefix {
-                groups,
                 system,
                 input,
                 output,
-            } => (input + output, groups * system),
+                ..
+            } => (input + output, system),
             Workload::MultiTurn { .. } => (self.max_context(), 0),
         }
     }
@@ -268,8 +268,10 @@ impl Prompts {
             } => {
                 let systems: Vec<Vec<u32>> = (0..groups).map(|_| self.take(system)).collect();
                 (0..count)
-                    .map(|i| {
-                        let group = i % groups;
+                    .map(|_| {
+                        // Groups in a seeded random order, as users of several applications
+                        // arrive: never in step with a round robin over workers.
+                        let group = self.rng.gen_range(0..groups);
                         let mut tokens = systems[group].clone();
                         tokens.extend(self.take(input));
                         Job {
@@ -344,17 +346,19 @@ mod tests {
             input: 16,
             output: 4,
         };
-        let jobs = prompts(7).jobs(&w, 9);
-        for job in &jobs {
-            let group = job.group.unwrap();
-            let head = &job.turns[0].new_tokens[..64];
-            assert_eq!(head, &jobs[group].turns[0].new_tokens[..64]);
-            assert_eq!(job.turns[0].new_tokens.len(), 80);
+        let jobs = prompts(7).jobs(&w, 30);
+        let head = |j: &Job| j.turns[0].new_tokens[..64].to_vec();
+        for a in &jobs {
+            assert_eq!(a.turns[0].new_tokens.len(), 80);
+            for b in &jobs {
+                assert_eq!(a.group == b.group, head(a) == head(b));
+            }
         }
-        assert_ne!(
-            jobs[0].turns[0].new_tokens[..64],
-            jobs[1].turns[0].new_tokens[..64]
-        );
+        let groups: std::collections::HashSet<_> = jobs.iter().map(|j| j.group).collect();
+        assert_eq!(groups.len(), 3);
+        // Not in turn: a round robin over two workers would otherwise split groups evenly.
+        let in_turn = jobs.iter().enumerate().all(|(i, j)| j.group == Some(i % 3));
+        assert!(!in_turn);
     }
 
     #[test]
