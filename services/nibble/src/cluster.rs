@@ -560,28 +560,7 @@ pub fn generate_remote(
     diag: &mut impl Write,
 ) -> Result<()> {
     let request = generate_request(args)?;
-    let flag = |flag: &'static str| {
-        move |e: nibble_security::Error| Error::Flag {
-            flag,
-            reason: e.to_string(),
-        }
-    };
-    let tls = nibble_security::TlsArgs {
-        tls_ca: args.tls_ca.clone(),
-        ..Default::default()
-    }
-    .load()
-    .map_err(flag("--tls-ca"))?;
-    let peers = nibble_security::Peers::new(
-        tls.map(|t| t.grpc_client())
-            .transpose()
-            .map_err(flag("--tls-ca"))?
-            .flatten(),
-        args.api_key
-            .as_deref()
-            .and_then(nibble_security::Secret::new),
-    )
-    .map_err(flag("--api-key"))?;
+    let peers = client_peers(args.tls_ca.clone(), args.api_key.as_deref())?;
     runtime()?.block_on(stream_remote(
         url,
         &peers,
@@ -590,6 +569,34 @@ pub fn generate_remote(
         out,
         diag,
     ))
+}
+
+/// How a client of the router (`generate --url`, `bench`) dials it: over TLS trusting
+/// `tls_ca` when given, sending `api_key` when given; a bad file or key names its flag.
+pub fn client_peers(
+    tls_ca: Option<PathBuf>,
+    api_key: Option<&str>,
+) -> Result<nibble_security::Peers> {
+    let flag = |flag: &'static str| {
+        move |e: nibble_security::Error| Error::Flag {
+            flag,
+            reason: e.to_string(),
+        }
+    };
+    let tls = nibble_security::TlsArgs {
+        tls_ca,
+        ..Default::default()
+    }
+    .load()
+    .map_err(flag("--tls-ca"))?;
+    nibble_security::Peers::new(
+        tls.map(|t| t.grpc_client())
+            .transpose()
+            .map_err(flag("--tls-ca"))?
+            .flatten(),
+        api_key.and_then(nibble_security::Secret::new),
+    )
+    .map_err(flag("--api-key"))
 }
 
 /// Sends `request` to the router at `url` (dialed as `peers` says: TLS, API key) and streams

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use nibble_engine::Tokenizer;
-use nibble_security::{Peers, Secret, TlsArgs};
+use nibble_security::Peers;
 
 use super::client::{Api, Client};
 use super::scrape::Scraper;
@@ -219,26 +219,7 @@ impl BenchArgs {
 
     /// How gRPC dials the router: the CA and the API key.
     pub fn peers(&self) -> Result<Peers> {
-        let flag = |flag: &'static str| {
-            move |e: nibble_security::Error| Error::Flag {
-                flag,
-                reason: e.to_string(),
-            }
-        };
-        let tls = TlsArgs {
-            tls_ca: self.tls_ca.clone(),
-            ..Default::default()
-        }
-        .load()
-        .map_err(flag("--tls-ca"))?;
-        Peers::new(
-            tls.map(|t| t.grpc_client())
-                .transpose()
-                .map_err(flag("--tls-ca"))?
-                .flatten(),
-            self.api_key.as_deref().and_then(Secret::new),
-        )
-        .map_err(flag("--api-key"))
+        crate::cluster::client_peers(self.tls_ca.clone(), self.api_key.as_deref())
     }
 
     /// The cluster at `--url`, connected.
