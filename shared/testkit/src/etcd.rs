@@ -1,6 +1,10 @@
 //! A real etcd for tests: `/usr/bin/etcd` (Debian package etcd-server) or `$NIBBLE_ETCD_BIN`,
 //! on free loopback ports with a temporary data directory, killed when dropped.
 //!
+//! Ports come from below the kernel's ephemeral range (which starts at 32768 by default), so
+//! that no outgoing connection of a test running alongside can take one between the moment it
+//! is chosen and the moment etcd binds it; a start that still loses the race picks new ports.
+//!
 //! A missing binary fails the test with instructions; it never skips.
 
 use std::fs::{File, OpenOptions};
@@ -14,6 +18,9 @@ use tempfile::TempDir;
 
 const DEFAULT_BIN: &str = "/usr/bin/etcd";
 const READY_WAIT: Duration = Duration::from_secs(30);
+/// Ports are chosen in `PORTS`, below the default ephemeral range.
+const PORTS: std::ops::Range<u16> = 20_000..32_000;
+const START_ATTEMPTS: usize = 8;
 
 pub struct EtcdServer {
     bin: PathBuf,
@@ -23,9 +30,32 @@ pub struct EtcdServer {
     child: Option<Child>,
 }
 
+/// A loopback port in `PORTS` that nothing listens on now: candidates are spread by the process
+/// id, the clock and a counter, so parallel tests and test binaries rarely try the same one.
 fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
-    listener.local_addr().expect("local address").port()
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let span = u64::from(PORTS.end - PORTS.start);
+    loop {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let mix = (u64::from(std::process::id()) << 32 | u64::from(nanos))
+            .wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let port = PORTS.start + ((mix >> 32) % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// How a start ended when etcd did not come up.
+enum StartError {
+    /// Another process bound one of the ports first: worth another try on other ports.
+    PortTaken(String),
+    Failed(String),
 }
 
 impl EtcdServer {
@@ -48,8 +78,21 @@ impl EtcdServer {
             peer_port: free_port(),
             child: None,
         };
-        server.spawn();
-        server
+        for attempt in 1..=START_ATTEMPTS {
+            match server.try_spawn() {
+                Ok(()) => return server,
+                Err(StartError::PortTaken(log)) if attempt < START_ATTEMPTS => {
+                    eprintln!("etcd lost its port to another process, retrying: {log}");
+                    server.kill();
+                    let _ = std::fs::remove_dir_all(server.data_dir());
+                    let _ = std::fs::remove_file(server.log_path());
+                    server.client_port = free_port();
+                    server.peer_port = free_port();
+                }
+                Err(StartError::PortTaken(log) | StartError::Failed(log)) => panic!("{log}"),
+            }
+        }
+        unreachable!("the last attempt panics")
     }
 
     /// The client URL.
@@ -66,6 +109,12 @@ impl EtcdServer {
     }
 
     fn spawn(&mut self) {
+        if let Err(StartError::PortTaken(log) | StartError::Failed(log)) = self.try_spawn() {
+            panic!("{log}");
+        }
+    }
+
+    fn try_spawn(&mut self) -> Result<(), StartError> {
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = OpenOptions::new()
@@ -90,27 +139,33 @@ impl EtcdServer {
             .spawn()
             .unwrap_or_else(|e| panic!("could not start {}: {e}", self.bin.display()));
         self.child = Some(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
     /// Polls `/health` until etcd has a leader and answers.
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), StartError> {
         let start = Instant::now();
         while start.elapsed() < READY_WAIT {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
-                    panic!("etcd exited with {status}; log:\n{}", self.log_tail());
+                    let log = self.log_tail();
+                    let message = format!("etcd exited with {status}; log:\n{log}");
+                    return Err(if log.contains("address already in use") {
+                        StartError::PortTaken(message)
+                    } else {
+                        StartError::Failed(message)
+                    });
                 }
             }
             if self.healthy() {
-                return;
+                return Ok(());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!(
+        Err(StartError::Failed(format!(
             "etcd did not become healthy within {READY_WAIT:?}; log:\n{}",
             self.log_tail()
-        );
+        )))
     }
 
     fn healthy(&self) -> bool {
