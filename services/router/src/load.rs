@@ -27,6 +27,8 @@ pub struct LoadReport {
     pub total_pages: u64,
     /// Pages held only by the prefix cache, reclaimable by eviction.
     pub evictable_pages: u64,
+    /// Prompt tokens the worker still has to compute.
+    pub queued_prefill_tokens: u64,
 }
 
 impl LoadReport {
@@ -46,6 +48,7 @@ impl From<&v1::LoadResponse> for LoadReport {
             free_pages: load.free_pages,
             total_pages: load.total_pages,
             evictable_pages: load.evictable_pages,
+            queued_prefill_tokens: load.queued_prefill_tokens,
         }
     }
 }
@@ -57,6 +60,9 @@ pub struct Load {
     pub running: u32,
     /// Requests queued on the worker (as last reported).
     pub waiting: u32,
+    /// Prompt tokens the worker has still to compute (reported, plus what was dispatched minus
+    /// what produced its first token since): what a new request there waits behind.
+    pub queued_prefill_tokens: u64,
     /// Pages a new request could get: free plus evictable, minus what was dispatched since the
     /// report. 0 when the capacity is unknown.
     pub available_pages: u64,
@@ -87,8 +93,11 @@ pub(crate) struct LiveLoad {
     reported: LoadReport,
     own_requests: u32,
     own_pages: u64,
+    /// Prompt tokens of this router's requests there that have no first token yet.
+    own_prefill_tokens: u64,
     requests_since_report: i64,
     pages_since_report: i64,
+    prefill_tokens_since_report: i64,
 }
 
 impl LiveLoad {
@@ -104,6 +113,7 @@ impl LiveLoad {
         self.reported = report;
         self.requests_since_report = 0;
         self.pages_since_report = 0;
+        self.prefill_tokens_since_report = 0;
     }
 
     /// The worker's last report (the page counts of its registration until one arrives).
@@ -119,20 +129,32 @@ impl LiveLoad {
         self.pages_since_report = 0;
     }
 
-    /// This router sent the worker a request that will hold `pages` pages.
-    pub(crate) fn dispatch(&mut self, pages: u64) {
+    /// This router sent the worker a request that will hold `pages` pages and compute
+    /// `prefill_tokens` prompt tokens there.
+    pub(crate) fn dispatch(&mut self, pages: u64, prefill_tokens: u64) {
         self.own_requests += 1;
         self.own_pages += pages;
         self.requests_since_report += 1;
         self.pages_since_report += pages as i64;
+        self.own_prefill_tokens += prefill_tokens;
+        self.prefill_tokens_since_report += prefill_tokens as i64;
     }
 
-    /// A request [`dispatch`](Self::dispatch)ed with `pages` pages is done on the worker.
-    pub(crate) fn finish(&mut self, pages: u64) {
+    /// A request dispatched with `prefill_tokens` prompt tokens computed them (its first token
+    /// came).
+    pub(crate) fn prefill_finished(&mut self, prefill_tokens: u64) {
+        self.own_prefill_tokens = self.own_prefill_tokens.saturating_sub(prefill_tokens);
+        self.prefill_tokens_since_report -= prefill_tokens as i64;
+    }
+
+    /// A request [`dispatch`](Self::dispatch)ed with `pages` pages is done on the worker, with
+    /// `prefill_tokens` of its prompt tokens never computed (0 once its first token came).
+    pub(crate) fn finish(&mut self, pages: u64, prefill_tokens: u64) {
         self.own_requests = self.own_requests.saturating_sub(1);
         self.own_pages = self.own_pages.saturating_sub(pages);
         self.requests_since_report -= 1;
         self.pages_since_report -= pages as i64;
+        self.prefill_finished(prefill_tokens);
     }
 
     /// The current estimate.
@@ -146,9 +168,14 @@ impl LiveLoad {
         let available = (reclaimable - i128::from(self.pages_since_report))
             .min(i128::from(total.saturating_sub(self.own_pages)))
             .clamp(0, i128::from(total)) as u64;
+        let queued_prefill_tokens = (i128::from(reported.queued_prefill_tokens)
+            + i128::from(self.prefill_tokens_since_report))
+        .max(i128::from(self.own_prefill_tokens))
+        .clamp(0, i128::from(u64::MAX)) as u64;
         Load {
             running,
             waiting: reported.waiting,
+            queued_prefill_tokens,
             available_pages: available,
             total_pages: total,
             own_requests: self.own_requests,
@@ -167,6 +194,7 @@ mod tests {
             free_pages: free,
             total_pages: 1000,
             evictable_pages: 100,
+            queued_prefill_tokens: 500,
         }
     }
 
@@ -178,8 +206,8 @@ mod tests {
         });
         assert_eq!(load.current().running, 0);
         assert_eq!(load.current().available_pages, 1000);
-        load.dispatch(10);
-        load.dispatch(20);
+        load.dispatch(10, 0);
+        load.dispatch(20, 0);
         let now = load.current();
         assert_eq!((now.running, now.own_requests), (2, 2));
         assert_eq!(now.available_pages, 970);
@@ -194,7 +222,7 @@ mod tests {
         assert_eq!(load.reported().used_pages(), 1000 - 870 - 100);
 
         // One finishes before the next report.
-        load.finish(10);
+        load.finish(10, 0);
         let now = load.current();
         assert_eq!((now.running, now.own_requests), (4, 1));
         assert_eq!(now.available_pages, 980);
@@ -203,18 +231,41 @@ mod tests {
     #[test]
     fn never_below_own_in_flight() {
         let mut load = LiveLoad::default();
-        load.dispatch(4);
-        load.dispatch(4);
+        load.dispatch(4, 0);
+        load.dispatch(4, 0);
         // A report taken before the requests arrived.
         load.report(report(0, 900));
         assert_eq!(load.current().running, 2);
-        load.finish(4);
-        load.finish(4);
+        load.finish(4, 0);
+        load.finish(4, 0);
         assert_eq!(load.current().running, 0);
         // Finishing more than was dispatched saturates.
-        load.finish(4);
+        load.finish(4, 0);
         assert_eq!(load.current().own_requests, 0);
         assert_eq!(load.current().running, 0);
+    }
+
+    #[test]
+    fn prompt_tokens_pend_until_the_first_token() {
+        let mut load = LiveLoad::default();
+        load.dispatch(4, 300);
+        load.dispatch(4, 200);
+        assert_eq!(load.current().queued_prefill_tokens, 500);
+        // The worker reports the two prompts mostly computed, and another router's queued one.
+        load.report(report(2, 900));
+        assert_eq!(load.current().queued_prefill_tokens, 500);
+        load.prefill_finished(300);
+        assert_eq!(load.current().queued_prefill_tokens, 200);
+        // Never below this router's own pending prompts, whatever an old report said.
+        load.report(LoadReport {
+            queued_prefill_tokens: 0,
+            ..report(2, 900)
+        });
+        assert_eq!(load.current().queued_prefill_tokens, 200);
+        // A request cancelled before its first token takes its prompt with it.
+        load.finish(4, 200);
+        load.finish(4, 0);
+        assert_eq!(load.current().queued_prefill_tokens, 0);
     }
 
     #[test]
@@ -228,7 +279,7 @@ mod tests {
             total_pages: 8,
         });
         assert!(known.current().fits(8));
-        known.dispatch(3);
+        known.dispatch(3, 0);
         assert!(!known.current().fits(6));
     }
 
@@ -241,6 +292,7 @@ mod tests {
             running_requests: 4,
             waiting_requests: 5,
             pending_reservations: 6,
+            queued_prefill_tokens: 7,
         };
         assert_eq!(
             LoadReport::from(&wire),
@@ -250,6 +302,7 @@ mod tests {
                 free_pages: 1,
                 total_pages: 2,
                 evictable_pages: 3,
+                queued_prefill_tokens: 7,
             }
         );
     }

@@ -5,13 +5,15 @@
 //!
 //! ```text
 //! cost = uncached_tokens                                  // prompt tokens the worker lacks
-//!      + request_cost_tokens × (running + waiting)        // requests ahead of this one
+//!      + queued_prefill_tokens                            // prompt tokens queued ahead of it
+//!      + request_cost_tokens × (running + waiting)        // requests sharing its steps
 //!      + page_pressure_cost_tokens × used_fraction        // how full its page pool is
 //! ```
 //!
 //! so a cached prefix attracts a request only while the worker holding it is not overloaded
-//! by it: with the defaults, a worker holding a 2,048-token prefix wins until it runs 8 more
-//! requests than a cold one.
+//! by it: a request's first token waits for the prompt tokens queued ahead of it and its own,
+//! so a worker holding a 2,048-token prefix loses to a cold one once 2,048 more prompt tokens
+//! wait there; among decoding requests, with the defaults, it wins until it runs 16 more.
 //!
 //! Choosing is not a bare argmin. Costs within [`PolicyConfig::tie_tolerance_tokens`] of the best
 //! are ties; among ties the worker with the fewest requests this router has in flight wins, and
@@ -50,7 +52,8 @@ pub struct PolicyConfig {
     /// The decode worker prefills locally (no prefill worker, no transfer) when it lacks fewer
     /// than this many prompt tokens.
     pub local_prefill_threshold_tokens: usize,
-    /// What one running or waiting request on a worker costs, in uncached prompt tokens.
+    /// What one running or waiting request on a worker costs beyond the prompt tokens it still
+    /// has to compute, in uncached prompt tokens: its share of every step.
     pub request_cost_tokens: f64,
     /// What a full page pool costs, in uncached prompt tokens (scaled by the fraction in use).
     pub page_pressure_cost_tokens: f64,
@@ -65,7 +68,7 @@ impl Default for PolicyConfig {
         Self {
             routing: Routing::PrefixAware,
             local_prefill_threshold_tokens: 512,
-            request_cost_tokens: 256.0,
+            request_cost_tokens: 128.0,
             page_pressure_cost_tokens: 1024.0,
             tie_tolerance_tokens: 1.0,
             seed: 0x6e69_6262_6c65_7274,
@@ -97,6 +100,7 @@ impl PolicyConfig {
     /// A worker's cost for a request (see the module docs).
     pub fn cost(&self, uncached_tokens: usize, load: &crate::Load) -> f64 {
         uncached_tokens as f64
+            + load.queued_prefill_tokens as f64
             + self.request_cost_tokens * (f64::from(load.running) + f64::from(load.waiting))
             + self.page_pressure_cost_tokens * load.used_fraction()
     }
@@ -238,8 +242,20 @@ mod tests {
             waiting: 4,
             ..Load::default()
         };
-        // A 2,048-token prefix is worth eight requests in flight.
-        assert_eq!(config.cost(0, &busy), config.cost(2048, &idle));
+        // A 2,048-token prefix is worth sixteen requests decoding...
+        assert_eq!(config.cost(0, &busy), config.cost(1024, &idle));
+        let busier = Load {
+            running: 8,
+            waiting: 8,
+            ..Load::default()
+        };
+        assert_eq!(config.cost(0, &busier), config.cost(2048, &idle));
+        // ...or 2,048 prompt tokens queued ahead.
+        let queued = Load {
+            queued_prefill_tokens: 2048,
+            ..Load::default()
+        };
+        assert_eq!(config.cost(0, &queued), config.cost(2048, &idle));
         let full = Load {
             available_pages: 0,
             total_pages: 100,

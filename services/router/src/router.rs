@@ -73,6 +73,8 @@ struct Hold {
     slot: WorkerSlot,
     generation: u64,
     pages: u64,
+    /// Prompt tokens it computes there and has not yet (0 once its first token came).
+    prefill_tokens: u64,
 }
 
 /// A dispatched request.
@@ -480,8 +482,12 @@ impl Router {
     /// Decides where `prompt` goes and counts it on its workers until [`finish`](Self::finish).
     pub fn route(&mut self, prompt: &Prompt, exclude: WorkerSet) -> Result<Routed> {
         let decision = self.decide(prompt, exclude)?;
-        let decode = self.hold(&decision.decode, prompt);
-        let prefill = decision.prefill.as_ref().map(|p| self.hold(p, prompt));
+        // The decode worker computes the prompt only when no prefill worker does.
+        let decode = self.hold(&decision.decode, prompt, decision.prefill.is_none());
+        let prefill = decision
+            .prefill
+            .as_ref()
+            .map(|p| self.hold(p, prompt, true));
         let ticket = Ticket(self.next_ticket);
         self.next_ticket += 1;
         self.in_flight.insert(
@@ -537,11 +543,27 @@ impl Router {
         ) else {
             return Ok(None);
         };
-        let hold = self.hold(&placement, prompt);
+        let hold = self.hold(&placement, prompt, true);
         if let Some(flight) = self.in_flight.get_mut(&ticket.0) {
             flight.prefill = Some(hold);
         }
         Ok(Some(placement))
+    }
+
+    /// The request's first token reached its client: the decode worker has computed its prompt.
+    /// Returns false if the ticket is unknown.
+    pub fn first_token(&mut self, ticket: Ticket) -> bool {
+        let Some(flight) = self.in_flight.get_mut(&ticket.0) else {
+            return false;
+        };
+        let hold = flight.decode;
+        flight.decode.prefill_tokens = 0;
+        if let Some(worker) = self.workers[hold.slot.index()].as_mut() {
+            if worker.generation == hold.generation {
+                worker.load.prefill_finished(hold.prefill_tokens);
+            }
+        }
+        true
     }
 
     /// The request ended (finished, failed or cancelled): its load ends everywhere. Returns false
@@ -630,18 +652,24 @@ impl Router {
         None
     }
 
-    /// Counts a request on a placement's worker.
-    fn hold(&mut self, placement: &Placement, prompt: &Prompt) -> Hold {
+    /// Counts a request on a placement's worker, with its uncached prompt tokens pending there
+    /// when `computes_prompt`.
+    fn hold(&mut self, placement: &Placement, prompt: &Prompt, computes_prompt: bool) -> Hold {
         let pages =
             (prompt.pages() - placement.cached_tokens / self.config.page_size as usize) as u64;
+        let prefill_tokens = match computes_prompt {
+            true => prompt.tokens().saturating_sub(placement.cached_tokens) as u64,
+            false => 0,
+        };
         let worker = self.workers[placement.slot.index()]
             .as_mut()
             .expect("a placement names a tracked worker");
-        worker.load.dispatch(pages);
+        worker.load.dispatch(pages, prefill_tokens);
         Hold {
             slot: placement.slot,
             generation: worker.generation,
             pages,
+            prefill_tokens,
         }
     }
 
@@ -649,7 +677,7 @@ impl Router {
     fn release(&mut self, hold: Hold) {
         if let Some(worker) = self.workers[hold.slot.index()].as_mut() {
             if worker.generation == hold.generation {
-                worker.load.finish(hold.pages);
+                worker.load.finish(hold.pages, hold.prefill_tokens);
             }
         }
     }

@@ -303,6 +303,34 @@ impl State {
         self.running.len()
     }
 
+    /// Prompt tokens still to compute: the rest of each running prompt, and each waiting prompt
+    /// less the prefix the cache would give it now. What a request queued here waits behind,
+    /// in tokens (the router weighs workers by it).
+    pub fn prefill_backlog(&self) -> usize {
+        let page_size = self.page_size();
+        let running: usize = self
+            .running
+            .iter()
+            .map(|seq| seq.prefilled.saturating_sub(seq.computed))
+            .sum();
+        let waiting: usize = self
+            .waiting
+            .iter()
+            .map(|seq| {
+                let len = seq.tokens.len();
+                let matched = match seq.reuse_prefix {
+                    true => hash_blocks(&seq.tokens[..len - 1], page_size)
+                        .into_iter()
+                        .take_while(|&hash| self.cache.contains(hash))
+                        .count(),
+                    false => 0,
+                };
+                len - self.reusable_pages(len, matched) * page_size
+            })
+            .sum();
+        running + waiting
+    }
+
     /// Sequences preempted by recompute so far.
     pub fn preemptions(&self) -> u64 {
         self.preemptions

@@ -71,6 +71,9 @@ pub struct LoadSnapshot {
     pub running: usize,
     /// Requests waiting for admission.
     pub waiting: usize,
+    /// Prompt tokens still to compute (running prompts' rest, waiting prompts less their cached
+    /// prefix).
+    pub prefill_backlog: usize,
     /// Requests holding pages outside the batch (prefilled, or reserved).
     pub held: usize,
     /// The prefix cache's lookup, hit and eviction counts since the engine started.
@@ -571,6 +574,7 @@ where
                     evictable_pages: s.cache.reclaimable(&s.pool),
                     running: s.running(),
                     waiting: s.waiting(),
+                    prefill_backlog: s.prefill_backlog(),
                     held: s.held(),
                     cache: s.cache.stats(),
                 });

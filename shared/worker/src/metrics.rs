@@ -57,6 +57,9 @@ pub const KV_PAGE_BYTES: &str = "nibble_worker_kv_page_bytes";
 pub const RUNNING_REQUESTS: &str = "nibble_worker_running_requests";
 /// Gauge: requests waiting for the engine to admit them.
 pub const WAITING_REQUESTS: &str = "nibble_worker_waiting_requests";
+/// Gauge: prompt tokens the engine still has to compute (running prompts' rest, waiting prompts
+/// less their cached prefix).
+pub const QUEUED_PREFILL_TOKENS: &str = "nibble_worker_queued_prefill_tokens";
 /// Gauge: reservations waiting for their pages or their Decode call (decode workers).
 pub const PENDING_RESERVATIONS: &str = "nibble_worker_pending_reservations";
 /// Counter: prefix-cache lookups (one per admitted request or reservation).
@@ -130,6 +133,10 @@ pub fn describe() {
     );
     describe_gauge!(RUNNING_REQUESTS, "Requests the engine is running.");
     describe_gauge!(WAITING_REQUESTS, "Requests waiting for the engine.");
+    describe_gauge!(
+        QUEUED_PREFILL_TOKENS,
+        "Prompt tokens still to compute, less what the prefix cache holds."
+    );
     describe_gauge!(
         PENDING_RESERVATIONS,
         "Reservations waiting for pages or Decode."
@@ -242,6 +249,7 @@ impl Collect for WorkerState {
             metrics::gauge!(KV_CACHE_USAGE, "role" => role, "worker" => worker.clone()).set(usage);
             gauge(RUNNING_REQUESTS, load.running);
             gauge(WAITING_REQUESTS, load.waiting);
+            gauge(QUEUED_PREFILL_TOKENS, load.prefill_backlog);
             gauge(PENDING_RESERVATIONS, self.pending_reservations());
             gauge(NCCL_LINKS, self.nccl().map_or(0, |n| n.live_links()));
             let cache = load.cache;

@@ -198,9 +198,35 @@ fn the_same_hot_prefix_spreads_once_its_holder_is_loaded() {
         let routed = router.route(&p, WorkerSet::EMPTY).unwrap();
         on_d0 += usize::from(name(&routed.decision.decode) == "d0");
     }
-    // 1,024 cached tokens are worth 4 requests of load (256 each): d0 takes the first ones,
-    // then the two share.
-    assert!((12..=14).contains(&on_d0), "{on_d0}");
+    // 1,024 cached tokens are worth 8 requests decoding (128 each), and a request sent to d1
+    // queues its 1,024 prompt tokens there for the next one to wait behind: d0 takes the first
+    // 8, d1 one in about ten after that.
+    assert_eq!(on_d0, 18);
+}
+
+#[test]
+fn prompt_tokens_queued_on_a_worker_steer_away_until_their_first_token() {
+    let mut router = router(&[], &["d0", "d1"]);
+    let first = router.route(&prompt(0, 2048), WorkerSet::EMPTY).unwrap();
+    let busy = name(&first.decision.decode).to_owned();
+    let status = router.worker(Role::Decode, &id(&busy)).unwrap();
+    assert_eq!(status.load.queued_prefill_tokens, 2048);
+    // A short cold prompt goes where no 2,048 prompt tokens are queued ahead of it.
+    let second = router
+        .decide(&prompt(10_000, 256), WorkerSet::EMPTY)
+        .unwrap();
+    assert_ne!(name(&second.decode), busy);
+    // Its first token came: the worker has computed it, and only the running request weighs.
+    assert!(router.first_token(first.ticket));
+    let status = router.worker(Role::Decode, &id(&busy)).unwrap();
+    assert_eq!(status.load.queued_prefill_tokens, 0);
+    assert!(router.finish(first.ticket));
+    assert!(!router.first_token(first.ticket));
+    let status = router.worker(Role::Decode, &id(&busy)).unwrap();
+    assert_eq!(
+        (status.load.running, status.load.queued_prefill_tokens),
+        (0, 0)
+    );
 }
 
 #[test]
@@ -212,6 +238,7 @@ fn load_reports_steer_away_from_busy_workers() {
         free_pages: 100,
         total_pages: 10_000,
         evictable_pages: 0,
+        queued_prefill_tokens: 0,
     };
     router.report_load(Role::Decode, &id("d0"), report).unwrap();
     let p = prompt(0, 2048);
@@ -233,6 +260,7 @@ fn kv_cache_usage_sums_the_reachable_workers_reports() {
         free_pages: free,
         total_pages: 10_000,
         evictable_pages: evictable,
+        queued_prefill_tokens: 0,
     };
     // d0 holds 6,000 pages (1,000 more only cached: evictable), d1 holds 2,000.
     router
@@ -257,6 +285,7 @@ fn workers_without_room_are_avoided() {
         free_pages: 10,
         total_pages: 10_000,
         evictable_pages: 0,
+        queued_prefill_tokens: 0,
     };
     router.report_load(Role::Decode, &id("d0"), full).unwrap();
     // d0 caches half the prompt but has 10 pages for the other 64.

@@ -369,6 +369,7 @@ impl Flow {
         match self.last_token {
             None => {
                 self.first_token = Some(now);
+                self.shared.router().first_token(self.routed.ticket);
                 let ttft = now - self.arrived;
                 metrics::model_duration(metrics::TIME_TO_FIRST_TOKEN_SECONDS, model, ttft);
             }

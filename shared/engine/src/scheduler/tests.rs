@@ -595,3 +595,43 @@ fn prompts_run_in_whole_blocks_and_reuse_stops_at_a_block_boundary() {
     drain(&mut s);
     assert_no_leak(&mut s);
 }
+
+#[test]
+fn the_prefill_backlog_counts_prompt_tokens_still_to_compute() {
+    let config = SchedulerConfig {
+        max_batch_tokens: 8,
+        max_running: 1,
+        ..paged_blocks()
+    };
+    let mut s = state(64, config);
+    assert_eq!(s.prefill_backlog(), 0);
+    let shared: Vec<u32> = (0..12).collect();
+    s.submit(request(1, shared.clone(), 1)).unwrap();
+    assert_eq!(s.prefill_backlog(), 12);
+    // Admission computes its first one-page block.
+    step(&mut s);
+    assert_eq!(s.prefill_backlog(), 8);
+    drain(&mut s);
+    assert_eq!(s.prefill_backlog(), 0);
+    // A decoding sequence owes none; a waiting prompt only what the cache lacks: 12 of these 14
+    // tokens are cached (the first prompt's three full pages).
+    s.submit(request(2, vec![500; 6], 4)).unwrap();
+    step(&mut s);
+    assert_eq!(s.prefill_backlog(), 2);
+    step(&mut s);
+    assert_eq!(s.prefill_backlog(), 0);
+    let mut longer = shared.clone();
+    longer.extend([90, 91]);
+    s.submit(request(3, longer, 1)).unwrap();
+    assert_eq!((s.running(), s.waiting()), (1, 1));
+    assert_eq!(s.prefill_backlog(), 2);
+    // Without prefix reuse it is the whole prompt.
+    s.submit(NewRequest {
+        reuse_prefix: false,
+        ..request(4, shared, 1)
+    })
+    .unwrap();
+    assert_eq!(s.prefill_backlog(), 2 + 12);
+    drain(&mut s);
+    assert_no_leak(&mut s);
+}

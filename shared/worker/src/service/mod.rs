@@ -459,6 +459,7 @@ impl WorkerState {
             running_requests: l.running as u32,
             waiting_requests: l.waiting as u32,
             pending_reservations: self.reservations.len() as u32,
+            queued_prefill_tokens: l.prefill_backlog as u64,
         })
     }
 
