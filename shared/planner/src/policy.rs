@@ -122,12 +122,12 @@ impl Planner {
         self.toward_decode = streak(self.toward_decode, toward == Some(Role::Decode));
 
         let roles = roles_of(workers);
-        let (to, violation) = match assessment {
+        let (to, violation, ttft_seen, itl_seen) = match assessment {
             Assessment::Steady(why) => return self.hold(ttft, itl, &roles, None, why),
             Assessment::NoRoom { over, why } => {
                 return self.hold(ttft, itl, &roles, Some(over), why)
             }
-            Assessment::Flip { to, why } => (to, why),
+            Assessment::Flip { to, why, ttft, itl } => (to, why, ttft, itl),
         };
 
         let from = to.other();
@@ -158,7 +158,6 @@ impl Planner {
         self.toward_prefill = 0;
         self.toward_decode = 0;
 
-        let (ttft, itl) = (ttft.expect("a flip needs TTFT"), itl.expect("and ITL"));
         let summary = format!(
             "{violation}: {} → {to} ({} prefill, {} decode workers; {} prompt tokens queued)",
             worker.id, tally.counts.prefill, tally.counts.decode, tally.queued_prefill_tokens
@@ -171,7 +170,7 @@ impl Planner {
                 from,
                 to,
             }],
-            reason: reason(&tally, ttft, itl, summary),
+            reason: reason(&tally, ttft_seen, itl_seen, summary),
             desired,
         })
     }

@@ -36,10 +36,18 @@ pub(crate) enum Assessment {
     Steady(String),
     /// `over` is over its SLO but the other role has no room to give a worker.
     NoRoom { over: Role, why: String },
-    /// `to` should get a worker from the other role.
-    Flip { to: Role, why: String },
+    /// `to` should get a worker from the other role; both latencies are known.
+    Flip {
+        to: Role,
+        why: String,
+        ttft: Measure,
+        itl: Measure,
+    },
 }
 
+/// What the latencies call for: a flip toward the role over its SLO while the other has room
+/// (ratio below `1 − hysteresis`); nothing when both or neither are over, or a ratio is
+/// unknown. `why` is the sentence with the numbers.
 pub(crate) fn assess(
     config: &PlannerConfig,
     ttft: Option<Measure>,
@@ -79,6 +87,8 @@ pub(crate) fn assess(
         (true, false) if itl.ratio() < room => Assessment::Flip {
             to: Role::Prefill,
             why: format!("TTFT p90 {t} > SLO {t_slo} while ITL p90 {i} < {i_room}"),
+            ttft,
+            itl,
         },
         (true, false) => Assessment::NoRoom {
             over: Role::Prefill,
@@ -89,6 +99,8 @@ pub(crate) fn assess(
         (false, true) if ttft.ratio() < room => Assessment::Flip {
             to: Role::Decode,
             why: format!("ITL p90 {i} > SLO {i_slo} while TTFT p90 {t} < {t_room}"),
+            ttft,
+            itl,
         },
         (false, true) => Assessment::NoRoom {
             over: Role::Decode,
@@ -99,7 +111,11 @@ pub(crate) fn assess(
     }
 }
 
-/// The counts the cluster should have, from `base` (the counts after this decision).
+/// The counts the cluster should have, from `base` (the counts after this decision, draining
+/// workers at the role they go to): one more of the role with the larger ratio when both are
+/// over their SLOs, or of `stuck` (over its SLO, and no flip can relieve it); one fewer, of the
+/// role with the smaller ratio, when both ratios are below `(1 − hysteresis) / 2` and the
+/// cluster is above its minimums; never below the minimums. Ties count prefill as the larger.
 pub(crate) fn desired(
     config: &PlannerConfig,
     ttft: Option<Measure>,
