@@ -244,6 +244,7 @@ fn worker(role: Role, index: usize, page_size: u32) -> WorkerInfo {
             total_pages: 200_000,
         },
         nccl: None,
+        draining: false,
     }
 }
 

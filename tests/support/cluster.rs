@@ -26,7 +26,7 @@ pub struct Proc {
     pub name: String,
     child: Option<Child>,
     log: PathBuf,
-    /// The address it printed (`... listening on ADDR`).
+    /// The address it printed (`... listening on ADDR`; a planner's id, `... campaigning as ID`).
     pub address: String,
     /// Its /metrics address, if it printed one (`... metrics on ADDR`).
     pub metrics: Option<SocketAddr>,
@@ -67,6 +67,9 @@ impl Proc {
                 let Ok(line) = line else { return };
                 let printed = if let Some((_, address)) = line.split_once(" listening on ") {
                     Printed::Listening(address.trim().to_string())
+                } else if let Some((_, id)) = line.split_once(" campaigning as ") {
+                    // A planner listens on nothing but /metrics; it is up once it campaigns.
+                    Printed::Listening(id.trim().to_string())
                 } else if let Some((_, address)) = line.split_once(" metrics on ") {
                     Printed::Metrics(address.trim().parse().expect("a metrics address"))
                 } else if let Some((_, url)) = line.split_once(" HTTP API on http://") {
@@ -126,6 +129,7 @@ impl Proc {
     }
 
     /// Sends SIGTERM and waits up to `limit` for the process to exit; its exit status.
+    #[allow(dead_code)] // tests/cluster.rs
     pub fn terminate(&mut self, limit: Duration) -> std::process::ExitStatus {
         let child = self.child.as_mut().expect("running");
         let pid = child.id().to_string();
@@ -221,6 +225,8 @@ impl Cluster {
                 "1",
                 "--capacity-interval-ms",
                 "200",
+                "--planner-poll-ms",
+                "200",
                 // A retried prefill of a long prompt on a busy 2-core machine can outlast the
                 // 30 s default before it pushes its pages.
                 "--reservation-ttl-ms",
@@ -272,6 +278,14 @@ impl Cluster {
             .wait_for_workers(cluster.spec.prefills, cluster.spec.decodes)
             .await;
         cluster
+    }
+
+    /// The worker id a worker process registered under (its role and port, by default).
+    #[allow(dead_code)] // tests/planner.rs
+    pub fn worker_id(proc: &Proc) -> String {
+        let port = proc.address.rsplit(':').next().expect("host:port");
+        let role = proc.name.split('-').next().expect("role-index");
+        format!("{role}-{port}")
     }
 
     /// Every process's log, for failure messages.

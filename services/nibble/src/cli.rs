@@ -54,6 +54,9 @@ pub enum Command {
     /// Measure a running cluster under load (or a suite of clusters it starts itself): TTFT,
     /// ITL, throughput and goodput per load point, as JSON and plots.
     Bench(crate::bench::BenchArgs),
+    /// Run the planner: leader-elected through etcd, it moves workers between prefill and
+    /// decode in place to meet TTFT and ITL targets (`status`: the leader and its decisions).
+    Planner(crate::planner::PlannerCommand),
     /// Run the router (as `nibble-router`): the Inference API over workers found in etcd.
     Router(nibble_router::cli::RouterArgs),
     /// Run a prefill worker (as `nibble-prefill`).

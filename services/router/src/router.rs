@@ -604,7 +604,10 @@ impl Router {
                 let Some(worker) = self.workers[slot.index()].as_ref() else {
                     continue;
                 };
-                if fingerprint.is_some_and(|f| f != worker.info.kv_fingerprint) {
+                // A worker leaving its role takes nothing new of it.
+                if worker.info.draining
+                    || fingerprint.is_some_and(|f| f != worker.info.kv_fingerprint)
+                {
                     continue;
                 }
                 let depth = depths.get(slot);

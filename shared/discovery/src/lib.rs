@@ -31,10 +31,19 @@ pub use static_registry::{StaticDiscovery, StaticRegistry};
 pub use watch::{WorkerEvent, WorkerWatch};
 pub use worker::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
 
+/// How long a value written by [`Discovery::put_holding`] lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifetime {
+    /// Until the writing session ends.
+    Session,
+    /// Until it is overwritten or deleted.
+    Durable,
+}
+
 /// One process's view of cluster membership and coordination state.
 ///
-/// Everything this session writes (registrations and key-value entries) disappears when the
-/// session ends: on [`close`](Discovery::close), when the value is dropped, or (etcd) when the
+/// Everything this session writes (registrations and key-value entries, except
+/// [`Lifetime::Durable`] values) disappears when the session ends: on [`close`](Discovery::close), when the value is dropped, or (etcd) when the
 /// process dies and its lease expires.
 #[async_trait]
 pub trait Discovery: Send + Sync {
@@ -69,6 +78,29 @@ pub trait Discovery: Send + Sync {
 
     /// Removes `key` (a no-op when absent).
     async fn delete(&self, key: &KvKey) -> Result<()>;
+
+    /// An election: takes `key` for this session if no session holds it, storing `value` (who
+    /// holds it). True when this session holds the key after the call. The key lives as long
+    /// as the session, but unlike [`put`](Self::put)'s values it is never written again under a
+    /// renewed etcd lease: a session that lost it (its lease expired) has lost the office and
+    /// must campaign again, behind whoever took it meanwhile.
+    async fn campaign(&self, key: &KvKey, value: Vec<u8>) -> Result<bool>;
+
+    /// Whether this session holds `key` ([`campaign`](Self::campaign)) now.
+    async fn holds(&self, key: &KvKey) -> Result<bool>;
+
+    /// Writes `value` under `key` only while this session holds `office`, checked atomically
+    /// with the write (a leader that lost its office between deciding and writing writes
+    /// nothing); true if written. With [`Lifetime::Session`] the value goes with the session
+    /// (and, like the office, is not written again under a renewed lease); with
+    /// [`Lifetime::Durable`] it stays until overwritten or deleted.
+    async fn put_holding(
+        &self,
+        office: &KvKey,
+        key: &KvKey,
+        value: Vec<u8>,
+        lifetime: Lifetime,
+    ) -> Result<bool>;
 
     /// Ends the session now: every registration and value it holds is removed, and later calls
     /// fail with [`Error::Closed`].

@@ -17,8 +17,12 @@ use tokio::sync::{broadcast, mpsc, watch, Notify};
 use crate::task::TaskGuard;
 use crate::watch::{WatchState, WATCH_BUFFER};
 use crate::{
-    Capacity, Discovery, Error, KvKey, Result, Role, WorkerEvent, WorkerId, WorkerInfo, WorkerWatch,
+    Capacity, Discovery, Error, KvKey, Lifetime, Result, Role, WorkerEvent, WorkerId, WorkerInfo,
+    WorkerWatch,
 };
+
+/// The session of durable values: no session ends it.
+const DURABLE: u64 = 0;
 
 /// Changes buffered for watches by default.
 const DEFAULT_CHANGE_BUFFER: usize = 1024;
@@ -293,6 +297,51 @@ impl Discovery for StaticDiscovery {
         self.check_open()?;
         self.shared.state().kv.remove(key);
         Ok(())
+    }
+
+    async fn campaign(&self, key: &KvKey, value: Vec<u8>) -> Result<bool> {
+        self.check_open()?;
+        let mut state = self.shared.state();
+        let held = state.kv.entry(key.clone()).or_insert(Held {
+            session: self.session,
+            value,
+        });
+        let holds = held.session == self.session;
+        drop(state);
+        self.shared.kv_changed.notify_waiters();
+        Ok(holds)
+    }
+
+    async fn holds(&self, key: &KvKey) -> Result<bool> {
+        self.check_open()?;
+        let state = self.shared.state();
+        Ok(state.kv.get(key).is_some_and(|h| h.session == self.session))
+    }
+
+    async fn put_holding(
+        &self,
+        office: &KvKey,
+        key: &KvKey,
+        value: Vec<u8>,
+        lifetime: Lifetime,
+    ) -> Result<bool> {
+        self.check_open()?;
+        let mut state = self.shared.state();
+        if state
+            .kv
+            .get(office)
+            .is_none_or(|h| h.session != self.session)
+        {
+            return Ok(false);
+        }
+        let session = match lifetime {
+            Lifetime::Session => self.session,
+            Lifetime::Durable => DURABLE,
+        };
+        state.kv.insert(key.clone(), Held { session, value });
+        drop(state);
+        self.shared.kv_changed.notify_waiters();
+        Ok(true)
     }
 
     async fn close(&self) -> Result<()> {

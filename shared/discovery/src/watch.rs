@@ -139,6 +139,7 @@ mod tests {
                 total_pages: 100,
             },
             nccl: None,
+            draining: false,
         }
     }
 

@@ -164,6 +164,10 @@ pub struct WorkerInfo {
     /// and it was not told to use gRPC only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nccl: Option<NcclEndpoint>,
+    /// The worker is leaving this role (a planner told it to change role in place): it finishes
+    /// what it holds and takes no new work of it. Routers place nothing new on it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 /// Where a worker's NCCL transfers start or end.
@@ -244,6 +248,7 @@ mod tests {
                 host: host.into(),
                 gpu: gpu.into(),
             }),
+            draining: false,
         };
         let (p, d) = (base(Some(("h", "GPU-a"))), base(Some(("h", "GPU-b"))));
         assert!(p.nccl_to(&d), "both CUDA + NCCL, two GPUs: NCCL");
@@ -256,6 +261,10 @@ mod tests {
         assert!(!base(None).nccl_to(&d), "prefill without NCCL: gRPC");
         let json = serde_json::to_string(&base(None)).unwrap();
         assert!(!json.contains("nccl"), "absent when not capable: {json}");
+        assert!(
+            !json.contains("draining"),
+            "absent when not draining: {json}"
+        );
         let json = serde_json::to_string(&p).unwrap();
         assert!(
             json.contains(r#""nccl":{"host":"h","gpu":"GPU-a"}"#),
@@ -282,6 +291,7 @@ mod tests {
                 total_pages: 20,
             },
             nccl: None,
+            draining: false,
         };
         let json = serde_json::to_string(&info).unwrap();
         assert!(

@@ -90,6 +90,7 @@ async fn conformance_suite() {
     conformance::ownership(&sessions(&etcd, "/t/ownership")).await;
     conformance::close_ends_the_session(&sessions(&etcd, "/t/close")).await;
     conformance::key_values(&sessions(&etcd, "/t/kv")).await;
+    conformance::elections(&sessions(&etcd, "/t/elections")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,4 +258,67 @@ async fn an_unreachable_etcd_is_named_in_one_line() {
              etcd running? (--etcd-endpoints)"
         )
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_office_goes_with_its_lease_and_is_not_taken_back_on_renewal() {
+    let mut etcd = EtcdServer::start();
+    let office = KvKey::new("planner/leader").unwrap();
+    let fenced = KvKey::new("planner/decision").unwrap();
+    let leader = connect(&etcd, "/t").await;
+    let standby = connect(&etcd, "/t").await;
+    assert!(leader.campaign(&office, b"leader".to_vec()).await.unwrap());
+    assert!(!standby
+        .campaign(&office, b"standby".to_vec())
+        .await
+        .unwrap());
+
+    // etcd loses its data: the leader's session renews its lease and writes its registrations
+    // again, but not the office, which it has lost.
+    let registered = worker(Role::Decode, "d0", 1);
+    leader.register(registered.clone()).await.unwrap();
+    etcd.restart(true);
+    eventually("the registration is back", EVENT_WAIT, || async {
+        standby
+            .list(None)
+            .await
+            .is_ok_and(|l| l == vec![registered.clone()])
+    })
+    .await;
+    assert!(!leader.holds(&office).await.unwrap());
+    assert!(!leader
+        .put_holding(
+            &office,
+            &fenced,
+            b"late".to_vec(),
+            nibble_discovery::Lifetime::Session
+        )
+        .await
+        .unwrap());
+    assert!(standby
+        .campaign(&office, b"standby".to_vec())
+        .await
+        .unwrap());
+    assert!(!leader.campaign(&office, b"leader".to_vec()).await.unwrap());
+
+    // A leader that dies (no close) keeps the office until its lease expires, then a standby
+    // takes it within the TTL.
+    let died = tokio::time::Instant::now();
+    drop(standby);
+    eventually(
+        "the office is free again",
+        TTL + Duration::from_secs(8),
+        || async {
+            leader
+                .campaign(&office, b"leader".to_vec())
+                .await
+                .unwrap_or(false)
+        },
+    )
+    .await;
+    assert!(
+        died.elapsed() >= TTL / 2,
+        "the office outlived its holder's death for a while"
+    );
+    assert_eq!(leader.get(&office).await.unwrap(), Some(b"leader".to_vec()));
 }

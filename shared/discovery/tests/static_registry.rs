@@ -44,6 +44,11 @@ async fn key_values() {
 }
 
 #[tokio::test]
+async fn elections() {
+    conformance::elections(&sessions(&StaticRegistry::new())).await;
+}
+
+#[tokio::test]
 async fn a_dropped_session_is_a_dead_process() {
     let registry = StaticRegistry::new();
     let observer = registry.session();

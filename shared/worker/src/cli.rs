@@ -104,6 +104,10 @@ pub struct WorkerArgs {
     /// How often the registered capacity is refreshed, in milliseconds.
     #[arg(long, env = "NIBBLE_CAPACITY_INTERVAL_MS", default_value_t = 1_000)]
     pub capacity_interval_ms: u64,
+    /// How often the planner's decision is read from etcd, in milliseconds (0: never; the
+    /// worker keeps its role whatever a planner decides).
+    #[arg(long, env = "NIBBLE_PLANNER_POLL_MS", default_value_t = 1_000)]
+    pub planner_poll_ms: u64,
     /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
     #[arg(long, env = "NIBBLE_METRICS_LISTEN", default_value = "127.0.0.1:0")]
     pub metrics_listen: SocketAddr,
@@ -144,6 +148,7 @@ impl WorkerArgs {
             reservation_ttl_ms: self.reservation_ttl_ms,
             etcd_endpoints: self.etcd_endpoints.clone(),
             capacity_interval_ms: self.capacity_interval_ms,
+            planner_poll_ms: self.planner_poll_ms,
             metrics_listen: self.metrics_listen,
             no_metrics: self.no_metrics,
             grpc_max_connections: self.grpc_max_connections,
@@ -381,28 +386,34 @@ pub async fn run_on(
             .await
             .map_err(|_| Error::EngineStopped)??
     };
-    let state = if role == Role::Decode {
-        // Pages arrive on the same listener.
+    // Pages arrive on the same listener (a prefill worker may become a decode worker).
+    let state = {
         let mut identity = state.identity().clone();
         identity.transfer_address = address.clone();
         WorkerState::with_security(state.engine().clone(), identity, state.security().clone())?
-    } else {
-        state
     };
     configure_nccl(&args.transfer, cuda, discovery.as_ref(), &state)?;
-    let registration = match &discovery {
+    let membership = match &discovery {
         None => None,
-        Some(discovery) => Some(
-            crate::registration::register(
+        Some(discovery) => {
+            let interval = Duration::from_millis(args.capacity_interval_ms);
+            let (membership, refresh) = crate::membership::register(
                 Arc::clone(discovery),
                 Arc::clone(&state),
-                role,
                 &address,
-                Duration::from_millis(args.capacity_interval_ms),
+                interval,
             )
-            .await
-            .map(AbortOnDrop)?,
-        ),
+            .await?;
+            // Planner decisions are followed unless --planner-poll-ms 0.
+            let follow = (args.planner_poll_ms > 0).then(|| {
+                let poll = Duration::from_millis(args.planner_poll_ms);
+                AbortOnDrop(tokio::spawn(crate::planned::follow(
+                    Arc::clone(&membership),
+                    poll,
+                )))
+            });
+            Some((membership, AbortOnDrop(refresh), follow))
+        }
     };
     println!("nibble-{role} listening on {address}");
     // Stopping: leave the membership first, so routers stop sending new requests while open
@@ -415,13 +426,13 @@ pub async fn run_on(
             () = shutdown => {}
             reason = engine.stopped() => tracing::error!(%reason, "leaving the membership"),
         }
-        drop(registration);
-        if let (Some(discovery), Ok(id)) = (discovery, nibble_discovery::WorkerId::new(id)) {
-            if let Err(err) = discovery.deregister(role, &id).await {
+        if let Some((membership, refresh, follow)) = membership {
+            drop((follow, refresh));
+            if let Err(err) = membership.leave().await {
                 tracing::warn!(%err, "deregistering failed; the registration expires with its lease");
             }
         }
-        tracing::info!(%role, "stopping: draining open calls");
+        tracing::info!(%id, "stopping: draining open calls");
     };
     let served = crate::server::serve_capped(
         Arc::clone(&state),

@@ -69,6 +69,8 @@ pub struct WorkerConfig {
     pub etcd_endpoints: Vec<String>,
     /// How often the registered capacity is refreshed, in milliseconds.
     pub capacity_interval_ms: u64,
+    /// How often the planner's decision is read, in milliseconds (0: never).
+    pub planner_poll_ms: u64,
     /// Address of the Prometheus endpoint, GET /metrics (port 0: any free port, printed).
     pub metrics_listen: SocketAddr,
     /// Serve no /metrics.
@@ -103,6 +105,7 @@ impl WorkerConfig {
             reservation_ttl_ms: 30_000,
             etcd_endpoints: Vec::new(),
             capacity_interval_ms: 1_000,
+            planner_poll_ms: 1_000,
             metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             no_metrics: false,
             grpc_max_connections: nibble_proto::serving::DEFAULT_MAX_CONNECTIONS,

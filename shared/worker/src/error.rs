@@ -88,6 +88,16 @@ pub enum Error {
     /// The engine thread is gone.
     #[error("the engine has stopped")]
     EngineStopped,
+    /// Work of a role this worker does not have now (UNAVAILABLE: another worker can take it).
+    #[error("worker {worker} is a {role} worker, not {wanted} (it may have changed role)")]
+    WrongRole {
+        worker: String,
+        role: &'static str,
+        wanted: &'static str,
+    },
+    /// New work of the role this worker is leaving (UNAVAILABLE: another worker can take it).
+    #[error("worker {worker} is leaving the {role} role: it takes no new {role} work")]
+    LeavingRole { worker: String, role: &'static str },
     /// TLS files or the internal token are unusable, or a peer address cannot be dialed.
     #[error(transparent)]
     Security(#[from] nibble_security::Error),
@@ -140,6 +150,8 @@ impl From<Error> for tonic::Status {
             Error::Push { status, .. } => Status::new(status.code(), message),
             Error::Connect { .. }
             | Error::EngineStopped
+            | Error::WrongRole { .. }
+            | Error::LeavingRole { .. }
             | Error::Failed(nibble_engine::Failure::Device(_)) => Status::unavailable(message),
             Error::Security(nibble_security::Error::Address { .. }) => {
                 Status::invalid_argument(message)

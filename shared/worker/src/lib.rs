@@ -11,7 +11,8 @@
 //!   and bytes moved.
 //! * [`server`]: [`serve`] on a bound listener until a shutdown future completes, with
 //!   `grpc.health.v1` and reflection.
-//! * [`registration`]: membership through a [`nibble_discovery::Discovery`].
+//! * [`membership`]: registration through a [`nibble_discovery::Discovery`], and role changes in
+//!   place ([`role`] gates the calls of each role; [`planned`] follows the planner's decisions).
 //! * [`metrics`]: metric names and what records them; every call's logs carry its request id
 //!   in a `request` span.
 //! * [`error`]: [`Error`] and its one mapping to `tonic::Status`.
@@ -27,8 +28,10 @@ pub mod convert;
 pub mod error;
 pub mod format;
 pub mod kv_events;
+pub mod membership;
 pub mod metrics;
-pub mod registration;
+pub mod planned;
+pub mod role;
 pub mod server;
 pub mod service;
 pub mod transfer;

@@ -155,7 +155,7 @@ pub fn describe() {
 
 /// The `role` label of a worker.
 pub(crate) fn role_label(state: &WorkerState) -> &'static str {
-    match state.identity().role {
+    match state.role() {
         nibble_proto::v1::WorkerRole::Prefill => "prefill",
         nibble_proto::v1::WorkerRole::Decode => "decode",
         _ => "router",

@@ -1,5 +1,6 @@
-//! Serving a worker: its `Worker` service, `KvTransfer` on decode workers, `grpc.health.v1` and
-//! server reflection, on a listener the caller bound, until a shutdown future completes.
+//! Serving a worker: its `Worker` and `KvTransfer` services (pages land only in a decode
+//! worker's reservations, so a prefill worker has none to fill; it serves `KvTransfer` because it
+//! may become a decode worker in place), `grpc.health.v1` and server reflection, on a listener the caller bound, until a shutdown future completes.
 //!
 //! With the state's [`Security`](nibble_security::Security): TLS when it has a certificate
 //! (client certificates required when it has a CA), and every `Worker` and `KvTransfer` call
@@ -9,7 +10,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_server::KvTransferServer;
 use nibble_proto::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
@@ -23,8 +23,8 @@ use crate::AbortOnDrop;
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Serves `state` on `listener` until `shutdown` completes (then open calls get
-/// [`DRAIN_GRACE`](nibble_proto::serving::DRAIN_GRACE) to end). Decode workers (role decode) also
-/// serve `KvTransfer` on the same listener. If the engine stops, every service (and the overall
+/// [`DRAIN_GRACE`](nibble_proto::serving::DRAIN_GRACE) to end), `KvTransfer` on the same listener.
+/// If the engine stops, every service (and the overall
 /// status) turns NOT_SERVING at once; the caller's `shutdown` should watch for it too
 /// ([`EngineHandle::stopped`](crate::EngineHandle::stopped)) to leave the membership.
 pub async fn serve(
@@ -47,27 +47,22 @@ pub async fn serve_capped(
     let (health, health_service) = nibble_proto::serving::health();
     health.set_serving::<WorkerServer<WorkerService>>().await;
     use tonic::server::NamedService;
-    let accepts_pages = state.identity().role == v1::WorkerRole::Decode;
-    let mut served = vec![WorkerServer::<WorkerService>::NAME];
-    if accepts_pages {
-        served.push(KvTransferServer::<TransferService>::NAME);
-    }
+    let served = [
+        WorkerServer::<WorkerService>::NAME,
+        KvTransferServer::<TransferService>::NAME,
+    ];
     let reflection = nibble_proto::serving::reflection(&served)
         .map_err(|e| std::io::Error::other(format!("reflection: {e}")))?;
     let security = state.security().clone();
     let token = security.require_internal_token();
-    let transfer = accepts_pages.then(|| {
-        InterceptedService::new(
-            KvTransferServer::new(TransferService(Arc::clone(&state)))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES),
-            token.clone(),
-        )
-    });
-    if accepts_pages {
-        health
-            .set_serving::<KvTransferServer<TransferService>>()
-            .await;
-    }
+    let transfer = InterceptedService::new(
+        KvTransferServer::new(TransferService(Arc::clone(&state)))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        token.clone(),
+    );
+    health
+        .set_serving::<KvTransferServer<TransferService>>()
+        .await;
     let engine = state.engine().clone();
     let watchdog = tokio::spawn(async move {
         let reason = engine.stopped().await;
@@ -100,7 +95,7 @@ pub async fn serve_capped(
         .add_service(reflection.v1)
         .add_service(reflection.v1alpha)
         .add_service(worker)
-        .add_optional_service(transfer);
+        .add_service(transfer);
     nibble_proto::serving::serve_with_drain(
         |stop| {
             let incoming = nibble_proto::serving::incoming(listener, max_connections);

@@ -103,6 +103,21 @@ impl Discovery for Recording {
         self.log.lock().unwrap().deletes.push(key.to_string());
         self.inner.delete(key).await
     }
+    async fn campaign(&self, key: &KvKey, value: Vec<u8>) -> nibble_discovery::Result<bool> {
+        self.inner.campaign(key, value).await
+    }
+    async fn holds(&self, key: &KvKey) -> nibble_discovery::Result<bool> {
+        self.inner.holds(key).await
+    }
+    async fn put_holding(
+        &self,
+        office: &KvKey,
+        key: &KvKey,
+        value: Vec<u8>,
+        lifetime: nibble_discovery::Lifetime,
+    ) -> nibble_discovery::Result<bool> {
+        self.inner.put_holding(office, key, value, lifetime).await
+    }
     async fn close(&self) -> nibble_discovery::Result<()> {
         self.inner.close().await
     }

@@ -349,12 +349,13 @@ async fn mismatched_formats_and_unknown_reservations_are_refused() {
     let ours = d.state.engine().info().fingerprint;
     let theirs = p.state.engine().info().fingerprint;
     assert_ne!(ours, theirs);
-    // Health: the decode worker serves Worker and KvTransfer, the prefill worker only Worker.
+    // Health: both serve Worker and KvTransfer (a prefill worker may become a decode worker in
+    // place; until then no reservation of its can be filled).
     for (server, service, serving) in [
         (&d, "nibble.v1.Worker", true),
         (&d, "nibble.v1.KvTransfer", true),
         (&p, "nibble.v1.Worker", true),
-        (&p, "nibble.v1.KvTransfer", false),
+        (&p, "nibble.v1.KvTransfer", true),
     ] {
         let channel = Channel::from_shared(format!("http://{}", server.address))
             .unwrap()
@@ -464,12 +465,13 @@ async fn mismatched_formats_and_unknown_reservations_are_refused() {
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert_eq!(d.state.counters().totals().pages_received, 0);
-    // A prefill worker does not accept pages at all.
+    // A prefill worker has no reservation to fill.
     let mut to_prefill = KvTransferClient::connect(format!("http://{}", p.address))
         .await
         .unwrap();
     let err = to_prefill.push_pages(push(1, theirs)).await.unwrap_err();
-    assert_eq!(err.code(), Code::Unimplemented, "{err}");
+    assert_eq!(err.code(), Code::NotFound, "{err}");
+    assert_eq!(p.state.counters().totals().pages_received, 0);
 
     client
         .abort(v1::AbortRequest {
@@ -541,10 +543,9 @@ async fn workers_register_and_refresh_their_capacity() {
     let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
     let registry = StaticRegistry::new();
     let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
-    let task = nibble_worker::registration::register(
+    let (_membership, task) = nibble_worker::membership::register(
         Arc::clone(&discovery),
         Arc::clone(&d.state),
-        Role::Decode,
         &d.address,
         Duration::from_millis(20),
     )
@@ -594,10 +595,9 @@ async fn a_failed_engine_stops_serving_and_leaves_the_membership() {
     let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
     let registry = StaticRegistry::new();
     let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
-    let _registration = nibble_worker::registration::register(
+    let _registration = nibble_worker::membership::register(
         Arc::clone(&discovery),
         Arc::clone(&d.state),
-        Role::Decode,
         &d.address,
         Duration::from_millis(20),
     )
@@ -683,4 +683,121 @@ async fn a_failed_engine_stops_serving_and_leaves_the_membership() {
     );
     let load = d.client().await.load(v1::LoadRequest {}).await.unwrap_err();
     assert_eq!(load.code(), Code::Unavailable, "{load:?}");
+}
+
+/// A decode worker told to become a prefill worker refuses new decode work at once, finishes
+/// the decode it runs, then registers as a prefill worker, keeps its engine and prefills; every
+/// page comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_changes_role_once_the_work_it_began_has_ended() {
+    use nibble_discovery::{Discovery, Role, StaticRegistry};
+
+    let d = server(v1::WorkerRole::Decode, KvDtype::Nvfp4).await;
+    let registry = StaticRegistry::new();
+    let discovery: Arc<dyn Discovery> = Arc::new(registry.session());
+    let (membership, _refresh) = nibble_worker::membership::register(
+        Arc::clone(&discovery),
+        Arc::clone(&d.state),
+        &d.address,
+        Duration::from_millis(20),
+    )
+    .await
+    .unwrap();
+    let prefill = |id: &str| v1::PrefillRequest {
+        request_id: id.into(),
+        token_ids: prompt(),
+        sampling: Some(greedy()),
+        ..Default::default()
+    };
+    // Prefill work is not a decode worker's.
+    let err = d
+        .client()
+        .await
+        .prefill(prefill("early"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.message().contains("is a decode worker"), "{err}");
+
+    let mut stream = d
+        .client()
+        .await
+        .decode(v1::DecodeRequest {
+            request_id: "running".into(),
+            token_ids: prompt(),
+            sampling: Some(greedy()),
+            stopping: Some(v1::StoppingCriteria {
+                max_tokens: Some(40),
+                ignore_eos: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = stream.message().await.unwrap().unwrap().token_ids.len();
+    let changing = {
+        let membership = Arc::clone(&membership);
+        tokio::spawn(async move { membership.change_role(Role::Prefill).await })
+    };
+    // Draining: registered as such, no new decode work, the running decode goes on.
+    for _ in 0..200 {
+        let listed = registry.session().list(None).await.unwrap();
+        if listed.iter().any(|w| w.role == Role::Decode && w.draining) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let listed = registry.session().list(None).await.unwrap();
+    assert!(
+        listed[0].draining && listed[0].role == Role::Decode,
+        "{listed:?}"
+    );
+    let err = d
+        .client()
+        .await
+        .reserve(v1::ReserveRequest {
+            request_id: "late".into(),
+            token_ids: prompt(),
+            kv_format_fingerprint: d.state.engine().info().fingerprint,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    assert!(err.message().contains("leaving the decode role"), "{err}");
+    assert!(
+        !changing.is_finished(),
+        "the change waits for the running decode"
+    );
+    while let Some(chunk) = stream.message().await.unwrap() {
+        tokens += chunk.token_ids.len();
+    }
+    assert_eq!(tokens, 40, "the running decode finished whole");
+    let change = changing.await.unwrap().unwrap();
+    assert_eq!((change.from, change.to), (Role::Decode, Role::Prefill));
+
+    // One registration, as a prefill worker, taking prefill work now.
+    let listed = registry.session().list(None).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!((listed[0].role, listed[0].draining), (Role::Prefill, false));
+    assert_eq!(d.state.role(), v1::WorkerRole::Prefill);
+    let cached = d.state.engine().load().await.unwrap().cached_pages;
+    assert!(
+        cached > 0,
+        "the decode's prompt pages stay in its prefix cache"
+    );
+    d.client().await.prefill(prefill("after")).await.unwrap();
+    let info = d.client().await.info(v1::InfoRequest {}).await.unwrap();
+    assert_eq!(info.into_inner().role(), v1::WorkerRole::Prefill);
+    for _ in 0..200 {
+        let load = d.state.engine().load().await.unwrap();
+        if load.running + load.waiting + load.held == 0 {
+            assert_eq!(load.free_pages + load.evictable_pages, load.total_pages);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("pages still held: {:?}", d.state.engine().load().await);
 }

@@ -25,6 +25,7 @@ fn info(role: Role, id: &str, fingerprint: u64) -> WorkerInfo {
             total_pages: 10_000,
         },
         nccl: None,
+        draining: false,
     }
 }
 
@@ -646,4 +647,46 @@ fn unreachable_workers_get_no_requests_until_they_answer() {
             .id,
         id("d0")
     );
+}
+
+#[test]
+fn a_draining_worker_gets_no_new_requests() {
+    let mut router = router(&["p0", "p1"], &["d0", "d1"]);
+    let p = prompt(0, 2048);
+    // d0 and p0 hold the whole prompt, but are leaving their roles.
+    cache(&mut router, Role::Decode, "d0", &p, 128);
+    cache(&mut router, Role::Prefill, "p0", &p, 128);
+    for (role, name) in [(Role::Decode, "d0"), (Role::Prefill, "p0")] {
+        let draining = WorkerInfo {
+            draining: true,
+            ..info(role, name, FP)
+        };
+        router
+            .apply_worker_event(WorkerEvent::Updated(draining))
+            .unwrap();
+    }
+    for i in 0..20 {
+        let routed = router
+            .route(&prompt(i * 10_000, 2048), WorkerSet::EMPTY)
+            .unwrap();
+        assert_eq!(name(&routed.decision.decode), "d1");
+        let prefill = routed.decision.prefill.as_ref().expect("disaggregated");
+        assert_eq!(name(prefill), "p1");
+    }
+    let routed = router.route(&p, WorkerSet::EMPTY).unwrap();
+    assert_eq!(
+        name(&routed.decision.decode),
+        "d1",
+        "its cache attracts nothing"
+    );
+    // Nothing else left: no decode worker to place on.
+    let d1 = WorkerInfo {
+        draining: true,
+        ..info(Role::Decode, "d1", FP)
+    };
+    router.apply_worker_event(WorkerEvent::Updated(d1)).unwrap();
+    assert!(matches!(
+        router.decide(&p, WorkerSet::EMPTY),
+        Err(Error::NoDecodeWorkers)
+    ));
 }

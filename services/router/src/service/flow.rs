@@ -433,6 +433,7 @@ mod transfer_tests {
                 host: "h".into(),
                 gpu: gpu.into(),
             }),
+            draining: false,
         }
     }
 

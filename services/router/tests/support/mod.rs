@@ -118,10 +118,10 @@ impl Worker {
             },
         ));
         let session: Arc<dyn Discovery> = Arc::new(registry.session());
-        nibble_worker::registration::register(
+        // The capacity refresh runs detached; it ends with the session.
+        let _ = nibble_worker::membership::register(
             Arc::clone(&session),
             Arc::clone(&state),
-            role,
             &address,
             Duration::from_millis(200),
         )

@@ -29,7 +29,7 @@ use crate::keys::Layout;
 use crate::task::TaskGuard;
 use crate::watch::{WatchState, WATCH_BUFFER};
 use crate::{
-    Capacity, Discovery, Error, KvKey, Result, Role, WorkerId, WorkerInfo, WorkerWatch,
+    Capacity, Discovery, Error, KvKey, Lifetime, Result, Role, WorkerId, WorkerInfo, WorkerWatch,
     DEFAULT_ROOT,
 };
 
@@ -401,6 +401,67 @@ impl Discovery for EtcdDiscovery {
         inner.put(&key, value.clone(), session.lease).await?;
         session.owned.insert(key, Owned::Value(value));
         Ok(())
+    }
+
+    async fn campaign(&self, key: &KvKey, value: Vec<u8>) -> Result<bool> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let full = inner.layout.kv(key);
+        let session = inner.session.lock().await;
+        let lease = session.lease;
+        let txn = Txn::new()
+            .when([Compare::version(full.as_str(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                full.as_str(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(full.as_str(), None)]);
+        let mut client = inner.client.clone();
+        let response = inner.call("campaign", client.txn(txn)).await?;
+        if response.succeeded() {
+            return Ok(true);
+        }
+        let holder = response.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get.kvs().first().map(KeyValue::lease),
+            _ => None,
+        });
+        Ok(holder == Some(lease))
+    }
+
+    async fn holds(&self, key: &KvKey) -> Result<bool> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let lease = inner.session.lock().await.lease;
+        let mut client = inner.client.clone();
+        let response = inner
+            .call("get", client.get(inner.layout.kv(key), None))
+            .await?;
+        Ok(response.kvs().first().map(KeyValue::lease) == Some(lease))
+    }
+
+    async fn put_holding(
+        &self,
+        office: &KvKey,
+        key: &KvKey,
+        value: Vec<u8>,
+        lifetime: Lifetime,
+    ) -> Result<bool> {
+        let inner = &self.inner;
+        inner.check_open()?;
+        let session = inner.session.lock().await;
+        let lease = session.lease;
+        let options = match lifetime {
+            Lifetime::Session => Some(PutOptions::new().with_lease(lease)),
+            Lifetime::Durable => None,
+        };
+        let office = inner.layout.kv(office);
+        let txn = Txn::new()
+            .when([Compare::lease(office.as_str(), CompareOp::Equal, lease)])
+            .and_then([TxnOp::put(inner.layout.kv(key).as_str(), value, options)]);
+        let mut client = inner.client.clone();
+        let response = inner.call("put (holding)", client.txn(txn)).await?;
+        Ok(response.succeeded())
     }
 
     async fn get(&self, key: &KvKey) -> Result<Option<Vec<u8>>> {

@@ -6,8 +6,8 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use nibble_discovery::{
-    Addresses, Capacity, Discovery, Error, KvKey, Role, WorkerEvent, WorkerId, WorkerInfo,
-    WorkerWatch,
+    Addresses, Capacity, Discovery, Error, KvKey, Lifetime, Role, WorkerEvent, WorkerId,
+    WorkerInfo, WorkerWatch,
 };
 
 /// Opens a new session (a new "process") on the implementation under test.
@@ -37,6 +37,7 @@ pub fn worker(role: Role, name: &str, free: u64) -> WorkerInfo {
             total_pages: 1000,
         },
         nccl: None,
+        draining: false,
     }
 }
 
@@ -243,4 +244,51 @@ pub async fn key_values(new: &NewSession) {
     writer.delete(&key).await.unwrap();
     writer.close().await.unwrap();
     reader.close().await.unwrap();
+}
+
+/// One session at a time holds an office; only its holder writes fenced values; a closed
+/// session's office is free for the next, and its durable values stay.
+pub async fn elections(new: &NewSession) {
+    let first = new().await;
+    let second = new().await;
+    let office = KvKey::new("planner/leader").unwrap();
+    let decision = KvKey::new("planner/decision").unwrap();
+    let desired = KvKey::new("planner/desired").unwrap();
+    assert!(first.campaign(&office, b"first".to_vec()).await.unwrap());
+    // Campaigning again while holding it is still holding it; the value stays the first's.
+    assert!(first.campaign(&office, b"again".to_vec()).await.unwrap());
+    assert!(!second.campaign(&office, b"second".to_vec()).await.unwrap());
+    assert_eq!(second.get(&office).await.unwrap(), Some(b"first".to_vec()));
+    assert!(first.holds(&office).await.unwrap());
+    assert!(!second.holds(&office).await.unwrap());
+
+    // Only the holder's fenced writes land.
+    assert!(!second
+        .put_holding(&office, &decision, b"2".to_vec(), Lifetime::Session)
+        .await
+        .unwrap());
+    assert_eq!(second.get(&decision).await.unwrap(), None);
+    assert!(first
+        .put_holding(&office, &decision, b"1".to_vec(), Lifetime::Session)
+        .await
+        .unwrap());
+    assert!(first
+        .put_holding(&office, &desired, b"d".to_vec(), Lifetime::Durable)
+        .await
+        .unwrap());
+    assert_eq!(second.get(&decision).await.unwrap(), Some(b"1".to_vec()));
+
+    // The holder's session ends: the office and its session values go, durable ones stay.
+    first.close().await.unwrap();
+    assert_eq!(second.get(&office).await.unwrap(), None);
+    assert_eq!(second.get(&decision).await.unwrap(), None);
+    assert_eq!(second.get(&desired).await.unwrap(), Some(b"d".to_vec()));
+    assert!(second.campaign(&office, b"second".to_vec()).await.unwrap());
+    assert!(second.holds(&office).await.unwrap());
+    assert!(second
+        .put_holding(&office, &desired, b"e".to_vec(), Lifetime::Durable)
+        .await
+        .unwrap());
+    second.delete(&desired).await.unwrap();
+    second.close().await.unwrap();
 }

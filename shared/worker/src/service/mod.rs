@@ -28,6 +28,7 @@ use crate::actor::EngineHandle;
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::metrics::{self, Direction};
+use crate::role::{Pass, RoleGate};
 use crate::transfer::nccl::NcclTransport;
 use crate::transfer::{Pending, Reservations, TransferCounters};
 
@@ -60,6 +61,8 @@ pub struct WorkerState {
     counters: TransferCounters,
     /// Set once, before serving, when this worker offers NCCL.
     nccl: OnceLock<Arc<NcclTransport>>,
+    /// The role now, and which calls it lets in.
+    gate: RoleGate,
 }
 
 impl WorkerState {
@@ -81,12 +84,13 @@ impl WorkerState {
             peers: security.peers()?,
             security,
             engine,
-            identity,
             reservations: Reservations::default(),
             requests: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             counters: TransferCounters::default(),
             nccl: OnceLock::new(),
+            gate: RoleGate::new(identity.role),
+            identity,
         });
         metrics::describe();
         nibble_telemetry::register(&state);
@@ -97,8 +101,30 @@ impl WorkerState {
         &self.engine
     }
 
+    /// Who this worker is; its `role` is the one it started with ([`role`](Self::role) is the
+    /// one it has now).
     pub fn identity(&self) -> &WorkerIdentity {
         &self.identity
+    }
+
+    /// The role now.
+    pub fn role(&self) -> v1::WorkerRole {
+        self.gate.role()
+    }
+
+    /// The role and the gate of the calls it lets in.
+    pub fn gate(&self) -> &RoleGate {
+        &self.gate
+    }
+
+    /// Whether no call of either role is open and no reservation waits: a role change can
+    /// complete.
+    pub fn drained(&self) -> bool {
+        self.gate.open_passes() == 0 && self.reservations.is_empty()
+    }
+
+    fn admit(&self, role: v1::WorkerRole) -> Result<Pass> {
+        self.gate.admit(role, &self.identity.worker_id)
     }
 
     /// What this worker's server requires (TLS, the internal token).
@@ -181,6 +207,8 @@ impl WorkerState {
     }
 
     async fn reserve(self: &Arc<Self>, r: v1::ReserveRequest) -> Result<v1::ReserveResponse> {
+        // The reservation, once made, keeps a role change waiting until its Decode ends.
+        let _pass = self.admit(v1::WorkerRole::Decode)?;
         self.check_fingerprint(r.kv_format_fingerprint)?;
         let info = self.engine.info();
         if let Some(max) = r.max_tokens {
@@ -241,6 +269,7 @@ impl WorkerState {
     }
 
     async fn prefill(self: &Arc<Self>, r: v1::PrefillRequest) -> Result<v1::PrefillResponse> {
+        let _pass = self.admit(v1::WorkerRole::Prefill)?;
         if let Some(target) = &r.target {
             self.check_fingerprint(target.kv_format_fingerprint)?;
         }
@@ -327,6 +356,12 @@ impl WorkerState {
         params.skip_special_tokens = r.skip_special_tokens.unwrap_or(true);
         let mut stop_tokens = params.stop_token_ids.clone();
         stop_tokens.extend(&self.engine.info().eos);
+        // A reservation's Decode continues work this worker took as a decode worker; a Decode
+        // without one is new work.
+        let pass = match r.handoff {
+            Some(_) => self.gate.resume(),
+            None => self.admit(v1::WorkerRole::Decode)?,
+        };
         let (id, events) = match &r.handoff {
             Some(h) => {
                 self.reservations
@@ -361,6 +396,7 @@ impl WorkerState {
             role,
             tokens: metrics::generation_tokens(role),
             outcome: None,
+            _pass: pass,
         };
         let mut last_token = None;
         // The engine starts a handed-off decode from its first token without log-probabilities;
@@ -467,7 +503,7 @@ impl WorkerState {
         let info = self.engine.info();
         v1::InfoResponse {
             worker_id: self.identity.worker_id.clone(),
-            role: self.identity.role as i32,
+            role: self.role() as i32,
             model: self.identity.model.clone(),
             kv_format: Some(info.kv_format.wire()),
             kv_format_fingerprint: info.fingerprint,
@@ -503,6 +539,8 @@ struct Tracked {
     role: &'static str,
     tokens: ::metrics::Counter,
     outcome: Option<tonic::Code>,
+    /// Held until the stream ends: a role change waits for it.
+    _pass: Pass,
 }
 
 impl Tracked {

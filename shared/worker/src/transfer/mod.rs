@@ -131,6 +131,10 @@ impl Reservations {
         self.lock().len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
     pub fn request_id(&self, id: u64) -> Option<String> {
         self.lock().get(&id).map(|p| p.request_id.clone())
     }
