@@ -137,19 +137,23 @@ const WANTS_PREFILL: &[&str] = &[
 /// A decode worker told (by a decision written by hand) to become a prefill worker while
 /// requests run: every request, before, during and after, gets exactly one engine's greedy
 /// tokens; the worker keeps its prefix cache and prefills afterwards; every page comes back.
+/// BF16 K/V: requests batched together sum their projections in another order than alone,
+/// which NVFP4's rounding can turn into another token at a near tie (see the engine's
+/// `batched_requests_match_requests_run_alone`).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_worker_changes_role_under_load_and_every_request_keeps_its_tokens() {
     let _serial = SERIAL.lock().await;
     let spec = Spec {
         prefills: 1,
         decodes: 2,
-        ..Spec::new("nvfp4")
+        kv_budget_mib: 96,
+        ..Spec::new("bf16")
     };
     let cluster = Cluster::start(spec).await;
     let prompts: Vec<Vec<u32>> = (0..6)
         .map(|i| austen_tokens(i * 400, 150 + 40 * i))
         .collect();
-    let expected = reference(KvDtype::Nvfp4, &prompts, 24);
+    let expected = reference(KvDtype::Bf16, &prompts, 24);
     let send = |i: usize| {
         let request = tokens_request(&prompts[i], 24);
         let client = cluster.client();
@@ -189,7 +193,7 @@ async fn a_worker_changes_role_under_load_and_every_request_keeps_its_tokens() {
     let got = [during.0, during.1, during.2, after.0, after.1, after.2];
     for (i, (got, want)) in got.into_iter().zip(&expected).enumerate() {
         let got = got.unwrap_or_else(|s| panic!("request {i}: {s}; logs:\n{}", cluster.logs()));
-        assert_eq!(&got.tokens, want, "request {i}");
+        assert_eq!(&got.tokens, want, "request {i}; logs:\n{}", cluster.logs());
     }
     // The moved worker now prefills: its log says so.
     let log = cluster.decodes[1].log();
