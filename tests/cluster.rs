@@ -549,8 +549,9 @@ async fn every_process_serves_metrics_and_logs_one_request_id() {
 }
 
 /// Every process serves gRPC reflection in both versions (v1, and v1alpha for grpcurl 1.8),
-/// listing exactly the services it runs: the router `Inference`, a prefill worker `Worker`, a
-/// decode worker `Worker` and `KvTransfer`; each with health and reflection.
+/// listing exactly the services it runs: the router `Inference`, every worker `Worker` and
+/// `KvTransfer` (a prefill worker may become a decode worker in place); each with health and
+/// reflection.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_process_lists_only_its_services_through_both_reflection_versions() {
     use nibble_testkit::reflection::{expected_services, reflect, Version};
@@ -558,7 +559,10 @@ async fn every_process_lists_only_its_services_through_both_reflection_versions(
     let cluster = Cluster::start(Spec::new("nvfp4")).await;
     let cases = [
         (&cluster.router, vec!["nibble.v1.Inference"]),
-        (&cluster.prefills[0], vec!["nibble.v1.Worker"]),
+        (
+            &cluster.prefills[0],
+            vec!["nibble.v1.KvTransfer", "nibble.v1.Worker"],
+        ),
         (
             &cluster.decodes[0],
             vec!["nibble.v1.KvTransfer", "nibble.v1.Worker"],

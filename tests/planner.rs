@@ -121,6 +121,39 @@ fn planner(
     Proc::start(name, &args, dir, false)
 }
 
+/// Sends short requests (latency for the planner to read) until a decision is written; the
+/// decision and the index of the one decode worker it moves to prefill.
+async fn decode_worker_moved(
+    cluster: &Cluster,
+    discovery: &dyn Discovery,
+    planner: &Proc,
+    prompt: &[u32],
+) -> (Decision, usize) {
+    let key = KvKey::new(nibble_planner::wire::DECISION_KEY).unwrap();
+    let decided = wait::until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            let mut client = cluster.client().await;
+            let _ = generate(&mut client, tokens_request(prompt, 2)).await;
+            match discovery.get(&key).await {
+                Ok(Some(bytes)) => Ok(bytes),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let bytes = decided.unwrap_or_else(|e| panic!("no decision ({e}); {}", planner.log()));
+    let ids: Vec<String> = cluster.decodes.iter().map(Cluster::worker_id).collect();
+    let known: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let (decision, _) = Decision::parse(&bytes, &known).unwrap();
+    let moved: Vec<usize> = (0..ids.len())
+        .filter(|&i| decision.role_of(&ids[i]) == Some(Role::Prefill))
+        .collect();
+    assert_eq!(moved.len(), 1, "one decode worker moves: {decision:?}");
+    (decision, moved[0])
+}
+
 /// Flags under which any TTFT breaks the SLO and no ITL does: the planner wants every decode
 /// worker it can spare to prefill, and acts at its first decision.
 const WANTS_PREFILL: &[&str] = &[
@@ -317,31 +350,15 @@ async fn with_etcd_down_nothing_moves_and_once_it_is_back_the_planner_acts() {
 
     cluster.etcd.restart(false);
     let discovery = session(&cluster.etcd).await;
-    let key = KvKey::new(nibble_planner::wire::DECISION_KEY).unwrap();
-    let decided = wait::until(
+    let (decision, moved) = decode_worker_moved(&cluster, &discovery, &planner, &prompt).await;
+    let ids: Vec<String> = cluster.decodes.iter().map(Cluster::worker_id).collect();
+    let ack = ack_of(
+        &discovery,
+        &ids[moved],
+        decision.id,
         Duration::from_secs(60),
-        Duration::from_millis(200),
-        || async {
-            // Latency to decide on: requests keep coming.
-            let mut client = cluster.client().await;
-            let _ = generate(&mut client, tokens_request(&prompt, 4)).await;
-            match discovery.get(&key).await {
-                Ok(Some(bytes)) => Ok(bytes),
-                other => Err(format!("{other:?}")),
-            }
-        },
     )
     .await;
-    let bytes = decided.unwrap_or_else(|e| panic!("no decision ({e}); {}", planner.log()));
-    let ids: Vec<String> = cluster.decodes.iter().map(Cluster::worker_id).collect();
-    let known: Vec<&str> = ids.iter().map(String::as_str).collect();
-    let (decision, _) = Decision::parse(&bytes, &known).unwrap();
-    let moved: Vec<&String> = ids
-        .iter()
-        .filter(|id| decision.role_of(id) == Some(Role::Prefill))
-        .collect();
-    assert_eq!(moved.len(), 1, "one decode worker moves: {decision:?}");
-    let ack = ack_of(&discovery, moved[0], decision.id, Duration::from_secs(60)).await;
     assert!(ack.applied, "{ack:?}");
     cluster.wait_for_workers(2, 1).await;
     let text = status(&cluster.etcd);
@@ -386,28 +403,8 @@ async fn a_worker_that_dies_while_changing_role_leaves_no_decision_waiting() {
     };
     let runs = [long(1000), long(2000)];
     let discovery = session(&cluster.etcd).await;
-    let key = KvKey::new(nibble_planner::wire::DECISION_KEY).unwrap();
-    let decided = wait::until(
-        Duration::from_secs(60),
-        Duration::from_millis(200),
-        || async {
-            let mut client = cluster.client().await;
-            let _ = generate(&mut client, tokens_request(&prompt, 2)).await;
-            match discovery.get(&key).await {
-                Ok(Some(bytes)) => Ok(bytes),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
-    let bytes = decided.unwrap_or_else(|e| panic!("no decision ({e}); {}", planner.log()));
+    let (_, index) = decode_worker_moved(&cluster, &discovery, &planner, &prompt).await;
     let ids: Vec<String> = cluster.decodes.iter().map(Cluster::worker_id).collect();
-    let known: Vec<&str> = ids.iter().map(String::as_str).collect();
-    let (decision, _) = Decision::parse(&bytes, &known).unwrap();
-    let index = ids
-        .iter()
-        .position(|id| decision.role_of(id) == Some(Role::Prefill))
-        .expect("a decode worker moves");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         role_of(&cluster.decodes[index]).await,
