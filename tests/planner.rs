@@ -91,6 +91,30 @@ fn status(etcd: &EtcdServer) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Waits until `nibble planner status` names `planner` (a planner process) as the leader.
+async fn wait_for_leader(etcd: &EtcdServer, planner: &Proc) {
+    let name = format!("leader: {}", planner.address);
+    let leads = wait::until(
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || async {
+            let text = status(etcd);
+            match text.contains(&name) {
+                true => Ok(()),
+                false => Err(text),
+            }
+        },
+    )
+    .await;
+    leads.unwrap_or_else(|text| {
+        panic!(
+            "{} does not lead: {text}\n{}",
+            planner.address,
+            planner.log()
+        )
+    });
+}
+
 fn planner(
     name: &str,
     etcd: &EtcdServer,
@@ -247,19 +271,7 @@ async fn one_planner_leads_and_a_standby_takes_over_when_it_dies() {
     let dir = tempfile::tempdir().unwrap();
     // No router: the planners lead, read no latency and decide nothing.
     let mut first = planner("planner-a", &etcd, "127.0.0.1:9", &[], dir.path());
-    let leader = wait::until(
-        Duration::from_secs(20),
-        Duration::from_millis(100),
-        || async {
-            let text = status(&etcd);
-            match text.contains("leader: planner-a") {
-                true => Ok(()),
-                false => Err(text),
-            }
-        },
-    )
-    .await;
-    leader.unwrap_or_else(|text| panic!("planner-a does not lead: {text}\n{}", first.log()));
+    wait_for_leader(&etcd, &first).await;
     let second = planner("planner-b", &etcd, "127.0.0.1:9", &[], dir.path());
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
@@ -268,19 +280,7 @@ async fn one_planner_leads_and_a_standby_takes_over_when_it_dies() {
     );
     first.kill();
     let died = Instant::now();
-    let took_over = wait::until(
-        Duration::from_secs(20),
-        Duration::from_millis(100),
-        || async {
-            let text = status(&etcd);
-            match text.contains("leader: planner-b") {
-                true => Ok(()),
-                false => Err(text),
-            }
-        },
-    )
-    .await;
-    took_over.unwrap_or_else(|text| panic!("no takeover: {text}\n{}", second.log()));
+    wait_for_leader(&etcd, &second).await;
     // Lease 2 s, poll 0.2 s, and the time `planner status` itself takes.
     assert!(
         died.elapsed() < Duration::from_secs(6),
@@ -315,19 +315,7 @@ async fn with_etcd_down_nothing_moves_and_once_it_is_back_the_planner_acts() {
         dir.path(),
     );
     // It leads (no request has run: no latency, no decision), then loses etcd.
-    let leads = wait::until(
-        Duration::from_secs(20),
-        Duration::from_millis(100),
-        || async {
-            let text = status(&cluster.etcd);
-            match text.contains("leader: planner-a") {
-                true => Ok(()),
-                false => Err(text),
-            }
-        },
-    )
-    .await;
-    leads.unwrap_or_else(|text| panic!("planner-a does not lead: {text}\n{}", planner.log()));
+    wait_for_leader(&cluster.etcd, &planner).await;
     cluster.etcd.kill();
     let prompt = austen_tokens(0, 200);
     let expected = reference(KvDtype::Nvfp4, std::slice::from_ref(&prompt), 8);

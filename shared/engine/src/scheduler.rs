@@ -305,7 +305,7 @@ impl State {
 
     /// Prompt tokens still to compute: the rest of each running prompt, and each waiting prompt
     /// less the prefix the cache would give it now. What a request queued here waits behind,
-    /// in tokens (the router weighs workers by it).
+    /// in tokens (the router weighs workers by it). It hashes nothing: read on every load poll.
     pub fn prefill_backlog(&self) -> usize {
         let page_size = self.page_size();
         let running: usize = self
@@ -318,10 +318,13 @@ impl State {
             .iter()
             .map(|seq| {
                 let len = seq.tokens.len();
+                // Its hashes: the prompt's (from `submit`), or what a preempted sequence had
+                // filled, a prefix of its tokens either way.
                 let matched = match seq.reuse_prefix {
-                    true => hash_blocks(&seq.tokens[..len - 1], page_size)
-                        .into_iter()
-                        .take_while(|&hash| self.cache.contains(hash))
+                    true => seq
+                        .hashes
+                        .iter()
+                        .take_while(|&&hash| self.cache.contains(hash))
                         .count(),
                     false => 0,
                 };
@@ -366,6 +369,11 @@ impl State {
         if self.exists(request.id) {
             return Err(SubmitError::Duplicate(request.id));
         }
+        // Hashed once here, so that the backlog can look its prefix up while it waits.
+        let hashes = hash_blocks(
+            &request.prompt[..request.prompt.len() - 1],
+            self.page_size(),
+        );
         self.waiting.push_back(Sequence {
             id: request.id,
             prompt_len: request.prompt.len(),
@@ -378,7 +386,7 @@ impl State {
             window: Vec::new(),
             locked: Vec::new(),
             cached_pages: 0,
-            hashes: Vec::new(),
+            hashes,
             prefix_hit: 0,
             prefill_only: request.prefill_only,
             reuse_prefix: request.reuse_prefix,

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use nibble_discovery::{Discovery, KvKey, Lifetime};
+use nibble_discovery::{Discovery, KvKey, Lifetime, WorkerInfo};
 use nibble_planner::{
     Ack, Decision, Desired, History, Latency, Leader, Outcome, Planner, PlannerConfig,
 };
@@ -117,8 +117,16 @@ impl PlannerTask {
 
     /// One load poll as leader; false when a fenced write found the office gone.
     async fn tick(&self, term: &mut Term, office: &KvKey) -> bool {
-        let loads = worker_loads(self.discovery.as_ref(), &self.peers).await;
-        self.follow_acks(term).await;
+        let workers = match self.discovery.list(None).await {
+            Ok(workers) => workers,
+            Err(err) => {
+                // Cannot see the membership: decide nothing on a partial picture.
+                tracing::warn!(%err, "planner: cannot list the workers");
+                return true;
+            }
+        };
+        let loads = worker_loads(&workers, &self.peers).await;
+        self.follow_acks(term, &workers).await;
         if Instant::now() < term.next_decision {
             return true;
         }
@@ -192,15 +200,12 @@ impl PlannerTask {
 
     /// Reads the acknowledgements of the workers the pending decision waits for; a worker no
     /// longer registered is gone (one that died mid-change leaves no decision stuck).
-    async fn follow_acks(&self, term: &mut Term) {
+    async fn follow_acks(&self, term: &mut Term, workers: &[WorkerInfo]) {
         let Some(pending) = term.planner.pending() else {
             return;
         };
         let decision = pending.decision();
         let awaited: Vec<String> = pending.awaiting().map(str::to_owned).collect();
-        let Ok(workers) = self.discovery.list(None).await else {
-            return; // cannot tell who is gone
-        };
         for worker in awaited {
             if !workers.iter().any(|w| w.id.as_str() == worker) {
                 term.planner.worker_gone(&worker);

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nibble_discovery::{Discovery, Role};
+use nibble_discovery::{Role, WorkerInfo};
 use nibble_planner::{Histogram, Latency, WorkerLoad};
 use nibble_proto::v1;
 use nibble_proto::v1::worker_client::WorkerClient;
@@ -112,16 +112,9 @@ pub fn histogram(samples: &Samples, name: &str) -> Histogram {
     Histogram::new(buckets, sum, count).unwrap_or_default()
 }
 
-/// Every prefill and decode worker's load. A worker that does not answer is left out (the
-/// planner moves none it cannot see).
-pub async fn worker_loads(discovery: &dyn Discovery, peers: &Peers) -> Vec<WorkerLoad> {
-    let workers = match discovery.list(None).await {
-        Ok(workers) => workers,
-        Err(err) => {
-            tracing::warn!(%err, "cannot list the workers");
-            return Vec::new();
-        }
-    };
+/// The load of every prefill and decode worker of `workers` (the registrations). A worker that
+/// does not answer is left out (the planner moves none it cannot see).
+pub async fn worker_loads(workers: &[WorkerInfo], peers: &Peers) -> Vec<WorkerLoad> {
     let mut loads = Vec::with_capacity(workers.len());
     for worker in workers {
         let role = match worker.role {
