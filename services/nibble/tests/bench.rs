@@ -1,5 +1,6 @@
 //! `nibble bench` end to end on the built binary: the CI suite (bench/suites/ci.toml) against
-//! the clusters it starts itself, its files checked for form; and its refusals: an unreachable
+//! the clusters it starts itself, its files checked for form; a shifting load of two phases over
+//! the HTTP API against a cluster with a planner; and its refusals: an unreachable
 //! cluster, a malformed suite, a load the KV budget can never hold and a prompt longer than the
 //! context are each one clear error before any request is sent; a cluster lost midway leaves
 //! what was measured and a non-zero exit.
@@ -120,6 +121,87 @@ fn the_ci_suite_writes_records_summaries_and_plots() {
     }
     // Each cluster's log is kept.
     assert!(out.path().join("prefix-aware.log").exists());
+}
+
+#[test]
+fn a_load_of_phases_over_http_is_attributed_to_workers_and_timed_by_phase() {
+    let out = tempfile::tempdir().unwrap();
+    let suite = out.path().join("phases.toml");
+    std::fs::write(
+        &suite,
+        r#"
+        api = "openai"
+        concurrency = [2]
+        warmup = 1
+        window_s = 2
+        slo = "ttft=5000,itl=1000"
+        [[phase]]
+        workload = { kind = "fixed", input = 96, output = 3 }
+        requests = 4
+        [[phase]]
+        workload = { kind = "fixed", input = 8, output = 12 }
+        requests = 4
+        [[cluster]]
+        name = "planner"
+        # SLOs no request misses: the planner runs and is sampled, but moves nothing, so every
+        # prompt is prefilled on the prefill worker.
+        args = ["--threads", "1", "--local-prefill-threshold", "0", "--planner",
+                "--interval-ms", "1000", "--load-poll-ms", "500",
+                "--slo-ttft-ms", "600000", "--slo-itl-ms", "600000"]
+        "#,
+    )
+    .unwrap();
+    let results = out.path().join("results");
+    let run = bench(&[
+        "--suite",
+        suite.to_str().unwrap(),
+        "--out",
+        results.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    assert!(text(&run).contains("phase 2 from"), "{}", text(&run));
+
+    let records: Vec<Value> = std::fs::read_to_string(results.join("requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 8);
+    for (i, r) in records.iter().enumerate() {
+        assert!(r.get("error").is_none(), "{r}");
+        let phase = u64::from(i >= 4);
+        assert_eq!(r["phase"], phase, "{r}");
+        assert_eq!(r["completion_tokens"], [3, 12][phase as usize], "{r}");
+        // Over HTTP too, each request names the workers that served it.
+        assert!(
+            r["decode_worker"].as_str().is_some_and(|w| !w.is_empty()),
+            "{r}"
+        );
+        assert_eq!(r["disaggregated"], true, "{r}");
+        assert!(r["prefill_worker"].is_string(), "{r}");
+    }
+    let summaries: Vec<Value> =
+        serde_json::from_slice(&std::fs::read(results.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summaries.len(), 1);
+    let s = &summaries[0];
+    let phases = s["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2, "{s}");
+    let start = |p: &Value| p["start_s"].as_f64().unwrap();
+    assert!(start(&phases[0]) < 0.1, "{s}");
+    assert!(start(&phases[1]) > start(&phases[0]), "{s}");
+    for p in phases {
+        assert_eq!(p["requests"], 4, "{s}");
+        assert!(p["ttft_ms"]["p90"].as_f64().unwrap() > 0.0, "{s}");
+        assert_eq!(p["split_at_start"], serde_json::json!([1, 1]), "{s}");
+    }
+    assert!(!s["windows"].as_array().unwrap().is_empty(), "{s}");
+    let timeline = s["timeline"].as_array().unwrap();
+    assert!(
+        timeline.iter().all(|t| t["planner_changes"].is_number()),
+        "{s}"
+    );
+    let (w, h) = png_size(&results.join("shift.png"));
+    assert!(w >= 640 && h >= 400, "shift: {w}x{h}");
 }
 
 /// A `nibble up` of one core per worker on free ports; killed when dropped.

@@ -135,6 +135,9 @@ async fn completions_and_chat_give_the_grpc_paths_greedy_output() {
     assert_eq!(j["model"], MODEL);
     assert!(j["id"].as_str().unwrap().starts_with("cmpl-"));
     assert_eq!(r.header("x-request-id"), j["id"].as_str());
+    // Which workers served it, as gRPC's route says (benchmarks read it).
+    assert_eq!(r.header("x-nibble-decode-worker"), Some("d0"));
+    assert_eq!(r.header("x-nibble-prefill-worker"), Some("p0"));
     assert_eq!(j["choices"][0]["text"], text.as_str(), "HTTP = gRPC");
     assert_eq!(j["choices"][0]["finish_reason"], "length");
     assert_eq!(j["usage"]["prompt_tokens"], prompt_tokens.len());
@@ -174,7 +177,9 @@ async fn completions_and_chat_give_the_grpc_paths_greedy_output() {
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
     streamed.as_object_mut().unwrap().remove("logprobs");
-    let chunks = sse_chunks(&post_json(http, "/v1/completions", &streamed).await);
+    let r = post_json(http, "/v1/completions", &streamed).await;
+    assert_eq!(r.header("x-nibble-decode-worker"), Some("d0"));
+    let chunks = sse_chunks(&r);
     let usage_json = usage_chunk(&chunks);
     assert_eq!(usage_json["completion_tokens"], NEW_TOKENS);
     let choices: Vec<&Value> = chunks

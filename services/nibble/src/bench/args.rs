@@ -8,7 +8,7 @@ use nibble_security::Peers;
 use super::client::{Api, Client};
 use super::scrape::Scraper;
 use super::summary::{Load, Slo};
-use super::workload::{Workload, DEFAULT_CORPUS};
+use super::workload::{Phase, Workload, DEFAULT_CORPUS};
 use super::{Plan, Target};
 use crate::cli::DEFAULT_MODEL;
 use crate::{files, Error, Result};
@@ -102,6 +102,10 @@ pub struct BenchArgs {
     /// --output-tokens.
     #[arg(long)]
     pub respect_eos: bool,
+    /// Each point's latencies and goodput are also summarized over windows of this many
+    /// seconds (by when requests were sent), to show how they move over time.
+    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    pub window_s: f64,
     /// Service-level objectives for goodput: `ttft=MS,itl=MS` (either or both; the ITL is each
     /// request's mean).
     #[arg(long, value_name = "ttft=MS,itl=MS", value_parser = Slo::parse)]
@@ -184,14 +188,23 @@ impl BenchArgs {
                 reason: "must be at least 1".into(),
             });
         }
+        if !(self.window_s.is_finite() && self.window_s > 0.0) {
+            return Err(Error::Flag {
+                flag: "--window-s",
+                reason: format!("{} is not a positive number of seconds", self.window_s),
+            });
+        }
         Ok(Plan {
-            workload: self.workload()?,
+            phases: vec![Phase {
+                workload: self.workload()?,
+                requests: self.requests,
+            }],
             loads: self.loads()?,
-            requests: self.requests,
             warmup: self.warmup,
             seed: self.seed,
             ignore_eos: !self.respect_eos,
             slo: self.slo,
+            window_s: self.window_s,
         })
     }
 

@@ -358,6 +358,17 @@ async fn openai(
         let text = response.text().await.unwrap_or_default();
         return Err(format!("HTTP {status}: {}", text.trim()));
     }
+    let header = |name: &str| {
+        let value = response.headers().get(name)?.to_str().ok()?;
+        Some(value.to_string())
+    };
+    if let Some(decode) = header("x-nibble-decode-worker") {
+        let prefill = header("x-nibble-prefill-worker").filter(|p| p != "-");
+        let record = &mut answer.record;
+        record.disaggregated = Some(prefill.is_some());
+        record.decode_worker = Some(decode);
+        record.prefill_worker = prefill;
+    }
     let mut pending = Vec::new();
     let mut counted = 0u32;
     while let Some(bytes) = response.chunk().await.map_err(|e| e.to_string())? {

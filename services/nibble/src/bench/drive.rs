@@ -5,7 +5,7 @@
 //! A multi-turn job runs its turns in order on one client: each turn sends the conversation so
 //! far (earlier prompts and the answers as generated: their token ids over gRPC, their text
 //! tokenized again over HTTP, as a chat client would send it) plus its new tokens, after the
-//! workload's think time.
+//! job's think time.
 //!
 //! When a request fails and the cluster no longer answers a fresh call, the point stops
 //! sending: what was measured is kept and the point is marked
@@ -33,7 +33,8 @@ pub struct Point {
     pub load: Load,
     pub jobs: Vec<Job>,
     pub ignore_eos: bool,
-    pub think: Duration,
+    /// Whether the jobs come in several phases (each record then says which).
+    pub phased: bool,
     pub seed: u64,
 }
 
@@ -55,7 +56,7 @@ struct Shared {
     config: String,
     load: String,
     ignore_eos: bool,
-    think: Duration,
+    phased: bool,
     start: Instant,
     sent: AtomicUsize,
     stop: AtomicBool,
@@ -72,8 +73,8 @@ impl Shared {
             if self.stop.load(Ordering::Relaxed) {
                 return;
             }
-            if turn > 0 && !self.think.is_zero() {
-                tokio::time::sleep(self.think).await;
+            if turn > 0 && !job.think.is_zero() {
+                tokio::time::sleep(job.think).await;
             }
             context.extend(&step.new_tokens);
             let index = self.sent.fetch_add(1, Ordering::Relaxed);
@@ -92,6 +93,7 @@ impl Shared {
             record.load = self.load.clone();
             record.index = index;
             record.group = job.group;
+            record.phase = self.phased.then_some(job.phase);
             record.turn = (job.turns.len() > 1).then_some(turn);
             record.start_s = start_s;
             let failed = record.error.clone();
@@ -138,7 +140,7 @@ pub async fn run(
         config: point.config.clone(),
         load: point.load.label(),
         ignore_eos: point.ignore_eos,
-        think: point.think,
+        phased: point.phased,
         start,
         sent: AtomicUsize::new(0),
         stop: AtomicBool::new(false),

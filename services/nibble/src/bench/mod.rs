@@ -18,6 +18,7 @@ pub mod plot;
 pub mod scrape;
 pub mod suite;
 pub mod summary;
+pub mod timeline;
 pub mod workload;
 
 use std::io::Write;
@@ -32,19 +33,41 @@ use client::Client;
 use drive::Point;
 use scrape::Scraper;
 use summary::{Load, RequestRecord, Slo, Summary};
-use workload::{Prompts, Workload};
+use workload::{Phase, Prompts, Workload};
 
 use crate::{files, Error, Result};
 
 /// What every configuration of one run shares.
 pub struct Plan {
-    pub workload: Workload,
+    /// What each load point sends: one phase, or several one after the other.
+    pub phases: Vec<Phase>,
     pub loads: Vec<Load>,
-    pub requests: usize,
     pub warmup: usize,
     pub seed: u64,
     pub ignore_eos: bool,
     pub slo: Option<Slo>,
+    /// The width of the windows each point's latencies over time are summarized in, seconds.
+    pub window_s: f64,
+}
+
+impl Plan {
+    /// The first phase's workload (what warm-up requests look like).
+    pub fn workload(&self) -> &Workload {
+        &self.phases[0].workload
+    }
+
+    /// `fixed 512/64`, or the phases': `fixed 1024/8 x 40, then fixed 32/128 x 40`.
+    pub fn describe(&self) -> String {
+        match self.phases.as_slice() {
+            [one] => one.workload.describe(),
+            phases => {
+                let each = phases
+                    .iter()
+                    .map(|p| format!("{} x {}", p.workload.describe(), p.requests));
+                each.collect::<Vec<_>>().join(", then ")
+            }
+        }
+    }
 }
 
 /// One cluster to measure.
@@ -172,21 +195,28 @@ async fn shape(target: &Target) -> Result<Shape> {
 }
 
 /// Checks that the cluster can serve the plan at all: every context fits the model, and a
-/// closed loop's requests in flight fit the decode workers' KV.
+/// closed loop's requests in flight fit the decode workers' KV, in every phase.
 fn check(plan: &Plan, loads: &[Load], shape: &Shape, name: &str) -> Result<()> {
-    let context = plan.workload.max_context();
+    for phase in &plan.phases {
+        check_workload(&phase.workload, loads, shape, name)?;
+    }
+    Ok(())
+}
+
+fn check_workload(workload: &Workload, loads: &[Load], shape: &Shape, name: &str) -> Result<()> {
+    let context = workload.max_context();
     if context > shape.max_context {
         return Err(Error::Bench(format!(
             "{name}: the workload ({}) reaches {context} tokens of context, more than the \
              model's {}",
-            plan.workload.describe(),
+            workload.describe(),
             shape.max_context
         )));
     }
     let Some(kv_tokens) = shape.kv_tokens.filter(|t| *t > 0.0) else {
         return Ok(());
     };
-    let (per_request, shared) = plan.workload.resident_tokens();
+    let (per_request, shared) = workload.resident_tokens();
     for load in loads {
         if let Load::Concurrency(c) = *load {
             let needed = c as f64 * per_request as f64 + shared as f64;
@@ -195,7 +225,7 @@ fn check(plan: &Plan, loads: &[Load], shape: &Shape, name: &str) -> Result<()> {
                     "{name}: concurrency {c} needs {needed:.0} tokens of KV resident at once \
                      ({}), but the decode workers hold {kv_tokens:.0}: lower the concurrency or \
                      raise --kv-budget-mib",
-                    plan.workload.describe()
+                    workload.describe()
                 )));
             }
         }
@@ -228,13 +258,14 @@ pub async fn measure(
     if plan.warmup > 0 {
         let mut prompts =
             Prompts::new(corpus.to_vec(), plan.seed ^ 0x5741_524d).map_err(Error::Bench)?;
-        let jobs = prompts.jobs(&plan.workload, plan.warmup);
+        let mut jobs = prompts.jobs(plan.workload(), plan.warmup);
+        jobs.iter_mut().for_each(|job| job.think = Duration::ZERO);
         let point = Point {
             config: format!("{} warm-up", target.name),
             load: Load::Concurrency(plan.warmup.min(4)),
             jobs,
             ignore_eos: plan.ignore_eos,
-            think: Duration::ZERO,
+            phased: false,
             seed: plan.seed,
         };
         let warm = drive::run(
@@ -259,9 +290,9 @@ pub async fn measure(
         let point = Point {
             config: target.name.clone(),
             load: *load,
-            jobs: prompts.jobs(&plan.workload, plan.requests),
+            jobs: prompts.phases(&plan.phases),
             ignore_eos: plan.ignore_eos,
-            think: Duration::from_millis(plan.workload.think_ms()),
+            phased: plan.phases.len() > 1,
             seed: plan.seed.wrapping_add(i as u64),
         };
         let measured = drive::run(
@@ -277,6 +308,7 @@ pub async fn measure(
             load: *load,
             workers: shape.workers,
             slo: plan.slo,
+            window_s: plan.window_s,
         };
         let summary = Summary::new(
             of,

@@ -8,6 +8,9 @@
 //!   a thin line for reference; only when the sweep had an SLO.
 //! - `resident.png`: requests running on the cluster over time at each configuration's highest
 //!   load, with the decode workers' KV-page usage below when the metrics had it.
+//! - `shift.png`, for loads of several phases: TTFT p90 and ITL p90 over time (per window of
+//!   sending time) and the decode workers the router saw, at each configuration's highest load,
+//!   with the phases' starts marked.
 //!
 //! Each configuration keeps its colour across the plots; non-finite values are left out, and a
 //! plot with nothing to show is not written.
@@ -24,6 +27,7 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
 use super::summary::{Percentiles, Slo, Summary};
+use super::timeline::{PhaseStats, Window};
 
 /// Width and height of every plot, in pixels.
 pub const SIZE: (u32, u32) = (1000, 640);
@@ -133,6 +137,8 @@ enum Layout {
     SideBySide(&'static str),
     /// One above the other, the second smaller (or alone on the whole area).
     Stacked,
+    /// One above the other, evenly.
+    Rows,
 }
 
 /// One file's panels.
@@ -162,6 +168,7 @@ pub fn render(summaries: &[Summary], dir: &Path) -> Result<Vec<PathBuf>, PlotErr
         ("latency.png", latency(&configs, axis)),
         ("goodput.png", goodput(&configs, axis, slo)),
         ("resident.png", resident(&configs)),
+        ("shift.png", shift(&configs)),
     ];
     let drawable = plots.into_iter().filter(|(_, plot)| !plot.is_empty());
     let write = |(name, plot)| write(dir, name, |area| draw(area, &plot));
@@ -256,6 +263,7 @@ fn draw(area: &Area, plot: &Plot) -> Drawn {
             let (top, bottom) = area.split_vertically(60.percent_height());
             vec![top, bottom]
         }
+        Layout::Rows => area.split_evenly((panels.len(), 1)),
         Layout::Single | Layout::Stacked => vec![area.clone()],
     };
     let mut each = areas.iter().zip(panels);
@@ -508,6 +516,80 @@ fn resident<'s>(configs: &[Config<'s>]) -> Plot {
     Plot(Layout::Stacked, panels)
 }
 
+/// A shifting load at each configuration's highest load with phases: TTFT and ITL p90 per
+/// window, and the decode workers the router saw, each phase's start marked by a grey line.
+fn shift<'s>(configs: &[Config<'s>]) -> Plot {
+    let last = |c: &Config<'s>| {
+        c.points
+            .iter()
+            .rev()
+            .find(|s| !s.phases.is_empty())
+            .copied()
+    };
+    let runs: Vec<_> = configs.iter().filter_map(|c| Some((c, last(c)?))).collect();
+    let label = |c: &Config, s: &Summary| format!("{} {}", c.name, s.load.label());
+    let time = "time since the load point started (s; latencies by when requests were sent)";
+    let grey = RGBColor(90, 90, 90);
+    // Each later phase's start, as a grey vertical line over `y`.
+    let marks = |y: &Range<f64>| {
+        let starts = runs.iter().flat_map(|(_, s)| s.phases.iter().skip(1));
+        let mark = |p: &PhaseStats| Series {
+            label: format!("phase {} starts", p.phase + 1),
+            color: grey,
+            stroke: Stroke::Line(1),
+            points: vec![(p.start_s, y.start), (p.start_s, y.end)],
+            tags: Vec::new(),
+        };
+        starts.map(mark).collect::<Vec<_>>()
+    };
+    let panel = |caption: &str, axis, of: fn(&Window) -> Option<f64>| {
+        let mut series: Vec<Series> = runs
+            .iter()
+            .map(|(c, s)| {
+                let points = s.windows.iter().filter_map(|w| Some((w.start_s, of(w)?)));
+                c.series(label(c, s), Stroke::Solid, points)
+            })
+            .collect();
+        let y = span(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
+        series.extend(marks(&y));
+        Panel {
+            caption: caption.into(),
+            axes: (time, axis),
+            y_range: Some(y),
+            legend: Some(SeriesLabelPosition::UpperRight),
+            series,
+            ..Panel::default()
+        }
+    };
+    let ttft = panel("TTFT p90 over time", "TTFT p90 (ms)", |w| w.ttft_p90_ms);
+    let itl = panel("ITL p90 over time", "ITL p90 (ms)", |w| w.itl_p90_ms);
+    let mut decode: Vec<Series> = runs
+        .iter()
+        .map(|(c, s)| {
+            let points = s
+                .timeline
+                .iter()
+                .filter_map(|t| Some((t.t_s, t.decode_workers?)));
+            c.series(label(c, s), Stroke::Line(2), points)
+        })
+        .collect();
+    let y = span(decode.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
+    decode.extend(marks(&y));
+    let workers = Panel {
+        caption: "Decode workers (the rest prefill)".into(),
+        axes: (time, "decode workers"),
+        y_range: Some(y),
+        legend: Some(SeriesLabelPosition::LowerRight),
+        series: decode,
+        ..Panel::default()
+    };
+    let panels = vec![ttft, itl, workers];
+    match runs.is_empty() {
+        true => Plot(Layout::Rows, Vec::new()),
+        false => Plot(Layout::Rows, panels),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::summary::{ClusterStats, Load, Of, RequestRecord, Sample};
@@ -548,6 +630,7 @@ mod tests {
                 t_s,
                 running,
                 kv_usage: Some(running / 20.0 / speed),
+                ..Sample::default()
             }
         };
         let duration = 40.0 * 64.0 * (8.0 + load) / speed / 1e3 / load;
@@ -557,6 +640,7 @@ mod tests {
             load: Load::Concurrency(c),
             workers: 2,
             slo,
+            window_s: 10.0,
         };
         Summary::new(of, &records, duration, stats, (0..60).map(sample).collect())
     }
@@ -607,6 +691,55 @@ mod tests {
         // NIBBLE_BENCH_PLOTS=DIR keeps a copy to look at.
         if let Some(keep) = std::env::var_os("NIBBLE_BENCH_PLOTS") {
             render(&summaries, Path::new(&keep)).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_load_of_phases_also_draws_the_shift() {
+        let mut phased = point("planner", 1.0, 4, None);
+        let mut records: Vec<RequestRecord> = (0..40)
+            .map(|i| {
+                let phase = usize::from(i >= 20);
+                RequestRecord {
+                    phase: Some(phase),
+                    start_s: f64::from(i) * 1.5,
+                    ..record(100.0 + 50.0 * f64::from(i % 20), 10.0 + 5.0 * phase as f64)
+                }
+            })
+            .collect();
+        records[3].ttft_ms = None;
+        let timeline: Vec<Sample> = (0..120)
+            .map(|i| {
+                let moved = (20..80).contains(&i);
+                Sample {
+                    t_s: f64::from(i) * 0.5,
+                    prefill_workers: Some(if moved { 2.0 } else { 1.0 }),
+                    decode_workers: Some(if moved { 2.0 } else { 3.0 }),
+                    ..Sample::default()
+                }
+            })
+            .collect();
+        let of = Of {
+            config: "planner",
+            load: Load::Concurrency(4),
+            workers: 4,
+            slo: None,
+            window_s: 5.0,
+        };
+        phased = Summary::new(of, &records, 60.0, phased.cluster, timeline);
+        assert_eq!(phased.phases.len(), 2);
+        assert_eq!(phased.phases[0].reaction_s, Some(10.0));
+        assert_eq!(phased.phases[1].reaction_s, Some(10.0));
+        let dir = tempfile::tempdir().unwrap();
+        let written = render(&[phased, point("static", 1.0, 4, None)], dir.path()).unwrap();
+        written.iter().for_each(|p| assert_png(p));
+        assert!(names(dir.path()).contains(&"shift.png".to_string()));
+        if let Some(keep) = std::env::var_os("NIBBLE_BENCH_PLOTS") {
+            std::fs::copy(
+                dir.path().join("shift.png"),
+                Path::new(&keep).join("shift.png"),
+            )
+            .unwrap();
         }
     }
 

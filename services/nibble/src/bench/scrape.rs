@@ -91,6 +91,19 @@ impl Metrics {
             .or_else(|| self.max("nibble_worker_kv_cache_usage", &[("role", "decode")]))
     }
 
+    /// The workers of `role` the routers see (the most any router sees).
+    pub fn workers(&self, role: &str) -> Option<f64> {
+        self.max("nibble_router_workers", &[("role", role)])
+    }
+
+    /// Moves the planner has decided: 0 before its first (the counter appears with it) where a
+    /// planner runs, `None` where none does.
+    pub fn planner_changes(&self) -> Option<f64> {
+        let changes = self.sum("nibble_planner_decisions_total", &[("outcome", "change")]);
+        let planner = self.sum("nibble_planner_leader", &[]).is_some();
+        changes.or(planner.then_some(0.0))
+    }
+
     fn hits(&self) -> Option<(f64, f64)> {
         Some((
             self.sum("nibble_worker_prefix_cache_hits_total", &[])?,
@@ -195,6 +208,9 @@ impl Scraper {
                             t_s: start.elapsed().as_secs_f64(),
                             running: m.running().unwrap_or(0.0),
                             kv_usage: m.kv_usage(),
+                            prefill_workers: m.workers("prefill"),
+                            decode_workers: m.workers("decode"),
+                            planner_changes: m.planner_changes(),
                         });
                     }
                 }
@@ -238,6 +254,8 @@ nibble_worker_running_requests{role="decode",worker="d0"} 1
 nibble_worker_running_requests{role="decode",worker="d1"} 2
 nibble_worker_running_requests{role="prefill",worker="p0"} 5
 nibble_router_kv_cache_usage{role="decode"} 0.25
+nibble_router_workers{role="prefill"} 1
+nibble_router_workers{role="decode"} 3
 nibble_router_kv_cache_usage{role="prefill"} 0.75
 nibble_worker_prefix_cache_hits_total{role="decode"} 32
 nibble_worker_prefix_cache_hits_total{role="prefill"} 16
@@ -254,6 +272,18 @@ garbage line
         let m = Metrics::parse(TEXT);
         assert_eq!(m.running(), Some(3.0));
         assert_eq!(m.kv_usage(), Some(0.25));
+        assert_eq!(
+            (m.workers("prefill"), m.workers("decode")),
+            (Some(1.0), Some(3.0))
+        );
+        assert_eq!(m.planner_changes(), None, "no planner");
+        let leading = Metrics::parse("nibble_planner_leader 1\n");
+        assert_eq!(leading.planner_changes(), Some(0.0));
+        let moved = Metrics::parse(
+            "nibble_planner_leader 1\nnibble_planner_decisions_total{outcome=\"change\"} 2\n\
+             nibble_planner_decisions_total{outcome=\"hold\"} 9\n",
+        );
+        assert_eq!(moved.planner_changes(), Some(2.0));
         assert_eq!(m.hits(), Some((48.0, 128.0)));
         assert_eq!(m.transfer_bytes(), Some(1000.0));
         assert_eq!(m.sum("weird", &[("a", "x\"y"), ("b", "z")]), Some(1.0));
@@ -273,11 +303,13 @@ garbage line
                 t_s: 0.0,
                 running: 2.0,
                 kv_usage: Some(0.1),
+                ..Sample::default()
             },
             Sample {
                 t_s: 0.5,
                 running: 5.0,
                 kv_usage: Some(0.4),
+                ..Sample::default()
             },
         ];
         let s = stats(&before, &after, &samples);

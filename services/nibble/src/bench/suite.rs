@@ -6,6 +6,18 @@
 //! `[[cluster]]` names a configuration, the `nibble up` flags that make it, and optionally its
 //! own sweep (iso-capacity comparisons raise the concurrency to what each KV dtype fits):
 //!
+//! A load that shifts during each point is a list of phases instead of one workload, each
+//! with its own request count, sent one after the other:
+//!
+//! ```toml
+//! [[phase]]
+//! workload = { kind = "fixed", input = 1024, output = 8 }
+//! requests = 48
+//! [[phase]]
+//! workload = { kind = "fixed", input = 32, output = 128 }
+//! requests = 48
+//! ```
+//!
 //! ```toml
 //! requests = 16
 //! concurrency = [1, 4]
@@ -35,7 +47,7 @@ use serde::Deserialize;
 use super::client::{Api, Client};
 use super::scrape::Scraper;
 use super::summary::{Load, Slo};
-use super::workload::Workload;
+use super::workload::{Phase, Workload};
 use super::{measure, BenchArgs, Plan, Results, Target};
 use crate::{Error, Result};
 
@@ -63,6 +75,9 @@ pub struct ClusterSpec {
 struct SuiteFile {
     workload: Option<Workload>,
     requests: Option<usize>,
+    #[serde(rename = "phase")]
+    phases: Option<Vec<Phase>>,
+    window_s: Option<f64>,
     warmup: Option<usize>,
     seed: Option<u64>,
     concurrency: Option<Vec<usize>>,
@@ -151,6 +166,28 @@ impl Suite {
                 .check()
                 .map_err(|e| bad(format!("workload: {e}")))?;
         }
+        if let Some(phases) = &file.phases {
+            if file.workload.is_some() || file.requests.is_some() {
+                return Err(bad(
+                    "[[phase]] and a top-level workload or requests exclude each other: each \
+                     phase has its own"
+                        .into(),
+                ));
+            }
+            if phases.is_empty() {
+                return Err(bad("phase: the list is empty".into()));
+            }
+            for (i, phase) in phases.iter().enumerate() {
+                phase
+                    .check()
+                    .map_err(|e| bad(format!("phase {}: {e}", i + 1)))?;
+            }
+        }
+        if let Some(w) = file.window_s.filter(|w| !(w.is_finite() && *w > 0.0)) {
+            return Err(bad(format!(
+                "window_s {w} is not a positive number of seconds"
+            )));
+        }
         if let Some(slo) = &file.slo {
             Slo::parse(slo).map_err(|e| bad(format!("slo: {e}")))?;
         }
@@ -175,10 +212,20 @@ impl Suite {
     /// `plan` with the suite's overrides.
     fn plan(&self, plan: &Plan) -> Plan {
         let o = &self.overrides;
+        let phases = match &o.phases {
+            Some(phases) => phases.clone(),
+            None => vec![Phase {
+                workload: o
+                    .workload
+                    .clone()
+                    .unwrap_or_else(|| plan.workload().clone()),
+                requests: o.requests.unwrap_or(plan.phases[0].requests).max(1),
+            }],
+        };
         Plan {
-            workload: o.workload.clone().unwrap_or_else(|| plan.workload.clone()),
+            phases,
             loads: loads(&o.concurrency, &o.rate).unwrap_or_else(|| plan.loads.clone()),
-            requests: o.requests.unwrap_or(plan.requests).max(1),
+            window_s: o.window_s.unwrap_or(plan.window_s),
             warmup: o.warmup.unwrap_or(plan.warmup),
             seed: o.seed.unwrap_or(plan.seed),
             ignore_eos: o.respect_eos.map_or(plan.ignore_eos, |r| !r),
@@ -206,7 +253,7 @@ impl Suite {
             "nibble bench: suite {} ({} clusters, {})",
             self.path.display(),
             self.clusters.len(),
-            plan.workload.describe()
+            plan.describe()
         )
         .map_err(Error::Stdout)?;
         std::fs::create_dir_all(out_dir).map_err(|source| Error::Write {
@@ -374,10 +421,11 @@ mod tests {
         )
         .unwrap();
         let plan = suite.plan(&args().plan().unwrap());
-        assert_eq!(plan.requests, 5);
+        assert_eq!(plan.phases.len(), 1);
+        assert_eq!(plan.phases[0].requests, 5);
         assert_eq!(plan.loads, [Load::Concurrency(1), Load::Concurrency(2)]);
         assert_eq!(
-            plan.workload,
+            *plan.workload(),
             Workload::Fixed {
                 input: 10,
                 output: 3
@@ -386,6 +434,29 @@ mod tests {
         assert_eq!(plan.slo.unwrap().ttft_ms, Some(100.0));
         let b = &suite.clusters[1];
         assert_eq!(loads(&b.concurrency, &b.rate), Some(vec![Load::Rate(0.5)]));
+    }
+
+    #[test]
+    fn a_suite_of_phases_replaces_the_workload_and_its_count() {
+        let suite = read(
+            r#"
+            window_s = 5
+            [[phase]]
+            workload = { kind = "fixed", input = 100, output = 2 }
+            requests = 4
+            [[phase]]
+            workload = { kind = "fixed", input = 8, output = 50 }
+            requests = 6
+            [[cluster]]
+            name = "a"
+            "#,
+        )
+        .unwrap();
+        let plan = suite.plan(&args().plan().unwrap());
+        let counts: Vec<_> = plan.phases.iter().map(|p| p.requests).collect();
+        assert_eq!(counts, [4, 6]);
+        assert_eq!(plan.window_s, 5.0);
+        assert_eq!(plan.describe(), "fixed 100/2 x 4, then fixed 8/50 x 6",);
     }
 
     #[test]
@@ -413,6 +484,17 @@ mod tests {
                 "bogus = 1\n[[cluster]]\nname = \"a\"",
                 "unknown field `bogus`",
             ),
+            (
+                "requests = 3\n[[phase]]\nworkload = { kind = \"fixed\", input = 1, output = 1 }\n\
+                 requests = 2\n[[cluster]]\nname = \"a\"",
+                "exclude each other",
+            ),
+            (
+                "[[phase]]\nworkload = { kind = \"fixed\", input = 1, output = 1 }\n\
+                 requests = 0\n[[cluster]]\nname = \"a\"",
+                "phase 1: requests must be at least 1",
+            ),
+            ("window_s = 0\n[[cluster]]\nname = \"a\"", "window_s 0"),
         ];
         for (text, wanted) in cases {
             let err = read(text).err().expect(text).to_string();

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::timeline::{self, PhaseStats, SplitChange, Window};
+
 /// How load is offered at one point of a sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -55,6 +57,9 @@ pub struct RequestRecord {
     /// The turn within its session (multi-turn workloads).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub turn: Option<usize>,
+    /// The phase of the load point it belongs to (plans of several phases).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase: Option<usize>,
     /// When it was sent, in seconds since the load point started.
     pub start_s: f64,
     /// Time to the first generated token, in milliseconds (`None` if none came).
@@ -70,13 +75,14 @@ pub struct RequestRecord {
     pub cached_tokens: u32,
     /// Tokens generated.
     pub completion_tokens: u32,
-    /// The decode worker that generated it (gRPC only: the HTTP API does not say).
+    /// The decode worker that generated it (over HTTP, from the `x-nibble-decode-worker`
+    /// header).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_worker: Option<String>,
     /// The prefill worker that computed its prompt, when it was disaggregated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefill_worker: Option<String>,
-    /// Whether a prefill worker computed the prompt and pushed its pages (gRPC only).
+    /// Whether a prefill worker computed the prompt and pushed its pages.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disaggregated: Option<bool>,
     /// Why it failed, when it did.
@@ -213,6 +219,16 @@ pub struct Sample {
     pub running: f64,
     /// Fraction of the decode workers' KV pages in use.
     pub kv_usage: Option<f64>,
+    /// Prefill workers the router saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_workers: Option<f64>,
+    /// Decode workers the router saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_workers: Option<f64>,
+    /// Moves the cluster's planner has decided so far (`nibble_planner_decisions_total` of
+    /// outcome `change`), where it runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner_changes: Option<f64>,
 }
 
 /// What a point's summary is of: the configuration, its load, and how it is judged.
@@ -224,6 +240,8 @@ pub struct Of<'a> {
     pub workers: usize,
     /// The objectives goodput counts.
     pub slo: Option<Slo>,
+    /// The width of the windows latencies over time are summarized in, seconds.
+    pub window_s: f64,
 }
 
 /// One configuration at one load point.
@@ -263,6 +281,15 @@ pub struct Summary {
     pub cluster: ClusterStats,
     /// The cluster's state over time.
     pub timeline: Vec<Sample>,
+    /// Latencies and goodput over time, by when requests were sent.
+    #[serde(default)]
+    pub windows: Vec<Window>,
+    /// Each phase's, for a point of several phases.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseStats>,
+    /// Each change of the prefill/decode split while the point ran.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub split_changes: Vec<SplitChange>,
 }
 
 impl Summary {
@@ -280,6 +307,7 @@ impl Summary {
             load,
             workers,
             slo,
+            window_s,
         } = of;
         let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.ok()).collect();
         let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
@@ -320,6 +348,9 @@ impl Summary {
                 n => g as f64 / n as f64,
             }),
             cluster,
+            windows: timeline::windows(records, window_s, slo),
+            phases: timeline::phases(records, &timeline, slo),
+            split_changes: timeline::changes(&timeline),
             timeline,
         }
     }
@@ -357,6 +388,36 @@ impl Summary {
         }
         if let Some(peak) = self.cluster.peak_kv_usage {
             line.push_str(&format!("; peak KV {:.0}%", peak * 100.0));
+        }
+        for p in &self.phases {
+            let p90 = |p: Option<Percentiles>| p.map_or("-".into(), |p| format!("{:.1}", p.p90));
+            line.push_str(&format!(
+                "\n  phase {} from {:.1} s: {} requests; TTFT p90 {} ms; ITL p90 {} ms",
+                p.phase + 1,
+                p.start_s,
+                p.requests,
+                p90(p.ttft_ms),
+                p90(p.itl_ms),
+            ));
+            if let Some(good) = p.goodput_fraction {
+                line.push_str(&format!("; goodput {:.0}%", good * 100.0));
+            }
+            if let Some((p0, d0)) = p.split_at_start {
+                line.push_str(&format!("; began at {p0}P/{d0}D"));
+            }
+            if let Some(t) = p.reaction_s {
+                line.push_str(&format!("; first move decided after {t:.1} s"));
+            }
+        }
+        for c in &self.split_changes {
+            let ((p0, d0), (p1, d1)) = (c.from, c.to);
+            let decided = c
+                .decided_s
+                .map_or(String::new(), |t| format!("decided at {t:.1} s, "));
+            line.push_str(&format!(
+                "\n  split {p0}P/{d0}D -> {p1}P/{d1}D: {decided}in place at {:.1} s",
+                c.changed_s
+            ));
         }
         line
     }
@@ -413,6 +474,7 @@ mod tests {
             load: Load::Concurrency(2),
             workers: 2,
             slo: Some(slo),
+            window_s: 10.0,
         };
         let s = Summary::new(of, &records, 2.0, ClusterStats::default(), Vec::new());
         assert_eq!((s.requests, s.errors), (3, 1));

@@ -13,6 +13,10 @@
 //!   system prompt (a group drawn at random) followed by a unique question of `input` tokens;
 //! * multi-turn: sessions of T turns; each turn sends the whole conversation so far (every
 //!   earlier prompt and answer) plus a new user message of `input` tokens, after a think time.
+//!
+//! A plan may run several [`Phase`]s one after the other at each load point (a load that
+//! shifts, say from long prompts to long answers): each phase's jobs are offered after the
+//! previous phase's, on the same clients.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -179,6 +183,24 @@ impl Workload {
     }
 }
 
+/// One part of a load point: `requests` jobs of one workload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Phase {
+    pub workload: Workload,
+    pub requests: usize,
+}
+
+impl Phase {
+    /// Checks the workload and the count, naming what is wrong.
+    pub fn check(&self) -> Result<(), String> {
+        if self.requests == 0 {
+            return Err("requests must be at least 1".into());
+        }
+        self.workload.check()
+    }
+}
+
 /// One turn: the tokens it adds to its conversation and the answer length it asks for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Turn {
@@ -191,6 +213,10 @@ pub struct Turn {
 pub struct Job {
     /// The shared-prefix group or the session number.
     pub group: Option<usize>,
+    /// The phase of the load point it belongs to.
+    pub phase: usize,
+    /// How long the client waits before each turn after the first.
+    pub think: std::time::Duration,
     pub turns: Vec<Turn>,
 }
 
@@ -224,12 +250,32 @@ impl Prompts {
             .collect()
     }
 
-    /// The jobs of one load point: `count` of them.
+    /// The jobs of one load point: each phase's in turn.
+    pub fn phases(&mut self, phases: &[Phase]) -> Vec<Job> {
+        let mut jobs = Vec::new();
+        for (i, phase) in phases.iter().enumerate() {
+            let mut these = self.jobs(&phase.workload, phase.requests);
+            these.iter_mut().for_each(|job| job.phase = i);
+            jobs.extend(these);
+        }
+        jobs
+    }
+
+    /// `count` jobs of `workload`.
     pub fn jobs(&mut self, workload: &Workload, count: usize) -> Vec<Job> {
+        let think = std::time::Duration::from_millis(workload.think_ms());
+        let mut jobs = self.jobs_of(workload, count);
+        jobs.iter_mut().for_each(|job| job.think = think);
+        jobs
+    }
+
+    fn jobs_of(&mut self, workload: &Workload, count: usize) -> Vec<Job> {
         match *workload {
             Workload::Fixed { input, output } => (0..count)
                 .map(|_| Job {
                     group: None,
+                    phase: 0,
+                    think: Default::default(),
                     turns: vec![Turn {
                         new_tokens: self.take(input),
                         output: output as u32,
@@ -252,6 +298,8 @@ impl Prompts {
                         let output = draw(&mut self.rng, output);
                         Job {
                             group: None,
+                            phase: 0,
+                            think: Default::default(),
                             turns: vec![Turn {
                                 new_tokens: self.take(input),
                                 output: output as u32,
@@ -276,6 +324,8 @@ impl Prompts {
                         tokens.extend(self.take(input));
                         Job {
                             group: Some(group),
+                            phase: 0,
+                            think: Default::default(),
                             turns: vec![Turn {
                                 new_tokens: tokens,
                                 output: output as u32,
@@ -292,6 +342,8 @@ impl Prompts {
             } => (0..count)
                 .map(|session| Job {
                     group: Some(session),
+                    phase: 0,
+                    think: Default::default(),
                     turns: (0..turns)
                         .map(|_| Turn {
                             new_tokens: self.take(input),
@@ -394,6 +446,50 @@ mod tests {
         };
         assert!(w.check().unwrap_err().contains("sigma"));
         assert!(Prompts::new(Vec::new(), 0).is_err());
+    }
+
+    #[test]
+    fn phases_follow_each_other_with_their_own_lengths_and_think_times() {
+        let phases = [
+            Phase {
+                workload: Workload::Fixed {
+                    input: 100,
+                    output: 2,
+                },
+                requests: 3,
+            },
+            Phase {
+                workload: Workload::MultiTurn {
+                    turns: 2,
+                    input: 5,
+                    output: 40,
+                    think_ms: 7,
+                },
+                requests: 2,
+            },
+        ];
+        let jobs = prompts(4).phases(&phases);
+        let shape: Vec<_> = jobs
+            .iter()
+            .map(|j| (j.phase, j.turns.len(), j.turns[0].new_tokens.len(), j.think))
+            .collect();
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(
+            shape,
+            [
+                (0, 1, 100, ms(0)),
+                (0, 1, 100, ms(0)),
+                (0, 1, 100, ms(0)),
+                (1, 2, 5, ms(7)),
+                (1, 2, 5, ms(7)),
+            ]
+        );
+        assert_eq!(jobs, prompts(4).phases(&phases));
+        let none = Phase {
+            workload: phases[0].workload.clone(),
+            requests: 0,
+        };
+        assert!(none.check().unwrap_err().contains("requests"));
     }
 
     #[test]

@@ -249,7 +249,7 @@ async fn run(
     let parsed = parse(body, &served, max_n, id.to_string(), &state.tokenizer())?;
     let choices = choices::fan_out(vec![parsed.request], parsed.n);
     let prompts: Vec<usize> = choices.iter().map(|c| c.prompt).collect();
-    let merged = choices::start_all(&state.service, &id, choices, parsed.names).await?;
+    let (merged, routes) = choices::start_all(&state.service, &id, choices, parsed.names).await?;
     let format = ChatChunks {
         id: id.to_string(),
         model: served,
@@ -260,13 +260,13 @@ async fn run(
         calls: HashMap::new(),
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(
+        return Ok(routes.headers(generate::sse(
             merged,
             prompts,
             format,
             parsed.delivery,
             parsed.names,
-        ));
+        )));
     }
     let (collected, usage) = generate::collect(merged, &prompts, parsed.names).await?;
     let choices: Vec<_> = collected
@@ -291,7 +291,7 @@ async fn run(
             })
         })
         .collect();
-    Ok(Json(serde_json::json!({
+    let response = Json(serde_json::json!({
         "id": format.id,
         "object": "chat.completion",
         "created": format.created,
@@ -299,7 +299,8 @@ async fn run(
         "choices": choices,
         "usage": usage_json(&usage),
     }))
-    .into_response())
+    .into_response();
+    Ok(routes.headers(response))
 }
 
 struct ChatChunks {

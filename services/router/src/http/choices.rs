@@ -13,6 +13,8 @@
 
 use std::collections::BTreeMap;
 
+use axum::http::HeaderValue;
+use axum::response::Response;
 use nibble_proto::v1;
 use tokio::task::JoinSet;
 use tokio_stream::{Iter, StreamExt, StreamMap};
@@ -62,6 +64,42 @@ pub type Merged = tokio_stream::adapters::Chain<
     StreamMap<u32, GenerateStream>,
 >;
 
+/// The response header naming the decode worker of each choice, in index order.
+pub const DECODE_WORKER: &str = "x-nibble-decode-worker";
+/// The response header naming the prefill worker of each choice (`-`: its decode worker
+/// prefilled it); present only when some choice was disaggregated.
+pub const PREFILL_WORKER: &str = "x-nibble-prefill-worker";
+
+/// Where each choice ran, from its first chunk (what gRPC clients read in `route`), for the
+/// response's headers: benchmarks attribute requests to workers by them.
+#[derive(Debug, Default)]
+pub struct Routes(Vec<v1::Route>);
+
+impl Routes {
+    /// `response` with the route headers (a worker id that is not a valid header value leaves
+    /// its header out).
+    pub fn headers(&self, mut response: Response) -> Response {
+        let decode = self.0.iter().map(|r| r.decode_worker.as_str());
+        let prefill = self.0.iter().map(|r| match r.prefill_worker.as_str() {
+            "" => "-",
+            id => id,
+        });
+        let joined = |ids: &mut dyn Iterator<Item = &str>| ids.collect::<Vec<_>>().join(", ");
+        let mut set = |name: &'static str, value: String| {
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                response.headers_mut().insert(name, value);
+            }
+        };
+        if !self.0.is_empty() {
+            set(DECODE_WORKER, joined(&mut { decode }));
+        }
+        if self.0.iter().any(|r| !r.prefill_worker.is_empty()) {
+            set(PREFILL_WORKER, joined(&mut { prefill }));
+        }
+        response
+    }
+}
+
 /// Starts every choice (see the module header for the order) and waits for each one's first
 /// chunk. The first refusal fails the whole response; the choices already started are dropped,
 /// which cancels them.
@@ -70,7 +108,7 @@ pub async fn start_all(
     id: &MintedId,
     choices: Vec<Choice>,
     names: ParamNames,
-) -> Result<Merged, ApiError> {
+) -> Result<(Merged, Routes), ApiError> {
     let mut groups: BTreeMap<usize, Vec<Choice>> = BTreeMap::new();
     for choice in choices {
         groups.entry(choice.prompt).or_default().push(choice);
@@ -99,6 +137,7 @@ pub async fn start_all(
     }
     started.sort_by_key(|(index, _)| *index);
     let mut firsts = Vec::with_capacity(started.len());
+    let mut routes = Routes::default();
     let mut rest = StreamMap::with_capacity(started.len());
     for (
         index,
@@ -108,10 +147,11 @@ pub async fn start_all(
         },
     ) in started
     {
+        routes.0.extend(first.route.clone());
         firsts.push((index, Ok(first)));
         rest.insert(index, stream);
     }
-    Ok(tokio_stream::iter(firsts).chain(rest))
+    Ok((tokio_stream::iter(firsts).chain(rest), routes))
 }
 
 /// Runs the router's validation of each request (blocking: it tokenizes) before any starts.

@@ -207,7 +207,7 @@ async fn run(
     let parsed = parse(body, &state, &served, id.to_string())?;
     let choices = choices::fan_out(parsed.prompts, parsed.best_of);
     let prompts: Vec<usize> = choices.iter().map(|c| c.prompt).collect();
-    let merged = choices::start_all(&state.service, &id, choices, parsed.names).await?;
+    let (merged, routes) = choices::start_all(&state.service, &id, choices, parsed.names).await?;
     let logprobs = parsed.logprobs.then(|| state.tokenizer());
     let mut format = CompletionChunks {
         id: id.to_string(),
@@ -220,13 +220,13 @@ async fn run(
         prompts: prompts.clone(),
     };
     if parsed.delivery.stream {
-        return Ok(generate::sse(
+        return Ok(routes.headers(generate::sse(
             merged,
             prompts,
             format,
             parsed.delivery,
             parsed.names,
-        ));
+        )));
     }
     let (collected, usage) = generate::collect(merged, &prompts, parsed.names).await?;
     // Per prompt, its best `n` of `best_of` by cumulative log-probability, re-indexed in order.
@@ -247,7 +247,7 @@ async fn run(
             choices.push(format.choice(index, out, c));
         }
     }
-    Ok(Json(serde_json::json!({
+    let response = Json(serde_json::json!({
         "id": format.id,
         "object": "text_completion",
         "created": format.created,
@@ -255,7 +255,8 @@ async fn run(
         "choices": choices,
         "usage": usage_json(&usage),
     }))
-    .into_response())
+    .into_response();
+    Ok(routes.headers(response))
 }
 
 /// `best_of`: keeps the `n` choices of highest cumulative log-probability, most likely first
