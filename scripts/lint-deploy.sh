@@ -8,9 +8,9 @@
 # 3. helm template + schema validation, for the default values, each ci/*-values.yaml and each file
 #    in deploy/examples/: every object against the Kubernetes JSON schemas of $KUBE_VERSIONS with
 #    kubernetes-validate --strict (unknown fields are errors; a kind without a schema is an error);
-#    ServiceMonitors (a CRD) against the prometheus-operator CRD schema instead. Every NIBBLE_*
-#    variable the chart and the Dockerfile set must be declared by a flag of the workspace
-#    (deploy/ci/check-env.py).
+#    ServiceMonitors and KEDA ScaledObjects (CRDs) against their CRD schemas instead
+#    (deploy/ci/crd-check.mjs). Every NIBBLE_* variable the chart and the Dockerfile set must be
+#    declared by a flag of the workspace (deploy/ci/check-env.py).
 # 4. The checks bite: each ci/invalid/*.yaml renders but must FAIL validation with the error its
 #    `# expect:` line names, and each ci/refused/*.yaml must make `helm template` fail (the
 #    chart's own checks or values.schema.json) with the error its `# expect:` line names.
@@ -54,8 +54,8 @@ validate() {
     "$PYTHON" deploy/ci/validate-manifests.py "$work/rendered.yaml" "$work/crds.json" \
         "${KUBE_VERSIONS[@]}" >>"$work/log" 2>&1 || status=1
     if [[ "$(cat "$work/crds.json")" != "[]" ]]; then
-        cp deploy/ci/servicemonitor-check.mjs "$TOOLS/npm/"
-        node "$TOOLS/npm/servicemonitor-check.mjs" "$work/crds.json" >>"$work/log" 2>&1 || status=1
+        cp deploy/ci/crd-check.mjs "$TOOLS/npm/"
+        node "$TOOLS/npm/crd-check.mjs" "$work/crds.json" >>"$work/log" 2>&1 || status=1
     fi
     return "$status"
 }

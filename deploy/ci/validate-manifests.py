@@ -1,9 +1,9 @@
 """Validates rendered Kubernetes manifests: every object against the Kubernetes JSON schemas of the
-given versions (kubernetes-validate, strict: unknown fields are errors), except ServiceMonitors,
-which are written to a JSON file for servicemonitor-check.mjs. Any other kind without a schema is
-an error, never a silent skip.
+given versions (kubernetes-validate, strict: unknown fields are errors), except the custom
+resources the chart may render (ServiceMonitor, KEDA's ScaledObject), which are written to a JSON
+file for crd-check.mjs. Any other kind without a schema is an error, never a silent skip.
 
-    python validate-manifests.py RENDERED.yaml SERVICEMONITORS.json 1.27.0 1.37.0
+    python validate-manifests.py RENDERED.yaml CUSTOM-RESOURCES.json 1.27.0 1.37.0
 
 Exit status 1 when an object is invalid or of an unknown kind; prints one line per object.
 """
@@ -15,7 +15,10 @@ import kubernetes_validate
 import yaml
 
 # Kinds validated elsewhere: the CRDs the chart may render.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+}
 
 
 def main() -> int:
@@ -46,7 +49,7 @@ def main() -> int:
         json.dump(crds, f)
     checked = len(objects) - len(crds)
     print(f"{rendered}: {checked} objects checked against Kubernetes {', '.join(versions)}, "
-          f"{len(crds)} ServiceMonitor(s) left to the CRD check, {failures} failure(s)")
+          f"{len(crds)} custom resource(s) left to the CRD check, {failures} failure(s)")
     return 1 if failures else 0
 
 

@@ -128,6 +128,59 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- fail (printf "%s.kind must be Deployment or StatefulSet, got %v" $role $w.kind) }}
 {{- end }}
 {{- end }}
+{{- include "nibble.validatePlanner" . }}
+{{- end }}
+
+{{/* Checks of the planner's values and of the autoscalers that follow it. */}}
+{{- define "nibble.validatePlanner" -}}
+{{- $p := .Values.planner }}
+{{- $a := $p.autoscaling }}
+{{- if and $p.enabled (not .Values.metrics.enabled) }}
+{{- fail "planner.enabled needs metrics.enabled: the planner reads TTFT and ITL from the routers' metrics port and serves nibble_planner_desired_workers on its own" }}
+{{- end }}
+{{- if lt (int $p.intervalMs) (int $p.loadPollMs) }}
+{{- fail (printf "planner.intervalMs (%v) must be at least planner.loadPollMs (%v): each decision needs a fresh load reading" $p.intervalMs $p.loadPollMs) }}
+{{- end }}
+{{- if and $a.hpa.enabled $a.keda.enabled }}
+{{- fail "planner.autoscaling: turn on hpa or keda, not both: two autoscalers would fight over the decode workers (KEDA makes an HPA of its own)" }}
+{{- end }}
+{{- if and (or $a.hpa.enabled $a.keda.enabled) (not $p.enabled) }}
+{{- fail "planner.autoscaling follows the planner's nibble_planner_desired_workers: it needs planner.enabled" }}
+{{- end }}
+{{- if and $a.keda.enabled (not $a.keda.serverAddress) }}
+{{- fail "planner.autoscaling.keda.enabled: set planner.autoscaling.keda.serverAddress to the URL of the Prometheus that scrapes the planner" }}
+{{- end }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail (printf "planner.autoscaling.minReplicas (%v) is above maxReplicas (%v)" $a.minReplicas $a.maxReplicas) }}
+{{- end }}
+{{- if and $a.hpa.enabled (lt (int $a.minReplicas) 1) }}
+{{- fail "planner.autoscaling.minReplicas is 0: a HorizontalPodAutoscaler cannot scale to zero (use keda, or 1)" }}
+{{- end }}
+{{- if and $a.hpa.enabled (gt (int .Values.prefill.replicas) 0) }}
+{{- fail (printf "planner.autoscaling.hpa sets the decode workers to the planner's whole desired total and cannot subtract prefill.replicas (%v): set prefill.replicas to 0 (the planner turns decode workers into prefill ones) or use keda" .Values.prefill.replicas) }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when an autoscaler (planner.autoscaling) owns the decode workers' replicas, else "". */}}
+{{- define "nibble.autoscaled" -}}
+{{- if and .Values.planner.enabled (or .Values.planner.autoscaling.hpa.enabled .Values.planner.autoscaling.keda.enabled) }}true{{ end }}
+{{- end }}
+
+{{/*
+The labels (as JSON) that pick this release's planner series: planner.autoscaling.matchLabels, or
+the service (and namespace) the chart's ServiceMonitor labels them with. Call with (list $ true)
+to include the namespace (KEDA's queries are not namespaced; an HPA's are).
+*/}}
+{{- define "nibble.plannerMatchLabels" -}}
+{{- $root := index . 0 }}
+{{- $labels := $root.Values.planner.autoscaling.matchLabels }}
+{{- if not $labels }}
+{{- $labels = dict "service" (include "nibble.componentName" (list $root "planner")) }}
+{{- if index . 1 }}
+{{- $labels = dict "namespace" $root.Release.Namespace "service" (include "nibble.componentName" (list $root "planner")) }}
+{{- end }}
+{{- end }}
+{{- toJson $labels }}
 {{- end }}
 
 {{/* Environment every nibble process shares: model, etcd, metrics, TLS, internal token. */}}
@@ -144,6 +197,14 @@ app.kubernetes.io/component: {{ index . 1 }}
 - name: NIBBLE_METRICS_LISTEN
   value: {{ printf "0.0.0.0:%v" .Values.metrics.port | quote }}
 {{- end }}
+{{- include "nibble.securityEnv" . }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* TLS files and the internal token (router, workers and planner). */}}
+{{- define "nibble.securityEnv" -}}
 {{- if .Values.tls.enabled }}
 - name: NIBBLE_TLS_CERT
   value: {{ printf "%s/tls.crt" .Values.tls.mountPath | quote }}
@@ -158,9 +219,6 @@ app.kubernetes.io/component: {{ index . 1 }}
     secretKeyRef:
       name: {{ include "nibble.internalTokenSecretName" . }}
       key: {{ .Values.auth.internalToken.secretKey }}
-{{- end }}
-{{- with .Values.extraEnv }}
-{{ toYaml . }}
 {{- end }}
 {{- end }}
 
@@ -203,8 +261,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- end }}
 
-{{/* Init containers every nibble pod has: wait for etcd, fetch the model. */}}
-{{- define "nibble.initContainers" -}}
+{{/* The init container that waits for etcd (etcd.waitForEtcd). */}}
+{{- define "nibble.waitForEtcd" -}}
 {{- if .Values.etcd.waitForEtcd }}
 - name: wait-for-etcd
   image: {{ include "nibble.image" . }}
@@ -242,6 +300,11 @@ app.kubernetes.io/component: {{ index . 1 }}
     limits:
       memory: 64Mi
 {{- end }}
+{{- end }}
+
+{{/* Init containers every nibble pod has: wait for etcd, fetch the model. */}}
+{{- define "nibble.initContainers" -}}
+{{- include "nibble.waitForEtcd" . }}
 {{- if eq .Values.model.source "download" }}
 - name: fetch-model
   image: {{ .Values.model.download.image }}
