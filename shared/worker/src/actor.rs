@@ -148,7 +148,14 @@ pub struct EngineHandle {
     info: Arc<EngineInfo>,
     /// Why the engine thread ended, once it has.
     stopped: watch::Receiver<Option<String>>,
+    /// The load the engine thread last published ([`EngineHandle::published_load`]).
+    published: watch::Receiver<LoadSnapshot>,
 }
+
+/// How often a working engine publishes its load; an idle one publishes after every command.
+/// Counting what the prefix cache could give back walks the cache, so a GPU's millisecond
+/// steps do not each pay for it.
+const PUBLISH_LOAD_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Sets the engine's stop reason when the engine thread ends, however it ends.
 struct StopGuard(watch::Sender<Option<String>>);
@@ -204,6 +211,7 @@ impl EngineHandle {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let publisher = KvPublisher::new(kv_events.clone());
         let (stop_tx, stopped) = watch::channel(None);
+        let (load_tx, published) = watch::channel(LoadSnapshot::default());
         thread::Builder::new()
             .name("nibble-engine".into())
             .spawn(move || {
@@ -225,8 +233,10 @@ impl EngineHandle {
                     max_context: engine.model().config().max_context,
                     eos: engine.tokenizer().eos_token_id().into_iter().collect(),
                 };
+                let mut actor = Actor::new(engine, publisher, load_tx);
+                // Its load is published before anyone can ask for it.
+                actor.publish_load();
                 let _ = ready_tx.send(Ok(info));
-                let actor = Actor::new(engine, publisher);
                 let run = std::panic::AssertUnwindSafe(move || actor.run(rx));
                 let failure = match std::panic::catch_unwind(run) {
                     Ok(failure) => failure,
@@ -245,6 +255,7 @@ impl EngineHandle {
             kv_events,
             info: Arc::new(info),
             stopped,
+            published,
         })
     }
 
@@ -413,9 +424,20 @@ impl EngineHandle {
         let _ = self.send(Command::Release { id, reply: None });
     }
 
-    /// The engine's load now.
+    /// The engine's load now: waits for the step in progress (on a CPU, a prompt block can take
+    /// seconds). For what must be exact, such as a drain or the pages an abort freed.
     pub async fn load(&self) -> Result<LoadSnapshot> {
         self.call(|reply| Command::Load { reply }).await
+    }
+
+    /// The engine's load as it last published it, without waiting: exact while the engine is
+    /// idle, at most one step or [`PUBLISH_LOAD_EVERY`] old while it works. For what polls:
+    /// the `Load` RPC (the router's placement, the planner), metrics, the registered capacity.
+    pub fn published_load(&self) -> Result<LoadSnapshot> {
+        match self.stopped.borrow().is_some() {
+            true => Err(Error::EngineStopped),
+            false => Ok(*self.published.borrow()),
+        }
     }
 
     /// Every block of the prefix cache, with the id of the last published event it reflects.
@@ -435,6 +457,9 @@ struct Actor<B: Backend> {
     engine: Engine<B>,
     senders: HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     publisher: KvPublisher,
+    load: watch::Sender<LoadSnapshot>,
+    /// When `load` was last published.
+    load_at: Option<std::time::Instant>,
 }
 
 impl<B: Backend> Actor<B>
@@ -442,11 +467,40 @@ where
     B::Pages: 'static,
     B::Staging: Stageable,
 {
-    fn new(engine: Engine<B>, publisher: KvPublisher) -> Self {
+    fn new(engine: Engine<B>, publisher: KvPublisher, load: watch::Sender<LoadSnapshot>) -> Self {
         Self {
             engine,
             senders: HashMap::new(),
             publisher,
+            load,
+            load_at: None,
+        }
+    }
+
+    fn snapshot(&self) -> LoadSnapshot {
+        let s = self.engine.state();
+        LoadSnapshot {
+            free_pages: s.pool.free_pages(),
+            total_pages: s.pool.total_pages(),
+            cached_pages: s.cache.len(),
+            evictable_pages: s.cache.reclaimable(&s.pool),
+            running: s.running(),
+            waiting: s.waiting(),
+            prefill_backlog: s.prefill_backlog(),
+            held: s.held(),
+            cache: s.cache.stats(),
+        }
+    }
+
+    /// Publishes the load: always when idle (so an idle engine's published load is exact),
+    /// else at most every [`PUBLISH_LOAD_EVERY`].
+    fn publish_load(&mut self) {
+        let due = self
+            .load_at
+            .is_none_or(|at| at.elapsed() >= PUBLISH_LOAD_EVERY);
+        if due || !self.engine.has_work() {
+            self.load.send_replace(self.snapshot());
+            self.load_at = Some(std::time::Instant::now());
         }
     }
 
@@ -484,6 +538,7 @@ where
                 }
             }
             self.publisher.publish(self.engine.state());
+            self.publish_load();
         }
         None
     }
@@ -566,18 +621,7 @@ where
                 }
             }
             Command::Load { reply } => {
-                let s = self.engine.state();
-                let _ = reply.send(LoadSnapshot {
-                    free_pages: s.pool.free_pages(),
-                    total_pages: s.pool.total_pages(),
-                    cached_pages: s.cache.len(),
-                    evictable_pages: s.cache.reclaimable(&s.pool),
-                    running: s.running(),
-                    waiting: s.waiting(),
-                    prefill_backlog: s.prefill_backlog(),
-                    held: s.held(),
-                    cache: s.cache.stats(),
-                });
+                let _ = reply.send(self.snapshot());
             }
             Command::KvSnapshot { reply } => {
                 self.publisher.publish(self.engine.state());

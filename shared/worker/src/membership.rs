@@ -144,7 +144,7 @@ impl Membership {
         ticks.tick().await;
         loop {
             ticks.tick().await;
-            let Ok(load) = self.state.engine().load().await else {
+            let Ok(load) = self.state.engine().published_load() else {
                 return; // the engine stopped
             };
             let capacity = Capacity {

@@ -224,7 +224,8 @@ pub(crate) fn fallback(role: &'static str, reason: &'static str) {
 impl Collect for WorkerState {
     fn collect(&self) -> CollectFuture<'_> {
         Box::pin(async move {
-            let Ok(load) = self.engine().load().await else {
+            // Published, not asked for: a scrape never waits behind a long step.
+            let Ok(load) = self.engine().published_load() else {
                 return; // the engine stopped: its last values stay
             };
             let role = role_label(self);

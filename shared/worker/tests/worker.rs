@@ -537,6 +537,39 @@ async fn the_actor_publishes_kv_events_and_aborts_dropped_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_published_load_follows_the_engine_and_is_exact_when_idle() {
+    let e = engine(KvDtype::Nvfp4);
+    // Published before the engine took any command.
+    let idle = e.published_load().unwrap();
+    assert_eq!(idle.total_pages, PAGES);
+    assert_eq!(idle.free_pages, PAGES);
+    let mut events = e
+        .submit(SeqId(1), prompt(), SamplingParams::greedy(40))
+        .await
+        .unwrap();
+    // While it runs, polls see it without waiting for a step.
+    let mut seen_running = false;
+    loop {
+        tokio::select! {
+            event = events.recv() => if event.is_none() { break },
+            () = tokio::time::sleep(Duration::from_millis(5)) => {
+                let load = e.published_load().unwrap();
+                seen_running |= load.running == 1;
+            }
+        }
+    }
+    assert!(
+        seen_running,
+        "a running request shows in the published load"
+    );
+    // Idle again: the published load is the exact one.
+    let exact = e.load().await.unwrap();
+    assert_eq!(exact.running, 0);
+    assert_eq!(e.published_load().unwrap(), exact);
+    assert_eq!(exact.free_pages + exact.cached_pages, exact.total_pages);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_register_and_refresh_their_capacity() {
     use nibble_discovery::{Discovery, Role, StaticRegistry};
 

@@ -486,8 +486,9 @@ impl WorkerState {
         })
     }
 
+    /// The engine's published load: a poll never waits behind a long step.
     async fn load(&self) -> Result<v1::LoadResponse> {
-        let l = self.engine.load().await?;
+        let l = self.engine.published_load()?;
         Ok(v1::LoadResponse {
             free_pages: l.free_pages as u64,
             total_pages: l.total_pages as u64,
