@@ -125,6 +125,11 @@ pub struct UpArgs {
     /// name 127.0.0.1, or the addresses given).
     #[command(flatten)]
     pub security: nibble_security::SecurityArgs,
+    /// Let workers listen beyond loopback (--prefill-listen, --decode-listen) without
+    /// --internal-token or mutual TLS; without this flag that is refused. Only for a network
+    /// that nothing but this process can reach.
+    #[arg(long, env = "NIBBLE_ALLOW_UNAUTHENTICATED_INTERNAL")]
+    pub allow_unauthenticated_internal: bool,
 }
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -235,6 +240,15 @@ pub async fn up_until(
             args.decode_workers,
         ),
     ] {
+        if count > 0 {
+            nibble_worker::config::check_exposure(
+                flag,
+                address,
+                &security,
+                args.allow_unauthenticated_internal,
+            )
+            .map_err(|e| fail("nibble up", &e))?;
+        }
         if count > 1 && address.port() != 0 {
             return Err(Error::Cluster(format!(
                 "nibble up: {flag} {address} names one port, but {count} {role} workers need \
@@ -347,6 +361,7 @@ pub async fn up_until(
             // One /metrics for the whole process, the router's (`--metrics-listen`).
             no_metrics: true,
             security: args.security.clone(),
+            allow_unauthenticated_internal: args.allow_unauthenticated_internal,
             ..WorkerConfig::new(args.model.clone())
         };
         let discovery: Arc<dyn Discovery> = Arc::new(registry.session());

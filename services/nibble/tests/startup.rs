@@ -1,7 +1,8 @@
 //! What a starting process says when it cannot start, run on the built `nibble` binary: a port
 //! in use is reported at once, naming the flag and the address, before any model is opened
 //! (the model paths here do not exist, so any attempt to open one would fail differently), and
-//! an unreachable etcd is one line of hint per retry, with no debug structure.
+//! an unreachable etcd is one line of hint per retry, with no debug structure, and a worker
+//! whose internal API would be open beyond loopback refuses to start.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -30,6 +31,9 @@ fn run(args: &[&str]) -> (std::process::ExitStatus, String, Duration) {
         .env_remove("NIBBLE_METRICS_LISTEN")
         .env_remove("NIBBLE_HTTP_LISTEN")
         .env_remove("NIBBLE_ROUTER_LISTEN")
+        .env_remove("NIBBLE_LISTEN")
+        .env_remove("NIBBLE_INTERNAL_TOKEN")
+        .env_remove("NIBBLE_ALLOW_UNAUTHENTICATED_INTERNAL")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -116,6 +120,59 @@ fn several_workers_of_a_role_on_one_fixed_port_are_refused_before_anything_loads
         "{stderr}"
     );
     assert!(!stderr.contains("nibble-startup-test"), "{stderr}");
+}
+
+#[test]
+fn a_worker_open_beyond_loopback_without_authentication_is_refused() {
+    let free = "127.0.0.1:0";
+    let any = "0.0.0.0:0";
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["decode", "--listen", any, "--metrics-listen", free],
+            "--listen",
+        ),
+        (&["prefill", "--listen", any, "--no-metrics"], "--listen"),
+        (
+            &[
+                "up",
+                "--listen",
+                free,
+                "--http-listen",
+                free,
+                "--decode-listen",
+                any,
+            ],
+            "--decode-listen",
+        ),
+    ];
+    for (args, flag) in cases {
+        let mut args = args.to_vec();
+        args.extend(["--model", NO_MODEL]);
+        let (status, stderr, took) = run(&args);
+        assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+        let expected = format!("{flag} 0.0.0.0:0 takes connections from other machines");
+        assert!(stderr.contains(&expected), "{args:?}: {stderr}");
+        for named in [
+            "--internal-token",
+            "--tls-ca",
+            "--allow-unauthenticated-internal",
+        ] {
+            assert!(stderr.contains(named), "{args:?}: {stderr}");
+        }
+        assert!(took < Duration::from_secs(5), "{args:?}: took {took:?}");
+        // With a token, or the opt-out, it goes on to open the model (which does not exist).
+        for extra in [
+            &["--internal-token", "t"][..],
+            &["--allow-unauthenticated-internal"][..],
+        ] {
+            let mut args = args.clone();
+            args.extend(extra);
+            let (status, stderr, _) = run(&args);
+            assert_ne!(status.code(), Some(0), "{args:?}");
+            assert!(!stderr.contains(&expected), "{args:?}: {stderr}");
+            assert!(stderr.contains("nibble-startup-test"), "{args:?}: {stderr}");
+        }
+    }
 }
 
 /// Reads `nibble ARGS`'s stderr until a line contains `wanted` (at most 20 s), then kills it.

@@ -312,6 +312,32 @@ async fn invalid_requests_name_the_field() {
     assert_eq!(status.code(), Code::Unavailable);
 }
 
+/// A request message that does not decode is the caller's fault: INVALID_ARGUMENT on every
+/// Inference call (tonic-prost's codec would say INTERNAL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_messages_are_invalid_argument() {
+    let registry = StaticRegistry::new();
+    let router = RouterServer::start(&registry, 16, HttpConfig::default(), |_| {}).await;
+    // A varint that never ends, and a string field whose length runs past the message.
+    let garbage = [vec![0xFF; 11], vec![0x0A, 0x64, b'a', b'b']];
+    for (path, message) in [
+        ("/nibble.v1.Inference/Generate", "GenerateRequest"),
+        ("/nibble.v1.Inference/Tokenize", "TokenizeRequest"),
+        ("/nibble.v1.Inference/ListModels", "ListModelsRequest"),
+    ] {
+        for bytes in &garbage {
+            let status =
+                nibble_testkit::raw::call(&router.address, path, vec![bytes.clone()]).await;
+            assert_eq!(status.code(), Code::InvalidArgument, "{path}: {status:?}");
+            let expected = format!("is not a valid {message}");
+            assert!(status.message().contains(&expected), "{path}: {status:?}");
+        }
+    }
+    let path = "/nibble.v1.Inference/ListModels";
+    let status = nibble_testkit::raw::call(&router.address, path, vec![Vec::new()]).await;
+    assert_eq!(status.code(), Code::Ok, "{status:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_and_list_models() {
     let registry = StaticRegistry::new();

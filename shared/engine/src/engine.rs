@@ -713,6 +713,15 @@ impl<B: Backend> Engine<B> {
             .unstage_pages(&mut self.pages, &self.state.pool, ids, staging)
     }
 
+    /// A staging buffer's bytes on the host (borrowed on the CPU, copied from a device), to
+    /// check received pages before they are written.
+    pub fn staged_host_bytes<'a>(
+        &self,
+        staging: &'a B::Staging,
+    ) -> Result<std::borrow::Cow<'a, [u8]>> {
+        self.model.backend().staged_host_bytes(staging)
+    }
+
     /// The bytes of a staging buffer.
     pub fn staging_bytes(&self, staging: &B::Staging) -> usize {
         self.model.backend().staging_bytes(staging)

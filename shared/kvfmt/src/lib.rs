@@ -8,13 +8,15 @@
 //! * [`KvDtype`] names the three cache dtypes; [`interchange`] is the flat file layout of
 //!   `nibble kv encode/decode`; [`layout`] is the page layout and the one byte-accounting function
 //!   the pool planner and the allocator share; [`window`] is the BF16 ring of a sequence's
-//!   most recent tokens.
+//!   most recent tokens; [`check`] refuses received pages holding bytes no writer produces
+//!   (NaN or negative block scales, NaN FP8 codes, non-finite BF16).
 //!
 //! Nothing here does I/O or allocates per value on the hot path. Checked entry points reject
 //! non-finite input with the position of the first bad value; `*_unchecked` fast paths assume
 //! finite input and document what they do otherwise.
 
 pub mod bf16;
+pub mod check;
 pub mod dtype;
 pub mod e2m1;
 pub mod e4m3;
@@ -25,6 +27,7 @@ pub mod layout;
 pub mod nvfp4;
 pub mod window;
 
+pub use check::{PageFault, SequencePages};
 pub use dtype::KvDtype;
 pub use error::{Error, Result};
 pub use layout::{KvPart, PageLayout};

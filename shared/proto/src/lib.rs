@@ -3,6 +3,8 @@
 //!
 //! - [`v1`]: the code generated from `proto/nibble/v1/*.proto` (the public `Inference` API, the
 //!   internal `Worker` API, the `KvTransfer` page stream and their shared types).
+//! - [`codec`]: the servers' codec, prost's but with a request message that does not decode
+//!   answered INVALID_ARGUMENT (tonic-prost says INTERNAL).
 //! - [`FILE_DESCRIPTOR_SET`] and [`serving`]: server reflection and `grpc.health.v1`, which every
 //!   nibble service serves.
 //! - [`fingerprint`]: the stable 64-bit fingerprint of a [`v1::KvFormat`] that peers compare
@@ -12,6 +14,7 @@
 //! - [`request`]: request fields as the engine's sampling parameters, and refusals that carry
 //!   their field as data (`nibble-field` metadata).
 
+pub mod codec;
 pub mod convert;
 mod error;
 pub mod fingerprint;
@@ -25,7 +28,9 @@ pub mod v1 {
     // The generated code follows prost's conventions, not ours; its docs come from the .proto
     // comments.
     #![allow(clippy::doc_lazy_continuation, clippy::large_enum_variant)]
+    // The messages and servers, then the clients (generated apart: `build.rs`).
     tonic::include_proto!("nibble.v1");
+    include!(concat!(env!("OUT_DIR"), "/clients/nibble.v1.rs"));
 }
 
 /// The encoded `FileDescriptorSet` of every `nibble.v1` file, for server reflection.

@@ -5,7 +5,8 @@
 //! loaded once per process ([`model()`]) and its greedy tokens ([`reference`]). With feature
 //! `grpc`: workers and routers as tests drive them through their gRPC APIs ([`WorkerApi`]: a
 //! worker's `Load`, the wait until its pages are back, the prefill → transfer → decode
-//! [`handoff`]; [`RouterApi`] and [`generate`]; [`reflection`], a client of both reflection versions).
+//! [`handoff`]; [`RouterApi`] and [`generate`]; [`reflection`], a client of both reflection versions;
+//! [`raw`], calls whose messages are bytes of the test's choosing).
 //!
 //! A dev-dependency (the benchmarks' one exception). Without features it depends on no nibble
 //! crate; its features bring only nibble-engine, nibble-kvfmt and nibble-proto, so every other
@@ -17,6 +18,8 @@ pub mod http_client;
 #[cfg(feature = "model")]
 mod model;
 pub mod python;
+#[cfg(feature = "grpc")]
+pub mod raw;
 #[cfg(feature = "grpc")]
 pub mod reflection;
 #[cfg(feature = "grpc")]

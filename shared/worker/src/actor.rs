@@ -37,6 +37,10 @@ use nibble_nccl::link::{Stageable, Staging};
 /// Events of one request, in order.
 pub type EventStream = mpsc::UnboundedReceiver<Event>;
 
+/// Checks received pages' bytes, back to back, before they are written
+/// ([`EngineHandle::scatter_staging`]).
+pub type StagingCheck = Box<dyn FnOnce(&[u8]) -> Result<()> + Send>;
+
 /// What never changes about a running engine.
 #[derive(Debug, Clone)]
 pub struct EngineInfo {
@@ -100,6 +104,7 @@ enum Command {
         reply: oneshot::Sender<Result<Vec<u8>>>,
     },
     Import {
+        owner: SeqId,
         pages: Vec<PageId>,
         data: Bytes,
         reply: oneshot::Sender<Result<()>>,
@@ -109,8 +114,10 @@ enum Command {
         reply: oneshot::Sender<Result<Staging>>,
     },
     Scatter {
+        owner: SeqId,
         pages: Vec<PageId>,
         staging: Staging,
+        check: StagingCheck,
         reply: oneshot::Sender<Result<()>>,
     },
     StartDecode {
@@ -351,11 +358,22 @@ impl EngineHandle {
         self.call(|reply| Command::Export { pages, reply }).await?
     }
 
-    /// Writes `data` (`pages.len()` pages of `page_bytes` each) into reserved pages.
-    pub async fn import_pages(&self, pages: Vec<PageId>, data: impl Into<Bytes>) -> Result<()> {
+    /// Writes `data` (`pages.len()` pages of `page_bytes` each) into pages reservation `owner`
+    /// holds; refused if it no longer holds them (an Abort or its TTL came first).
+    pub async fn import_pages(
+        &self,
+        owner: SeqId,
+        pages: Vec<PageId>,
+        data: impl Into<Bytes>,
+    ) -> Result<()> {
         let data = data.into();
-        self.call(|reply| Command::Import { pages, data, reply })
-            .await?
+        self.call(|reply| Command::Import {
+            owner,
+            pages,
+            data,
+            reply,
+        })
+        .await?
     }
 
     /// `pages`, concatenated into one staging buffer for a device link: in device memory (on the
@@ -365,12 +383,21 @@ impl EngineHandle {
         self.call(|reply| Command::Gather { pages, reply }).await?
     }
 
-    /// Writes a staging buffer (`pages.len()` pages) into reserved pages: the inverse of
-    /// [`gather_staging`](Self::gather_staging).
-    pub async fn scatter_staging(&self, pages: Vec<PageId>, staging: Staging) -> Result<()> {
+    /// Writes a staging buffer (`pages.len()` pages) into reserved pages, the inverse of
+    /// [`gather_staging`](Self::gather_staging), once `check` passed on its bytes (a device
+    /// buffer is copied to the host for it); nothing is written if it fails.
+    pub async fn scatter_staging(
+        &self,
+        owner: SeqId,
+        pages: Vec<PageId>,
+        staging: Staging,
+        check: StagingCheck,
+    ) -> Result<()> {
         self.call(|reply| Command::Scatter {
+            owner,
             pages,
             staging,
+            check,
             reply,
         })
         .await?
@@ -569,18 +596,29 @@ where
             Command::Export { pages, reply } => {
                 let _ = reply.send(self.export(&pages));
             }
-            Command::Import { pages, data, reply } => {
-                let _ = reply.send(self.import(&pages, &data));
+            Command::Import {
+                owner,
+                pages,
+                data,
+                reply,
+            } => {
+                let result = self.holds(owner).and_then(|()| self.import(&pages, &data));
+                let _ = reply.send(result);
             }
             Command::Gather { pages, reply } => {
                 let _ = reply.send(self.gather(&pages));
             }
             Command::Scatter {
+                owner,
                 pages,
                 staging,
+                check,
                 reply,
             } => {
-                let _ = reply.send(self.scatter(&pages, staging));
+                let result = self
+                    .holds(owner)
+                    .and_then(|()| self.scatter(&pages, staging, check));
+                let _ = reply.send(result);
             }
             Command::StartDecode {
                 id,
@@ -644,6 +682,15 @@ where
         Ok(out)
     }
 
+    /// Whether reservation `owner` still holds its pages: they were not freed (and perhaps
+    /// given to another request) by an Abort or the TTL since the write was asked for.
+    fn holds(&self, owner: SeqId) -> Result<()> {
+        match self.engine.state().tokens(owner) {
+            Some(_) => Ok(()),
+            None => Err(Error::UnknownReservation(owner.0)),
+        }
+    }
+
     fn import(&mut self, pages: &[PageId], data: &[u8]) -> Result<()> {
         let page_bytes = self.engine.state().pool.layout().page_bytes();
         if data.len() != pages.len() * page_bytes {
@@ -663,7 +710,7 @@ where
         Ok(self.engine.stage_pages(pages)?.into_staging())
     }
 
-    fn scatter(&mut self, pages: &[PageId], staging: Staging) -> Result<()> {
+    fn scatter(&mut self, pages: &[PageId], staging: Staging, check: StagingCheck) -> Result<()> {
         let page_bytes = self.engine.state().pool.layout().page_bytes();
         if staging.len() != pages.len() * page_bytes {
             return Err(Error::InvalidArgument(format!(
@@ -673,9 +720,15 @@ where
             )));
         }
         match B::Staging::from_staging(staging) {
-            Ok(staged) => Ok(self.engine.unstage_pages(pages, &staged)?),
+            Ok(staged) => {
+                check(&self.engine.staged_host_bytes(&staged)?)?;
+                Ok(self.engine.unstage_pages(pages, &staged)?)
+            }
             // Host bytes reach any engine page by page.
-            Err(Staging::Host(bytes)) => self.import(pages, &bytes),
+            Err(Staging::Host(bytes)) => {
+                check(&bytes)?;
+                self.import(pages, &bytes)
+            }
             Err(Staging::Device(_)) => Err(Error::Link(
                 "device pages arrived at an engine running on the CPU".into(),
             )),

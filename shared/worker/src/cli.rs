@@ -19,7 +19,8 @@ use tokio::net::TcpListener;
 
 use crate::actor::EngineHandle;
 use crate::config::{
-    kv_budget_bytes, kv_config, load_security, WorkerConfig, DEFAULT_KV_MEMORY_FRACTION,
+    check_exposure, kv_budget_bytes, kv_config, load_security, WorkerConfig,
+    DEFAULT_KV_MEMORY_FRACTION,
 };
 use crate::error::{Error, Result};
 use crate::service::{WorkerIdentity, WorkerState};
@@ -121,6 +122,11 @@ pub struct WorkerArgs {
     /// TLS and the internal token.
     #[command(flatten)]
     pub security: SecurityArgs,
+    /// Serve the internal API (Worker, KvTransfer) on an address beyond loopback without
+    /// --internal-token or mutual TLS; without this flag such a worker refuses to start. Only
+    /// for a network that nothing but the cluster's services can reach.
+    #[arg(long, env = "NIBBLE_ALLOW_UNAUTHENTICATED_INTERNAL")]
+    pub allow_unauthenticated_internal: bool,
     /// How pages move between prefill and decode workers.
     #[command(flatten)]
     pub transfer: TransferArgs,
@@ -153,6 +159,7 @@ impl WorkerArgs {
             no_metrics: self.no_metrics,
             grpc_max_connections: self.grpc_max_connections,
             security: self.security.clone(),
+            allow_unauthenticated_internal: self.allow_unauthenticated_internal,
             transfer: self.transfer.clone(),
         }
     }
@@ -321,8 +328,15 @@ pub fn start_engine(
 /// Runs a worker of `role` until Ctrl-C, registered in etcd when `--etcd-endpoints` names it.
 pub async fn run(role: Role, flags: WorkerArgs) -> Result<()> {
     let args = flags.config();
-    // Bad TLS files fail here, before the port is bound or the model loaded.
-    load_security(&args)?;
+    // Bad TLS files, and an open internal API, fail here, before the port is bound or the model
+    // loaded.
+    let security = load_security(&args)?;
+    check_exposure(
+        "--listen",
+        flags.listen,
+        &security,
+        args.allow_unauthenticated_internal,
+    )?;
     // Both listeners are bound before etcd is asked or the model loaded: a port in use fails
     // at once, naming its flag.
     let listener = nibble_telemetry::listen::bind("--listen", flags.listen).await?;
@@ -377,6 +391,12 @@ pub async fn run_on(
         ));
     }
     let local = listener.local_addr()?;
+    check_exposure(
+        "--listen",
+        local,
+        &load_security(&args)?,
+        args.allow_unauthenticated_internal,
+    )?;
     let address = args.advertise.clone().unwrap_or_else(|| local.to_string());
     let metrics_listen = (!args.no_metrics).then_some(args.metrics_listen);
     let _metrics = nibble_telemetry::start(metrics_listen, &format!("nibble-{role}")).await?;
@@ -628,6 +648,55 @@ mod tests {
             .to_string();
         assert!(e.contains("--kv-budget-mib"), "{e}");
         assert!(e.contains("4096 MiB free of 102400 MiB"), "{e}");
+    }
+
+    #[test]
+    fn an_internal_api_beyond_loopback_needs_a_token_mtls_or_the_opt_out() {
+        use nibble_security::Secret;
+        let open = nibble_security::Security::default();
+        let token = nibble_security::Security {
+            internal_token: Secret::new("t"),
+            ..Default::default()
+        };
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        for loopback in [
+            "127.0.0.1:50061",
+            "127.0.0.9:0",
+            "[::1]:0",
+            "[::ffff:127.0.0.1]:0",
+        ] {
+            assert!(check_exposure("--listen", at(loopback), &open, false).is_ok());
+        }
+        for exposed in [
+            "0.0.0.0:50061",
+            "[::]:0",
+            "10.0.0.7:50061",
+            "[::ffff:10.0.0.7]:0",
+        ] {
+            let e = check_exposure("--listen", at(exposed), &open, false)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(&format!("--listen {}", at(exposed))), "{e}");
+            for flag in [
+                "--internal-token",
+                "--tls-cert",
+                "--tls-ca",
+                "--allow-unauthenticated-internal",
+            ] {
+                assert!(e.contains(flag), "{e}");
+            }
+            assert!(check_exposure("--listen", at(exposed), &token, false).is_ok());
+            assert!(check_exposure("--listen", at(exposed), &open, true).is_ok());
+        }
+        // An empty token is no token.
+        let empty = nibble_security::SecurityArgs {
+            internal_token: Some(String::new()),
+            ..Default::default()
+        };
+        let e = check_exposure("--listen", at("0.0.0.0:1"), &empty.load().unwrap(), false);
+        assert!(e.is_err());
+        let flags = args(&["--allow-unauthenticated-internal"]).unwrap();
+        assert!(flags.config().allow_unauthenticated_internal);
     }
 
     #[test]

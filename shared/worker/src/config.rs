@@ -1,7 +1,7 @@
 //! [`WorkerConfig`]: a worker's configuration as the library takes it, and what follows from it
 //! alone (the KV pool's budget, its cache configuration, the transport security).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use nibble_cuda::{Device, DeviceMemory};
@@ -79,6 +79,9 @@ pub struct WorkerConfig {
     pub grpc_max_connections: usize,
     /// TLS and the internal token.
     pub security: SecurityArgs,
+    /// Serve the internal API beyond loopback without the internal token or mutual TLS
+    /// ([`check_exposure`]).
+    pub allow_unauthenticated_internal: bool,
     /// How pages move between prefill and decode workers.
     pub transfer: TransferArgs,
 }
@@ -110,6 +113,7 @@ impl WorkerConfig {
             no_metrics: false,
             grpc_max_connections: nibble_proto::serving::DEFAULT_MAX_CONNECTIONS,
             security: SecurityArgs::default(),
+            allow_unauthenticated_internal: false,
             transfer: TransferArgs::default(),
         }
     }
@@ -205,4 +209,33 @@ pub fn load_security(args: &WorkerConfig) -> Result<Security> {
         }
     }
     Ok(security)
+}
+
+/// Refuses to serve a worker's internal API (Worker, KvTransfer: reserving and writing KV pages,
+/// starting and aborting requests) on `listen` beyond loopback without authentication: the
+/// internal token or mutual TLS (a worker with TLS always verifies clients against its CA),
+/// unless `allow` (`--allow-unauthenticated-internal`) says the network is trusted. `flag` is
+/// the flag that gave `listen`.
+pub fn check_exposure(
+    flag: &str,
+    listen: SocketAddr,
+    security: &Security,
+    allow: bool,
+) -> Result<()> {
+    let authenticated = security.internal_token.is_some() || security.tls.is_some();
+    if authenticated || allow || loopback(listen.ip()) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "{flag} {listen} takes connections from other machines, and without authentication \
+         anyone who reaches it may reserve and write KV pages and start or abort requests: set \
+         --internal-token (NIBBLE_INTERNAL_TOKEN; the same on the router and every worker), or \
+         mutual TLS with --tls-cert, --tls-key and --tls-ca (the CA verifies clients), or pass \
+         --allow-unauthenticated-internal if only the cluster's services can reach this address"
+    )))
+}
+
+/// Whether `ip` is a loopback address (an IPv4-mapped IPv6 one too).
+fn loopback(ip: IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
 }

@@ -40,9 +40,16 @@ pub enum Error {
         filled: usize,
         expected: usize,
     },
-    /// A page arrived twice.
-    #[error("page {0} of the reservation was already written")]
+    /// A push named a page twice, or one an earlier push named.
+    #[error("page_indices: page {0} of the reservation was already named")]
     DuplicatePage(u32),
+    /// A received page holds bytes no writer produces; nothing of its push is used.
+    #[error("page {index} of the reservation: {fault}")]
+    BadPage {
+        /// The page's position in the sequence, as the push named it.
+        index: u32,
+        fault: nibble_kvfmt::PageFault,
+    },
     /// The request was aborted (by Abort, or a cancelled peer).
     #[error("request {0} was aborted")]
     Aborted(String),
@@ -113,6 +120,14 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+impl Error {
+    /// Whether a decode worker refused pushed pages for what they held (INVALID_ARGUMENT): it
+    /// released the reservation, so sending them again another way cannot succeed.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Error::Push { status, .. } if status.code() == tonic::Code::InvalidArgument)
+    }
+}
+
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
         use tonic::Status;
@@ -130,7 +145,10 @@ impl From<Error> for tonic::Status {
                 }
             },
             Error::Request(RequestError::Param(e)) => nibble_proto::request::invalid_param(&e),
-            Error::Request(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
+            Error::Request(_)
+            | Error::InvalidArgument(_)
+            | Error::DuplicatePage(_)
+            | Error::BadPage { .. } => Status::invalid_argument(message),
             Error::Convert(e) => e.into(),
             Error::FingerprintMismatch { .. } | Error::Incomplete { .. } => {
                 Status::failed_precondition(message)
@@ -144,7 +162,6 @@ impl From<Error> for tonic::Status {
             | Error::Discovery(nibble_discovery::Error::Timeout { .. }) => {
                 Status::unavailable(message)
             }
-            Error::DuplicatePage(_) => Status::already_exists(message),
             Error::Aborted(_) => Status::aborted(message),
             // The peer's classification stands (a fingerprint refusal stays FAILED_PRECONDITION).
             Error::Push { status, .. } => Status::new(status.code(), message),

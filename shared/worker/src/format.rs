@@ -2,7 +2,7 @@
 //! its wire form and fingerprint, the one place the worker turns it into protobuf.
 
 use nibble_kvcache::GlobalScales;
-use nibble_kvfmt::PageLayout;
+use nibble_kvfmt::{PageLayout, SequencePages, WindowLayout};
 use nibble_proto::v1;
 
 /// What decides how an engine's pages are to be read: their layout, the global scales, the
@@ -26,6 +26,13 @@ impl KvFormatSpec {
     /// The fingerprint peers compare before pages move.
     pub fn fingerprint(&self) -> u64 {
         self.wire().fingerprint()
+    }
+
+    /// What the pages of a sequence of `tokens` tokens must hold, to check received ones.
+    pub fn sequence(&self, tokens: usize) -> SequencePages {
+        let window = WindowLayout::new(&self.layout, self.window)
+            .expect("the engine was built with this window");
+        SequencePages::new(self.layout, window, tokens)
     }
 
     /// A one-line description for refusals and logs.

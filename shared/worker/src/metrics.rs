@@ -8,7 +8,8 @@
 //!
 //! Labels are bounded: `call` is `reserve`, `prefill`, `decode`, `push_pages`, `nccl_connect` or
 //! `nccl_pages`; `code` a gRPC status code's name (`ok` for success); `direction` `sent` or
-//! `received`; `backend` `grpc` or `nccl`; `reason` `connect`, `refused` or `transfer`.
+//! `received`; `backend` `grpc` or `nccl`; `reason` `connect`, `refused` or `transfer` for
+//! fallbacks, the failed check for refused pushes.
 
 use std::time::Duration;
 
@@ -39,6 +40,12 @@ pub const KV_TRANSFERS_TOTAL: &str = "nibble_worker_kv_transfers_total";
 /// (`connect`: the pair could not be set up; `refused`: the decode worker turned the NCCL
 /// request down before anything moved; `transfer`: the link failed mid-way).
 pub const KV_TRANSFER_FALLBACKS_TOTAL: &str = "nibble_worker_kv_transfer_fallbacks_total";
+/// Counter: page pushes a decode worker refused for what they sent, releasing the reservation,
+/// labelled `reason`: `nvfp4_scale`, `fp8_element`, `bf16_element`, `window_value` (a page held
+/// a byte no writer produces), `duplicate_page` (a page named twice), `page` (a page of the
+/// wrong length or past the sequence) or `invalid` (a page outside the reservation, a message
+/// that does not decode, data of the wrong length).
+pub const KV_TRANSFERS_REFUSED_TOTAL: &str = "nibble_worker_kv_transfers_refused_total";
 /// Gauge: NCCL pairs with a live communicator (both roles).
 pub const NCCL_LINKS: &str = "nibble_worker_nccl_links";
 /// Gauge: pages in the KV page pool.
@@ -118,6 +125,10 @@ pub fn describe() {
     describe_counter!(
         KV_TRANSFER_FALLBACKS_TOTAL,
         "Transfers that fell back from NCCL to the gRPC stream."
+    );
+    describe_counter!(
+        KV_TRANSFERS_REFUSED_TOTAL,
+        "Page pushes refused for what they sent (their reservation released), by reason."
     );
     describe_gauge!(NCCL_LINKS, "NCCL pairs with a live communicator.");
     describe_gauge!(KV_PAGES_TOTAL, "Pages in the KV page pool.");
@@ -219,6 +230,11 @@ pub(crate) fn transfer_backend(
 /// Counts one fall back from NCCL to gRPC.
 pub(crate) fn fallback(role: &'static str, reason: &'static str) {
     metrics::counter!(KV_TRANSFER_FALLBACKS_TOTAL, "role" => role, "reason" => reason).increment(1);
+}
+
+/// Counts one push refused for what it sent.
+pub(crate) fn refused(role: &'static str, reason: &'static str) {
+    metrics::counter!(KV_TRANSFERS_REFUSED_TOTAL, "role" => role, "reason" => reason).increment(1);
 }
 
 impl Collect for WorkerState {

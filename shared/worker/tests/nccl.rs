@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -369,7 +370,7 @@ impl LinkFactory for BreakingLinks {
         id: &[u8],
         rank: Rank,
         timeout: Duration,
-        cancel: &std::sync::atomic::AtomicBool,
+        cancel: &AtomicBool,
     ) -> nibble_nccl::Result<Box<dyn Link>> {
         self.0.join(id, rank, timeout, cancel)?;
         Ok(Box::new(BrokenOnSend))
@@ -445,7 +446,7 @@ async fn the_control_message_is_checked_before_anything_is_received() {
         .await
         .unwrap()
         .into_inner();
-    let good = v1::NcclPagesRequest {
+    let mut good = v1::NcclPagesRequest {
         sender_id: "prefill-0".into(),
         generation: 1,
         reservation_id: reservation.reservation_id,
@@ -484,14 +485,6 @@ async fn the_control_message_is_checked_before_anything_is_received() {
             "no pages",
             v1::NcclPagesRequest {
                 page_indices: vec![],
-                ..good.clone()
-            },
-            Code::InvalidArgument,
-        ),
-        (
-            "a page outside the reservation",
-            v1::NcclPagesRequest {
-                page_indices: vec![999],
                 ..good.clone()
             },
             Code::InvalidArgument,
@@ -543,4 +536,182 @@ async fn the_control_message_is_checked_before_anything_is_received() {
     assert_eq!(missing.code(), Code::Unavailable, "{missing}");
     // Nothing was written: the reservation is still waiting for all its pages.
     assert_eq!(d.load().await.pending_reservations, 1);
+    // Pages it does not await, or named twice, are refused as over gRPC: the reservation goes.
+    for (what, page_indices) in [
+        ("a page outside the reservation", vec![999]),
+        ("a page named twice", vec![0, 0]),
+    ] {
+        let request = v1::NcclPagesRequest {
+            page_indices,
+            ..good.clone()
+        };
+        assert_eq!(
+            code(&d, request).await,
+            Some(Code::InvalidArgument),
+            "{what}"
+        );
+        assert_eq!(d.load().await.pending_reservations, 0, "{what}");
+        let reservation = d
+            .client()
+            .await
+            .reserve(v1::ReserveRequest {
+                request_id: "r".into(),
+                token_ids: prompt(),
+                kv_format_fingerprint: info.fingerprint,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        good.reservation_id = reservation.reservation_id;
+    }
+    d.client()
+        .await
+        .abort(v1::AbortRequest {
+            request_id: "r".into(),
+        })
+        .await
+        .unwrap();
+    d.pages_back().await;
+}
+
+/// Links that overwrite what they send with 0xFF (NaN block scales) while `corrupt` is set.
+struct CorruptingLinks {
+    hub: MemoryLinks,
+    corrupt: Arc<AtomicBool>,
+}
+
+struct Corrupting {
+    link: Box<dyn Link>,
+    corrupt: Arc<AtomicBool>,
+}
+
+impl Link for Corrupting {
+    fn send(&mut self, staging: Staging, timeout: Duration) -> nibble_nccl::Result<()> {
+        let staging = match self.corrupt.load(Ordering::Relaxed) {
+            true => Staging::Host(vec![0xFF; staging.len()]),
+            false => staging,
+        };
+        self.link.send(staging, timeout)
+    }
+    fn recv(&mut self, bytes: usize, timeout: Duration) -> nibble_nccl::Result<Staging> {
+        self.link.recv(bytes, timeout)
+    }
+}
+
+impl LinkFactory for CorruptingLinks {
+    fn name(&self) -> &'static str {
+        "corrupting"
+    }
+    fn new_id(&self) -> nibble_nccl::Result<Vec<u8>> {
+        self.hub.new_id()
+    }
+    fn join(
+        &self,
+        id: &[u8],
+        rank: Rank,
+        timeout: Duration,
+        cancel: &AtomicBool,
+    ) -> nibble_nccl::Result<Box<dyn Link>> {
+        Ok(Box::new(Corrupting {
+            link: self.hub.join(id, rank, timeout, cancel)?,
+            corrupt: Arc::clone(&self.corrupt),
+        }))
+    }
+}
+
+/// Pages that arrive over NCCL are checked where they land, as gRPC pushes are: a refusal
+/// releases the reservation, fails the prefill without a fall back (the same bytes would be
+/// refused over gRPC), keeps the link (it moved the bytes fine), and the next hand-off over
+/// the same pair decodes normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_that_fail_their_checks_over_nccl_are_refused() {
+    let expected = grpc_tokens().await;
+    let registry = StaticRegistry::new();
+    let p = server(v1::WorkerRole::Prefill, "prefill-0").await;
+    let d = server(v1::WorkerRole::Decode, "decode-0").await;
+    let hub = MemoryLinks::new();
+    let corrupt = Arc::new(AtomicBool::new(true));
+    let links = CorruptingLinks {
+        hub: hub.clone(),
+        corrupt: Arc::clone(&corrupt),
+    };
+    let timeout = Duration::from_secs(10);
+    enable(
+        &p,
+        Arc::new(links),
+        Arc::new(registry.session()),
+        "GPU-a",
+        timeout,
+    );
+    enable(
+        &d,
+        Arc::new(hub),
+        Arc::new(registry.session()),
+        "GPU-b",
+        timeout,
+    );
+
+    let info = d.state.engine().info().clone();
+    let reservation = d
+        .client()
+        .await
+        .reserve(v1::ReserveRequest {
+            request_id: "attack".into(),
+            token_ids: prompt(),
+            kv_format_fingerprint: info.fingerprint,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = p
+        .client()
+        .await
+        .prefill(v1::PrefillRequest {
+            request_id: "attack".into(),
+            token_ids: prompt(),
+            sampling: Some(nibble_testkit::greedy()),
+            target: Some(v1::TransferTarget {
+                address: d.address.clone(),
+                reservation_id: reservation.reservation_id,
+                first_page_index: reservation.first_page_index,
+                page_count: reservation.page_count,
+                page_ids: reservation.page_ids.clone(),
+                kv_format_fingerprint: reservation.kv_format_fingerprint,
+                backend: v1::TransferBackend::Nccl as i32,
+                decode_worker_id: "decode-0".into(),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    assert!(
+        err.message()
+            .contains("page 0 of the reservation: NVFP4 block scale 0xff"),
+        "{err}"
+    );
+    let totals = p.state.counters().totals();
+    assert_eq!((totals.pushes, totals.fallbacks), (0, 0), "no fall back");
+    assert_eq!(d.state.counters().totals().pages_received, 0);
+    let load = d.state.engine().load().await.unwrap();
+    assert_eq!(
+        d.state.pending_reservations(),
+        0,
+        "the reservation is released"
+    );
+    assert_eq!(
+        load.free_pages, load.total_pages,
+        "no page leaked or cached"
+    );
+    assert_eq!(p.state.nccl().unwrap().live_links(), 1, "the link stays");
+
+    corrupt.store(false, Ordering::Relaxed);
+    let h = nccl_handoff(&p, &d, "after").await;
+    assert_eq!(h.transfer.backend, v1::TransferBackend::Nccl as i32);
+    assert_eq!(h.reservation.cached_tokens, 0);
+    assert_eq!(h.tokens, expected);
+    assert_eq!(p.state.nccl().unwrap().connects(), 1, "over the same pair");
+    pages_back([&p, &d]).await;
 }

@@ -116,8 +116,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and .Values.auth.apiKey.enabled (not .Values.auth.apiKey.existingSecret) (not .Values.auth.apiKey.value) }}
 {{- fail "auth.apiKey.enabled: set auth.apiKey.existingSecret (or, for tests, auth.apiKey.value)" }}
 {{- end }}
-{{- if and .Values.auth.internalToken.enabled (not .Values.auth.internalToken.existingSecret) (not .Values.auth.internalToken.value) }}
-{{- fail "auth.internalToken.enabled: set auth.internalToken.existingSecret (or, for tests, auth.internalToken.value)" }}
+{{- if not (or .Values.auth.internalToken.enabled .Values.tls.enabled .Values.networkPolicy.enabled) }}
+{{- fail "auth.internalToken.enabled is false and tls.enabled too: anyone on the pod network could call the workers' internal API. Keep the internal token (the default), or enable tls, or enable networkPolicy (only this release's pods then reach the workers)" }}
 {{- end }}
 {{- if and .Values.etcd.enabled (gt (int .Values.etcd.replicas) 1) (not .Values.etcd.persistence.enabled) }}
 {{- fail "etcd.replicas > 1 needs etcd.persistence.enabled: a member restarted without its data cannot rejoin" }}

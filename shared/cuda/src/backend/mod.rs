@@ -495,4 +495,16 @@ impl Backend for CudaBackend {
     fn staging_bytes(&self, staging: &CudaSlice<u8>) -> usize {
         staging.len()
     }
+
+    fn staged_host_bytes<'a>(
+        &self,
+        staging: &'a CudaSlice<u8>,
+    ) -> EngineResult<std::borrow::Cow<'a, [u8]>> {
+        self.bind();
+        let host = self
+            .stream()
+            .clone_dtoh(staging)
+            .map_err(|e| device_err("copying staged pages to the host", e))?;
+        Ok(std::borrow::Cow::Owned(host))
+    }
 }

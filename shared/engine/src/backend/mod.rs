@@ -317,6 +317,14 @@ pub trait Backend: Send + Sync + 'static {
 
     /// The bytes a staging buffer holds.
     fn staging_bytes(&self, staging: &Self::Staging) -> usize;
+
+    /// A staging buffer's contents on the host: borrowed where it lives there, copied from a
+    /// device (after every write to it) otherwise. A receiver checks pages on it before it
+    /// writes them into its pool.
+    fn staged_host_bytes<'a>(
+        &self,
+        staging: &'a Self::Staging,
+    ) -> Result<std::borrow::Cow<'a, [u8]>>;
 }
 
 /// One sequence's pages in a paged attention step.

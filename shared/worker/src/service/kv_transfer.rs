@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use nibble_engine::scheduler::SeqId;
 use nibble_kvcache::PageId;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_server::KvTransfer;
@@ -52,6 +53,9 @@ impl WorkerState {
                     );
                     return Ok(summary);
                 }
+                // Pages the decode worker refused would be refused over gRPC too: it
+                // released the reservation.
+                Err(failure) if failure.error.is_refusal() => return Err(failure.error),
                 Err(failure) => {
                     self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
                     metrics::fallback(role, failure.reason);
@@ -97,36 +101,15 @@ impl WorkerState {
             .request_id(reservation)
             .ok_or(Error::UnknownReservation(reservation))?;
         tracing::Span::current().record("request_id", tracing::field::display(&request_id));
+        let mut claimed = Vec::new();
+        let received = self
+            .receive_pages(reservation, first, &mut stream, &mut claimed)
+            .await;
+        let (pages, bytes, complete) = match received {
+            Ok(totals) => totals,
+            Err(e) => return Err(self.failed_push(reservation, &claimed, e).await),
+        };
         let role = metrics::role_label(self);
-        let page_bytes = self.engine.info().page_bytes;
-        let (mut pages, mut bytes, mut complete) = (0usize, 0u64, false);
-        let mut next = Some(first);
-        while let Some(message) = next {
-            if message.reservation_id != 0 && message.reservation_id != reservation {
-                return Err(Error::InvalidArgument(format!(
-                    "reservation_id changed from {reservation} to {} mid-stream",
-                    message.reservation_id
-                )));
-            }
-            let targets = self
-                .reservations
-                .targets(reservation, &message.page_indices)?;
-            let len = message.data.len() as u64;
-            if message.data.len() != targets.len() * page_bytes {
-                return Err(Error::InvalidArgument(format!(
-                    "data must be {} pages of {page_bytes} bytes, got {len} bytes",
-                    targets.len()
-                )));
-            }
-            self.engine.import_pages(targets, message.data).await?;
-            complete = self.reservations.mark(reservation, &message.page_indices)?;
-            pages += message.page_indices.len();
-            bytes += len;
-            let count = message.page_indices.len() as u64;
-            self.counters.received(count, len);
-            metrics::transfer(role, Direction::Received, count, len);
-            next = stream.message().await.map_err(push_status)?;
-        }
         metrics::transfer_duration(role, Direction::Received, start.elapsed());
         metrics::transfer_backend(role, Direction::Received, v1::TransferBackend::Grpc);
         tracing::info!(
@@ -142,6 +125,69 @@ impl WorkerState {
             bytes,
             complete,
         })
+    }
+
+    /// Reads a push's messages from `first` on: claims each message's pages, checks their
+    /// bytes, writes them into the reservation. Returns the pages and bytes received and
+    /// whether the reservation is complete; `claimed` collects the pages claimed so far.
+    async fn receive_pages(
+        &self,
+        reservation: u64,
+        first: v1::PushPagesRequest,
+        stream: &mut Streaming<v1::PushPagesRequest>,
+        claimed: &mut Vec<u32>,
+    ) -> Result<(usize, u64, bool)> {
+        let role = metrics::role_label(self);
+        let page_bytes = self.engine.info().page_bytes;
+        let (mut pages, mut bytes, mut complete) = (0usize, 0u64, false);
+        let mut next = Some(first);
+        while let Some(message) = next {
+            if message.reservation_id != 0 && message.reservation_id != reservation {
+                return Err(Error::InvalidArgument(format!(
+                    "reservation_id changed from {reservation} to {} mid-stream",
+                    message.reservation_id
+                )));
+            }
+            let claim = self
+                .reservations
+                .claim(reservation, &message.page_indices)?;
+            claimed.extend_from_slice(&claim.indices);
+            let len = message.data.len() as u64;
+            // Checked off the engine thread, before a byte is written.
+            claim.check(&message.data, page_bytes)?;
+            self.engine
+                .import_pages(SeqId(reservation), claim.targets.clone(), message.data)
+                .await?;
+            complete = self.reservations.fill(reservation, &claim)?;
+            pages += claim.indices.len();
+            bytes += len;
+            let count = claim.indices.len() as u64;
+            self.counters.received(count, len);
+            metrics::transfer(role, Direction::Received, count, len);
+            next = stream.message().await.map_err(push_status)?;
+        }
+        Ok((pages, bytes, complete))
+    }
+
+    /// What a failed push leaves: a refused one (pages that are not the reservation's, or
+    /// bytes no writer produces) releases its reservation at once, so nothing of it is ever
+    /// decoded or cached and its pages return to the pool; one that broke off (the sender or
+    /// the link went away) gives its pages back for a retry. Returns the error to answer.
+    async fn failed_push(&self, reservation: u64, claimed: &[u32], error: Error) -> Error {
+        let Some(reason) = refusal(&error) else {
+            self.reservations.unclaim(reservation, claimed);
+            return error;
+        };
+        metrics::refused(metrics::role_label(self), reason);
+        tracing::warn!(reservation, reason, %error, "refused pages: reservation released");
+        if let Some(p) = self.reservations.remove(reservation) {
+            let id = SeqId(reservation);
+            self.forget(&p.request_id, id);
+            if let Err(e) = self.engine.abort(id).await {
+                tracing::warn!(reservation, error = %e, "releasing the reservation failed");
+            }
+        }
+        error
     }
 
     /// The receiving end of an NCCL transfer (see `transfer::nccl`): checks, `ready`, the
@@ -170,8 +216,17 @@ impl WorkerState {
             .request_id(reservation)
             .ok_or(Error::UnknownReservation(reservation))?;
         tracing::Span::current().record("request_id", tracing::field::display(&request_id));
-        self.reservations.targets(reservation, &r.page_indices)?;
-        let mut pair = nccl.receiver(&r.sender_id, r.generation).await?;
+        let claim = match self.reservations.claim(reservation, &r.page_indices) {
+            Ok(claim) => claim,
+            Err(e) => return Err(self.failed_push(reservation, &[], e).await),
+        };
+        let mut pair = match nccl.receiver(&r.sender_id, r.generation).await {
+            Ok(pair) => pair,
+            Err(e) => {
+                self.reservations.unclaim(reservation, &claim.indices);
+                return Err(e);
+            }
+        };
         let (tx, rx) = mpsc::channel(2);
         let state = Arc::clone(self);
         let bytes = r.page_indices.len() * page_bytes;
@@ -183,19 +238,31 @@ impl WorkerState {
                 });
                 let progress = |stage| v1::NcclPagesProgress { stage: Some(stage) };
                 if tx.send(Ok(progress(ready))).await.is_err() {
-                    return; // the sender left before anything was posted
+                    // The sender left before anything was posted.
+                    state.reservations.unclaim(reservation, &claim.indices);
+                    return;
                 }
                 let received = async {
                     let staging = nccl.recv(&r.sender_id, &mut pair, bytes).await?;
                     // The next transfer of the pair may start.
                     drop(pair);
-                    // Checked again: an Abort or the TTL may have taken the reservation
-                    // meanwhile.
-                    let targets = state.reservations.targets(reservation, &r.page_indices)?;
-                    state.engine.scatter_staging(targets, staging).await?;
-                    state.reservations.mark(reservation, &r.page_indices)
+                    // The engine checks the pages (on a host copy of a device buffer) before
+                    // it writes them, and that the reservation still holds them (an Abort or
+                    // the TTL may have taken it meanwhile).
+                    let (targets, check) = (claim.targets.clone(), claim.clone());
+                    let check = Box::new(move |data: &[u8]| check.check(data, page_bytes));
+                    let owner = SeqId(reservation);
+                    state
+                        .engine
+                        .scatter_staging(owner, targets, staging, check)
+                        .await?;
+                    state.reservations.fill(reservation, &claim)
                 }
                 .await;
+                let received = match received {
+                    Err(e) => Err(state.failed_push(reservation, &claim.indices, e).await),
+                    ok => ok,
+                };
                 let result = match received {
                     Ok(complete) => {
                         let role = metrics::role_label(&state);
@@ -235,8 +302,33 @@ impl WorkerState {
     }
 }
 
+/// A push stream's failure: a message that does not decode is the sender's fault
+/// (INVALID_ARGUMENT from the codec); anything else broke the stream.
 fn push_status(status: Status) -> Error {
-    Error::Aborted(format!("page stream broke: {status}"))
+    match status.code() {
+        tonic::Code::InvalidArgument => {
+            Error::InvalidArgument(format!("a PushPages message: {}", status.message()))
+        }
+        _ => Error::Aborted(format!("page stream broke: {status}")),
+    }
+}
+
+/// Whether `error` refuses a push for what it sent (its `reason` label), rather than the
+/// stream or the engine failing.
+fn refusal(error: &Error) -> Option<&'static str> {
+    use nibble_kvfmt::check::Check;
+    Some(match error {
+        Error::BadPage { fault, .. } => match fault.check {
+            Check::Nvfp4Scale(_) => "nvfp4_scale",
+            Check::Fp8Element(_) => "fp8_element",
+            Check::Bf16Element(_) => "bf16_element",
+            Check::WindowValue(_) => "window_value",
+            Check::Length { .. } | Check::Index { .. } => "page",
+        },
+        Error::DuplicatePage(_) => "duplicate_page",
+        Error::InvalidArgument(_) => "invalid",
+        _ => return None,
+    })
 }
 
 /// The `KvTransfer` gRPC service of a decode worker.

@@ -216,6 +216,7 @@ impl WorkerState {
                 .map_err(|e| Error::Request(e.into()))?;
         }
         let id = self.track(&r.request_id)?;
+        let prompt_tokens = r.token_ids.len();
         let reservation = match self.engine.reserve(id, r.token_ids).await {
             Ok(reservation) => reservation,
             Err(e) => {
@@ -227,12 +228,12 @@ impl WorkerState {
         let count = reservation.pages.len() - first;
         self.reservations.insert(
             id.0,
-            Pending {
-                request_id: r.request_id.clone(),
-                pages: reservation.pages.clone(),
-                first_page_index: first,
-                filled: vec![false; count],
-            },
+            Pending::new(
+                r.request_id.clone(),
+                reservation.pages.clone(),
+                first,
+                info.kv_format.sequence(prompt_tokens),
+            ),
         );
         // A caller may shorten the reservation's life, never lengthen it past the worker's
         // --reservation-ttl-ms: pages held for a peer that never pushes come back in time.

@@ -17,6 +17,11 @@
 //!   next transfer connects again. The caller falls back to the gRPC stream for that request.
 //!   Pages stay owned as in the gRPC path: P holds its pages until the prefill call ends, D's
 //!   reservation is filled only by the final scatter and freed by Abort or its TTL.
+//! * Checks: D claims the named pages of its reservation before `ready` (each once, as a
+//!   PushPages stream does) and checks the received bytes before the scatter (on a host copy of
+//!   a device buffer, `Backend::staged_host_bytes`); pages that fail release the reservation and
+//!   answer INVALID_ARGUMENT after `done`'s place. P then keeps the link (the bytes moved fine)
+//!   and does not fall back: the same bytes would be refused over gRPC.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -335,6 +340,9 @@ impl NcclTransport {
         }
         let done = match self.next_stage(&mut stream, &target.address).await {
             Ok(Stage::Done(done)) => done,
+            // The receiver refused what arrived (a page that fails its checks): the link moved
+            // the bytes and stays.
+            Err(e @ Error::Push { .. }) if e.is_refusal() => return Err(fail("refused")(e)),
             other => {
                 drop_link(&mut pair.link);
                 let error = match other {

@@ -437,6 +437,10 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
+    fn staged_host_bytes<'a>(&self, staging: &'a Vec<u8>) -> Result<std::borrow::Cow<'a, [u8]>> {
+        Ok(std::borrow::Cow::Borrowed(staging))
+    }
+
     fn unstage_pages(
         &self,
         pages: &mut CpuPages,
