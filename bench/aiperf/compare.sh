@@ -3,8 +3,11 @@
 # `nibble up` (one core per worker, the default model on the CPU, every prompt prefilled on the
 # prefill worker), the same load from both clients one after the other (streamed
 # /v1/completions, ISL prompt tokens, OSL output tokens with EOS ignored, CONCURRENCY requests in
-# flight), and their TTFT and ITL medians side by side. ITL is compared as aiperf defines it:
-# each request's (last token - first token) / (tokens - 1), its median over requests.
+# flight, greedy), and their TTFT and ITL medians side by side. ITL is compared as aiperf
+# defines it: each request's (last token - first token) / (tokens - 1), its median over requests.
+# The cluster runs on core 0 and the clients on core 1 (taskset): aiperf's Python processes
+# would otherwise take CPU from the workers on a two-core machine and slow the very requests it
+# measures (on shared cores its TTFT and ITL medians came out 2.1x and 1.6x nibble bench's).
 #
 #   cargo build --release -p nibble
 #   bash bench/aiperf/compare.sh
@@ -40,7 +43,7 @@ rm -rf "$out" && mkdir -p "$out"
 "$venv/bin/python" bench/aiperf/gguf_tokenizer.py "$model" "$out/tokenizer"
 
 port=18870
-"$nibble" up --model "$model" --threads 1 --local-prefill-threshold 0 --listen 127.0.0.1:0 \
+taskset -c 0 "$nibble" up --model "$model" --threads 1 --local-prefill-threshold 0 --listen 127.0.0.1:0 \
     --http-listen 127.0.0.1:$port \
     >"$out/up.log" 2>&1 &
 up=$!
@@ -53,14 +56,15 @@ grep -q "nibble up: ready" "$out/up.log" || { echo "error: nibble up did not sta
 name=$(basename "$model" .gguf)
 
 for round in $(seq "$rounds"); do
-    "$venv/bin/aiperf" profile --model "$name" --url http://127.0.0.1:$port \
+    taskset -c 1 "$venv/bin/aiperf" profile --model "$name" --url http://127.0.0.1:$port \
         --endpoint-type completions --streaming --tokenizer "$out/tokenizer" \
         --synthetic-input-tokens-mean "$isl" --synthetic-input-tokens-stddev 0 \
-        --output-tokens-mean "$osl" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+        --output-tokens-mean "$osl" --output-tokens-stddev 0 \
+        --extra-inputs ignore_eos:true temperature:0 \
         --concurrency "$concurrency" --request-count "$requests" --warmup-request-count 2 \
         --use-server-token-count --artifact-dir "$out/aiperf-$round" --ui-type none \
         >"$out/aiperf-$round.log" 2>&1
-    "$nibble" bench --api openai --url http://127.0.0.1:$port --model "$model" \
+    taskset -c 1 "$nibble" bench --api openai --url http://127.0.0.1:$port --model "$model" \
         --input-tokens "$isl" --output-tokens "$osl" --concurrency "$concurrency" \
         --requests "$requests" --warmup 2 --seed "$round" --out "$out/nibble-$round" \
         >"$out/nibble-$round.log" 2>&1

@@ -529,13 +529,14 @@ fn shift<'s>(configs: &[Config<'s>]) -> Plot {
     let runs: Vec<_> = configs.iter().filter_map(|c| Some((c, last(c)?))).collect();
     let label = |c: &Config, s: &Summary| format!("{} {}", c.name, s.load.label());
     let time = "time since the load point started (s; latencies by when requests were sent)";
-    let grey = RGBColor(90, 90, 90);
-    // Each later phase's start, as a grey vertical line over `y`.
+    // Each later phase's start, a thin line in its configuration's colour over `y`.
     let marks = |y: &Range<f64>| {
-        let starts = runs.iter().flat_map(|(_, s)| s.phases.iter().skip(1));
-        let mark = |p: &PhaseStats| Series {
-            label: format!("phase {} starts", p.phase + 1),
-            color: grey,
+        let starts = runs
+            .iter()
+            .flat_map(|(c, s)| s.phases.iter().skip(1).map(move |p| (c, p)));
+        let mark = |(c, p): (&&Config, &PhaseStats)| Series {
+            label: format!("{}: phase {} starts", c.name, p.phase + 1),
+            color: c.color,
             stroke: Stroke::Line(1),
             points: vec![(p.start_s, y.start), (p.start_s, y.end)],
             tags: Vec::new(),
