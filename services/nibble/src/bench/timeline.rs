@@ -118,22 +118,24 @@ fn split(sample: &Sample) -> Option<(usize, usize)> {
     ))
 }
 
-/// Every change of the split the samples show, in order.
+/// Every change of the split the samples show, in order; each takes the oldest decision not yet
+/// taken by an earlier change (a move is decided, then drains, then shows; the next may be
+/// decided in the sample where the last one shows).
 pub fn changes(samples: &[Sample]) -> Vec<SplitChange> {
     let mut out = Vec::new();
-    let (mut last, mut decisions, mut decided) = (None, None::<f64>, None);
+    let mut decided = std::collections::VecDeque::new();
+    let (mut last, mut decisions) = (None, None::<f64>);
     for sample in samples {
         if let Some(count) = sample.planner_changes {
-            if decisions.is_some_and(|d| count > d) {
-                decided = Some(sample.t_s);
-            }
+            let new = decisions.map_or(0.0, |d| count - d).max(0.0) as usize;
+            decided.extend(std::iter::repeat_n(sample.t_s, new));
             decisions = Some(count);
         }
         let Some(now) = split(sample) else { continue };
         match last {
             Some(before) if before != now => {
                 out.push(SplitChange {
-                    decided_s: decided.take(),
+                    decided_s: decided.pop_front(),
                     changed_s: sample.t_s,
                     from: before,
                     to: now,
@@ -268,6 +270,15 @@ mod tests {
                 to: (2, 2),
             }]
         );
+        // The next move decided in the very sample where the first shows: each keeps its own.
+        let two = [
+            sample(0.0, 1.0, 3.0, 0.0),
+            sample(14.5, 1.0, 3.0, 1.0),
+            sample(24.5, 2.0, 2.0, 2.0),
+            sample(27.5, 3.0, 1.0, 2.0),
+        ];
+        let decided: Vec<_> = changes(&two).iter().map(|c| c.decided_s).collect();
+        assert_eq!(decided, [Some(14.5), Some(24.5)]);
         let p = phases(&records, &samples, None);
         assert_eq!(p.len(), 2);
         assert_eq!((p[0].start_s, p[0].requests), (0.0, 2));
