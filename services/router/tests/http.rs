@@ -500,6 +500,19 @@ async fn errors_have_openais_shape_and_status() {
         let r = post_json(http, "/v1/completions", &body).await;
         assert_error(&r, 400, Some(param));
     }
+    // A value that fits none of a field's forms is described in the API's terms, never by
+    // the Rust type that parses it.
+    let r = post_json(
+        http,
+        "/v1/completions",
+        &with(&ok_completion, "prompt", json!({"text": "Hello"})),
+    )
+    .await;
+    let message = assert_error(&r, 400, Some("prompt"))["error"]["message"].to_string();
+    assert!(
+        !message.contains("enum") && !message.contains("PromptInput"),
+        "{message}"
+    );
     let chat_cases = [
         (json!({"messages": []}), "messages"),
         (json!({}), "messages"),

@@ -80,11 +80,21 @@ pub fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
             let alone =
                 serde_json::Value::Object([(key.clone(), field.clone())].into_iter().collect());
             if let Err(e) = serde_json::from_value::<T>(alone) {
-                return ApiError::invalid(key.as_str(), e);
+                return ApiError::invalid(key.as_str(), described(&e));
             }
         }
         ApiError::bad_body(err)
     })
+}
+
+/// serde's account of a field, without the Rust type names it speaks in: a value that fits
+/// none of a field's forms (an untagged enum) says so in the API's terms.
+fn described(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match text.contains("did not match any variant of untagged enum") {
+        true => "is not one of the forms this field takes (docs/HTTP.md lists them)".into(),
+        false => text,
+    }
 }
 
 /// The model a request names: absent, empty or `served` is fine; another is a 404.

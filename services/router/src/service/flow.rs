@@ -60,6 +60,22 @@ impl From<Error> for Stop {
     }
 }
 
+/// What the client is told of a failure. A worker's refusal of the request (a client error) is
+/// passed on as it is: its message is written for clients and names what was wrong. A server
+/// fault becomes a stable sentence for its code and the request's id: its own message (a
+/// transport error, a worker's internals) went to the log, where the id finds it.
+fn public(status: Status, id: &str) -> Status {
+    use tonic::Code;
+    let said = match status.code() {
+        Code::Unavailable => "a worker serving the request stopped answering; retry it",
+        Code::DeadlineExceeded => "a worker took too long to serve the request",
+        Code::Internal | Code::Unknown | Code::DataLoss => "the cluster failed the request",
+        _ => return status,
+    };
+    let message = format!("{said} (request {id})");
+    Status::with_metadata(status.code(), message, status.metadata().clone())
+}
+
 impl Flow {
     /// A routed request holding its running `place`, dispatched by [`Flow::run`].
     pub fn new(
@@ -143,7 +159,8 @@ impl Flow {
                     } else {
                         tracing::info!(%status, "request refused by a worker");
                     }
-                    let _ = tx.send(Err(status)).await;
+                    let id = self.label.as_deref().unwrap_or(&self.req.request_id);
+                    let _ = tx.send(Err(public(status, id))).await;
                 }
             }
         }
@@ -418,7 +435,30 @@ mod transfer_tests {
     use nibble_discovery::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
     use nibble_proto::v1::TransferBackend;
 
-    use super::transfer_backend;
+    use super::{public, transfer_backend};
+
+    #[test]
+    fn server_faults_reach_clients_as_stable_sentences_with_the_id() {
+        let transport =
+            tonic::Status::unavailable("tcp connect error: Connection refused (os 111)");
+        let told = public(transport, "cmpl-7");
+        assert_eq!(told.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            told.message(),
+            "a worker serving the request stopped answering; retry it (request cmpl-7)"
+        );
+        let internal = public(tonic::Status::internal("hyper::Error(Io, ..)"), "x");
+        assert_eq!(
+            internal.message(),
+            "the cluster failed the request (request x)"
+        );
+        // A refusal keeps its message, which names the field.
+        let refused = tonic::Status::invalid_argument("max_tokens must be at least 1, got 0");
+        assert_eq!(
+            public(refused, "x").message(),
+            "max_tokens must be at least 1, got 0"
+        );
+    }
 
     fn worker(role: Role, gpu: Option<&str>) -> WorkerInfo {
         WorkerInfo {
