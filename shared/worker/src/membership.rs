@@ -212,6 +212,7 @@ impl Membership {
             tracing::warn!(%err, "deregistering the old role failed; it expires with the lease");
         }
         gate.settle(wire);
+        crate::metrics::leave_role(from, &self.state.identity().worker_id);
         let load = self.state.engine().load().await?;
         let next = WorkerInfo {
             role: to,

@@ -173,6 +173,34 @@ pub(crate) fn role_label(state: &WorkerState) -> &'static str {
     }
 }
 
+/// The gauges a worker sets per `role` and `worker` at every scrape.
+const ROLE_GAUGES: [&str; 10] = [
+    KV_PAGES_TOTAL,
+    KV_PAGES_FREE,
+    KV_PAGES_CACHED,
+    KV_PAGE_BYTES,
+    KV_CACHE_USAGE,
+    RUNNING_REQUESTS,
+    WAITING_REQUESTS,
+    QUEUED_PREFILL_TOKENS,
+    PENDING_RESERVATIONS,
+    NCCL_LINKS,
+];
+
+/// Zeroes `worker`'s gauges labelled with the `role` it has left: a series cannot be removed
+/// from the recorder, and left at its last values it would count the worker twice in sums over
+/// workers of a role. Its counters stay as they are (rates over them end).
+pub(crate) fn leave_role(role: nibble_discovery::Role, worker: &str) {
+    let role = match role {
+        nibble_discovery::Role::Prefill => "prefill",
+        nibble_discovery::Role::Decode => "decode",
+        nibble_discovery::Role::Router => "router",
+    };
+    for name in ROLE_GAUGES {
+        metrics::gauge!(name, "role" => role, "worker" => worker.to_string()).set(0.0);
+    }
+}
+
 /// Counts one call that ended with `code`.
 pub(crate) fn call(role: &'static str, call: &'static str, code: tonic::Code) {
     metrics::counter!(
@@ -278,5 +306,45 @@ impl Collect for WorkerState {
             counter(PREFIX_CACHE_HITS_TOTAL, cache.hit_blocks * page_size);
             counter(PREFIX_CACHE_EVICTIONS_TOTAL, cache.evicted_blocks);
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_worker_leaving_a_role_zeroes_its_gauges_of_that_role_only() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let gauge = |role: &'static str, worker: &'static str, value: f64| {
+                metrics::gauge!(super::RUNNING_REQUESTS, "role" => role, "worker" => worker)
+                    .set(value)
+            };
+            gauge("decode", "w1", 3.0);
+            gauge("decode", "w2", 2.0);
+            super::leave_role(nibble_discovery::Role::Decode, "w1");
+            gauge("prefill", "w1", 1.0);
+        });
+        let text = handle.render();
+        let line = |series: &str| {
+            let wanted = format!("{}{{{series}}} ", super::RUNNING_REQUESTS);
+            let found = text.lines().find(|l| l.starts_with(&wanted));
+            found.map(|l| l[wanted.len()..].to_string())
+        };
+        assert_eq!(
+            line("role=\"decode\",worker=\"w1\"").as_deref(),
+            Some("0"),
+            "{text}"
+        );
+        assert_eq!(
+            line("role=\"decode\",worker=\"w2\"").as_deref(),
+            Some("2"),
+            "{text}"
+        );
+        assert_eq!(
+            line("role=\"prefill\",worker=\"w1\"").as_deref(),
+            Some("1"),
+            "{text}"
+        );
     }
 }
