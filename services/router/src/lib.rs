@@ -29,6 +29,8 @@ mod error;
 pub mod admission;
 pub mod cli;
 pub mod decision;
+#[cfg(test)]
+mod fuzz;
 pub mod http;
 pub mod index;
 pub mod load;

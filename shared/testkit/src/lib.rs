@@ -14,6 +14,7 @@
 //! crates' tests, which implement [`WorkerApi`] and [`RouterApi`] for them.
 
 mod etcd;
+pub mod fuzz;
 pub mod http_client;
 #[cfg(feature = "model")]
 mod model;
