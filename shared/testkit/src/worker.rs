@@ -47,6 +47,28 @@ pub trait WorkerApi: Sync {
         }
     }
 
+    /// Reserves pages for `tokens` under `request_id`, in its own KV format (panics if refused).
+    fn reserve(
+        &self,
+        request_id: &str,
+        tokens: Vec<u32>,
+    ) -> impl Future<Output = v1::ReserveResponse> + Send {
+        let request = v1::ReserveRequest {
+            request_id: request_id.into(),
+            token_ids: tokens,
+            kv_format_fingerprint: self.fingerprint(),
+            ..Default::default()
+        };
+        async move {
+            self.client()
+                .await
+                .reserve(request)
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    }
+
     /// Waits (5 s at most, else panics) until no request holds a page: every page is free or
     /// cached, nothing runs and no reservation is pending. The `Load` that showed it.
     fn pages_back(&self) -> impl Future<Output = v1::LoadResponse> + Send {

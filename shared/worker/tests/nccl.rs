@@ -434,18 +434,7 @@ async fn the_control_message_is_checked_before_anything_is_received() {
         Duration::from_secs(1),
     );
     let info = d.state.engine().info().clone();
-    let reservation = d
-        .client()
-        .await
-        .reserve(v1::ReserveRequest {
-            request_id: "r".into(),
-            token_ids: prompt(),
-            kv_format_fingerprint: info.fingerprint,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reservation = d.reserve("r", prompt()).await;
     let mut good = v1::NcclPagesRequest {
         sender_id: "prefill-0".into(),
         generation: 1,
@@ -551,18 +540,7 @@ async fn the_control_message_is_checked_before_anything_is_received() {
             "{what}"
         );
         assert_eq!(d.load().await.pending_reservations, 0, "{what}");
-        let reservation = d
-            .client()
-            .await
-            .reserve(v1::ReserveRequest {
-                request_id: "r".into(),
-                token_ids: prompt(),
-                kv_format_fingerprint: info.fingerprint,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let reservation = d.reserve("r", prompt()).await;
         good.reservation_id = reservation.reservation_id;
     }
     d.client()
@@ -652,19 +630,7 @@ async fn pages_that_fail_their_checks_over_nccl_are_refused() {
         timeout,
     );
 
-    let info = d.state.engine().info().clone();
-    let reservation = d
-        .client()
-        .await
-        .reserve(v1::ReserveRequest {
-            request_id: "attack".into(),
-            token_ids: prompt(),
-            kv_format_fingerprint: info.fingerprint,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let reservation = d.reserve("attack", prompt()).await;
     let err = p
         .client()
         .await

@@ -60,20 +60,6 @@ async fn reference(dtype: KvDtype) -> Vec<u32> {
     tokens
 }
 
-async fn reserve(d: &Server, request_id: &str) -> v1::ReserveResponse {
-    d.client()
-        .await
-        .reserve(v1::ReserveRequest {
-            request_id: request_id.into(),
-            token_ids: prompt(),
-            kv_format_fingerprint: d.fingerprint(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 /// Pushes `messages` (page indices and their bytes) into `reservation` on `d`, as any client
 /// that can reach the decode worker's KvTransfer service can.
 async fn push(
@@ -147,7 +133,7 @@ async fn pages_of_nan_scales_are_refused_and_later_requests_decode_normally() {
     let d = server(v1::WorkerRole::Decode, dtype).await;
     let p = server(v1::WorkerRole::Prefill, dtype).await;
 
-    let reservation = reserve(&d, "attack").await;
+    let reservation = d.reserve("attack", prompt()).await;
     assert_eq!(reservation.first_page_index, 0);
     let err = push(&d, &reservation, vec![all_pages(&d, &reservation, 0xFF)])
         .await
@@ -224,7 +210,7 @@ async fn pages_named_twice_or_outside_the_reservation_are_refused() {
     .enumerate()
     {
         let request_id = format!("r{n}");
-        let reservation = reserve(&d, &request_id).await;
+        let reservation = d.reserve(&request_id, prompt()).await;
         let count = reservation.page_count;
         let (messages, expected) = match n {
             0 => (vec![vec![1, 1]], named_twice.to_string()),
@@ -247,7 +233,7 @@ async fn pages_named_twice_or_outside_the_reservation_are_refused() {
         released(&d, &reservation, &request_id).await;
     }
     // The same pages, once each: accepted.
-    let reservation = reserve(&d, "good").await;
+    let reservation = d.reserve("good", prompt()).await;
     let response = push(&d, &reservation, vec![all_pages(&d, &reservation, 0)])
         .await
         .unwrap();
@@ -306,7 +292,7 @@ async fn every_dtype_and_the_window_are_checked() {
         }
         for (n, (page, at, bad, check, place)) in cases.into_iter().enumerate() {
             let request_id = format!("{dtype}-{n}");
-            let reservation = reserve(&d, &request_id).await;
+            let reservation = d.reserve(&request_id, prompt()).await;
             let (indices, mut data) = all_pages(&d, &reservation, 0);
             let start = page * info.page_bytes + at;
             data[start..start + bad.len()].copy_from_slice(bad);
