@@ -411,12 +411,17 @@ fn transfer_backend(prefill: &WorkerInfo, decode: &WorkerInfo) -> v1::TransferBa
 }
 
 /// Whether a decode worker's failure means it could not be reached (a refused or broken
-/// connection, a worker stopping), not that it refused the request.
+/// connection, a worker stopping), not that it refused the request. A connection that breaks
+/// under a call (the worker's process died) can surface as INTERNAL from the local HTTP/2 stack:
+/// such a status carries its transport error as its source, which a worker's own INTERNAL
+/// answer, decoded from the wire, never does.
 fn unreachable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
-    )
+    use std::error::Error as _;
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => true,
+        tonic::Code::Internal => status.source().is_some(),
+        _ => false,
+    }
 }
 
 fn retryable(status: &Status) -> bool {
@@ -435,7 +440,20 @@ mod transfer_tests {
     use nibble_discovery::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
     use nibble_proto::v1::TransferBackend;
 
-    use super::{public, transfer_backend};
+    use super::{public, transfer_backend, unreachable};
+
+    #[test]
+    fn a_broken_connection_is_unreachable_and_a_workers_internal_error_is_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let mut broken = tonic::Status::internal("h2 protocol error: connection reset");
+        broken.set_source(std::sync::Arc::new(io));
+        assert!(unreachable(&broken));
+        assert!(!unreachable(&tonic::Status::internal("the engine failed")));
+        assert!(unreachable(&tonic::Status::unavailable(
+            "tcp connect error"
+        )));
+        assert!(!unreachable(&tonic::Status::invalid_argument("bad")));
+    }
 
     #[test]
     fn server_faults_reach_clients_as_stable_sentences_with_the_id() {
