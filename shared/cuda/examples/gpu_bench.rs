@@ -8,7 +8,7 @@
 //!   (every K and V byte of the context, scales included, once);
 //! * `quantize`, `gather`: quantize-on-write and extend-gather bandwidth;
 //! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
-//!   time and TFLOP/s;
+//!   time and TFLOP/s, with each prefill kernel the device has (`--prefill`: only this);
 //! * `capacity`: KV tokens of Llama-3-8B's shape that fit one byte budget, per dtype, from the
 //!   allocator's plan (`PoolPlan::for_budget`).
 //!
@@ -84,7 +84,7 @@ fn shapes() -> Result<Option<Vec<(usize, usize)>>> {
 
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
-    let kernels = Kernels::new(0).context("opening the GPU")?;
+    let mut kernels = Kernels::new(0).context("opening the GPU")?;
     let shapes = shapes()?;
     // `--dtypes nvfp4,fp8` limits the decode sweep to those page formats.
     let only = std::env::args().skip_while(|a| a != "--dtypes").nth(1);
@@ -111,8 +111,11 @@ fn main() -> Result<()> {
         json!({"bench": "device", "arch": kernels.arch(), "sms": kernels.multiprocessors(),
                 "free_bytes": free, "total_bytes": total}),
     );
-    copy_bandwidth(&kernels)?;
     let mut rng = StdRng::seed_from_u64(7);
+    if std::env::args().any(|a| a == "--prefill") {
+        return prefill(&mut kernels, &mut rng);
+    }
+    copy_bandwidth(&kernels)?;
     let dtypes = only_dtypes
         .clone()
         .unwrap_or_else(|| vec![KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4]);
@@ -120,19 +123,29 @@ fn main() -> Result<()> {
         decode_sweep(&kernels, dtype, sweep, shapes.as_deref(), &mut rng)?;
     }
     if sweep != Sweep::Quick && only.is_none() {
-        prefill(&kernels, &mut rng)?;
+        prefill(&mut kernels, &mut rng)?;
     }
     capacity(free);
     Ok(())
 }
 
 /// Prefill of one prompt (start 0) and extend of a chunk after a cached prefix, over an FP8 and
-/// a BF16 workspace.
-fn prefill(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
+/// a BF16 workspace, with every prefill kernel the device has.
+fn prefill(kernels: &mut Kernels, rng: &mut StdRng) -> Result<()> {
+    let chosen = kernels.prefill_kernel();
+    for kernel in kernels.prefill_kernels() {
+        kernels.set_prefill_kernel(kernel)?;
+        prefill_with(kernels, rng)?;
+    }
+    kernels.set_prefill_kernel(chosen)?;
+    Ok(())
+}
+
+fn prefill_with(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
     let stream = kernels.stream();
     for work in [KvDtype::Fp8, KvDtype::Bf16] {
         let width = if work == KvDtype::Bf16 { 2 } else { 1 };
-        for (start, n) in [(0usize, 4096usize), (0, 16384), (31744, 1024)] {
+        for (start, n) in [(0usize, 4096usize), (0, 16384), (0, 32768), (31744, 1024)] {
             let tokens = start + n;
             let layout = PageLayout::new(1, 1, 16, 16, work)?;
             let geom = PageGeom::new(&layout, 0)?;
@@ -168,7 +181,8 @@ fn prefill(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
             let flops = 4.0 * (Q_HEADS * DIM) as f64 * pairs as f64;
             let host_out = stream.clone_dtoh(&out)?;
             emit(
-                json!({"bench": "prefill", "work": work.to_string(), "start": start, "rows": n,
+                json!({"bench": "prefill", "kernel": kernels.prefill_kernel().to_string(),
+                        "work": work.to_string(), "start": start, "rows": n,
                         "ms": ms, "min_ms": times[0], "runs": times.len(),
                         "tflops": flops / (ms as f64 * 1e9),
                         "finite": host_out.iter().all(|x| x.is_finite())}),

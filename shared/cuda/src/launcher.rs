@@ -155,7 +155,7 @@ value_params!(
     crate::PageGeom,
     crate::WindowGeom,
     crate::launch::DecodeArgs,
-    crate::launch::PrefillArgs
+    crate::launch::prefill::PrefillArgs
 );
 
 impl<'a, T> KernelParam<'a> for &'a CudaSlice<T> {

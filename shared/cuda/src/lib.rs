@@ -8,7 +8,8 @@
 //!   quantize-on-write into pages ([`Kernels::quantize`], which checks every slot against the
 //!   pages; [`Kernels::quantize_unchecked`] takes device slots under a safety contract), the
 //!   extend gather into the work-dtype workspace ([`Kernels::gather_work`]), causal
-//!   prefill/extend attention over that workspace ([`Kernels::prefill`]) and paged split-KV decode
+//!   prefill/extend attention over that workspace ([`Kernels::prefill`]: `mma.sync`, or on Hopper
+//!   warpgroup MMA from `cu/prefill_hopper.cu`, see [`PrefillKernel`]) and paged split-KV decode
 //!   attention over NVFP4, FP8 or BF16 pages ([`Kernels::decode`]); whole-page gather into and
 //!   scatter out of a contiguous staging buffer ([`Kernels::gather_pages`],
 //!   [`Kernels::scatter_pages`]) for page transfers. K/V scales travel as [`KvScales`], the
@@ -43,7 +44,7 @@ pub use error::{Error, Result};
 pub use geom::{PageGeom, WindowGeom};
 pub use launch::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
-    PrefillBatch, WindowRows,
+    PrefillBatch, PrefillKernel, WindowRows,
 };
 
 /// The element codecs and page addressing every kernel shares, prepended to each source.
@@ -55,6 +56,20 @@ pub(crate) const SOURCES: [(&str, &str); 4] = [
     ("decode", include_str!("cu/decode.cu")),
     ("prefill", include_str!("cu/prefill.cu")),
     ("pages", include_str!("cu/pages.cu")),
+];
+
+/// The source compiled for sm_90a alone (warpgroup MMA, `setmaxnreg`), loaded on compute
+/// capability 9.0: Hopper's prefill and extend attention.
+pub(crate) const HOPPER_SOURCE: (&str, &str) =
+    ("prefill_hopper", include_str!("cu/prefill_hopper.cu"));
+
+/// The entry points of [`HOPPER_SOURCE`] (checked by the compile test).
+pub const HOPPER_ENTRY_POINTS: [&str; 5] = [
+    "prefill_combine",
+    "prefill_hopper_fp8_d64",
+    "prefill_hopper_fp8_d128",
+    "prefill_hopper_bf16_d64",
+    "prefill_hopper_bf16_d128",
 ];
 
 /// The kernel entry points each source must define (checked by the compile test).

@@ -88,6 +88,12 @@ pub fn compile_all(arch: &'static str) -> Result<Vec<Compiled>> {
         .collect()
 }
 
+/// Compiles the Hopper-only source (`crate::HOPPER_SOURCE`) for sm_90a. Needs NVRTC, not a GPU.
+pub fn compile_hopper() -> Result<Compiled> {
+    let (name, body) = crate::HOPPER_SOURCE;
+    compile(name, body, "sm_90a", &[])
+}
+
 /// Compiles one source (the prelude prepended) for `arch` with extra NVRTC options.
 pub fn compile(
     name: &'static str,

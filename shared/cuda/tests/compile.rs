@@ -2,7 +2,7 @@
 //! kernels support) with no GPU. NVRTC missing is a failure, not a skip: CI installs it
 //! (scripts/deps.sh, PyPI `nvidia-cuda-nvrtc`).
 
-use nibble_cuda::{nvrtc, ENTRY_POINTS};
+use nibble_cuda::{nvrtc, ENTRY_POINTS, HOPPER_ENTRY_POINTS};
 
 #[test]
 fn every_kernel_compiles_for_sm_90_and_sm_80() {
@@ -32,6 +32,31 @@ fn every_kernel_compiles_for_sm_90_and_sm_80() {
     }
 }
 
+#[test]
+fn the_hopper_prefill_compiles_for_sm_90a_with_warpgroup_mma() {
+    nvrtc::load().unwrap_or_else(|e| panic!("{e}"));
+    let ptx = nvrtc::compile_hopper()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .ptx
+        .to_src();
+    assert!(ptx.contains(".target sm_90a"), "prefill_hopper for sm_90a");
+    for entry in HOPPER_ENTRY_POINTS {
+        assert!(
+            ptx.contains(&format!(".entry {entry}(")),
+            "prefill_hopper.cu lacks kernel {entry}"
+        );
+    }
+    for op in [
+        "wgmma.mma_async",
+        "setmaxnreg",
+        "mbarrier.try_wait",
+        "cp.async",
+    ] {
+        assert!(ptx.contains(op), "prefill_hopper.cu for sm_90a has no {op}");
+    }
+    every_entry_syncs_with_the_grid_before_it(&ptx, "sm_90a", "prefill_hopper");
+}
+
 /// Kernels are launched programmatically on sm_90 (`launcher.rs`): one that does not wait for
 /// the kernel before it could read its inputs before they are written. Every entry point of the
 /// sm_90 PTX must wait (`grid_dependency_sync`); sm_80 has no such instruction.
@@ -44,7 +69,7 @@ fn every_entry_syncs_with_the_grid_before_it(ptx: &str, arch: &str, source: &str
     for body in entries {
         let name = body.split('(').next().unwrap_or(body);
         let waits = body.contains("griddepcontrol.wait;");
-        if arch == "sm_90" {
+        if arch.starts_with("sm_90") {
             assert!(
                 waits,
                 "{source}.cu kernel {name} for sm_90 does not call grid_dependency_sync()"

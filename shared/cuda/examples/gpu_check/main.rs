@@ -85,7 +85,7 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<usize> {
-    let kernels = Kernels::new(0).context("opening the GPU")?;
+    let mut kernels = Kernels::new(0).context("opening the GPU")?;
     println!(
         "device 0: {} multiprocessors, kernels compiled for {}, launches {}",
         kernels.multiprocessors(),
@@ -103,9 +103,12 @@ fn run() -> Result<usize> {
             failures += check_dtype(&kernels, geometry, dtype)?;
         }
         failures += window::check_window(&kernels, geometry)?;
-        for work in [KvDtype::Fp8, KvDtype::Bf16] {
-            for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17)] {
-                failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;
+        for kernel in kernels.prefill_kernels() {
+            kernels.set_prefill_kernel(kernel)?;
+            for work in [KvDtype::Fp8, KvDtype::Bf16] {
+                for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17), (129, 1000)] {
+                    failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;
+                }
             }
         }
     }
@@ -246,7 +249,10 @@ fn check_prefill(
     let limit = tolerance(work_dtype);
     let what = if start == 0 { "prefill" } else { "extend" };
     Ok(report(
-        &format!("{what} {work_dtype} D={d} H={kvh} start {start} rows {n}"),
+        &format!(
+            "{what} ({}) {work_dtype} D={d} H={kvh} start {start} rows {n}",
+            kernels.prefill_kernel()
+        ),
         finite && rel <= limit,
         &format!(
             "relative L2 error {rel:.2e} (limit {limit:.0e}), max abs error {max_abs:.2e}{}",

@@ -289,3 +289,14 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 }
+
+// The arguments of the prefill/extend attention kernels (prefill.cu, and prefill_hopper.cu on
+// sm_90a). Matches `PrefillArgs` of launch/mod.rs (#[repr(C)]).
+struct PrefillArgs {
+    u32 n;          // query rows
+    u32 start;      // position of row 0 (the keys before it are a cached prefix)
+    u32 q_heads;
+    u32 kv_heads;
+    float score_scale;  // softmax scale * gk * 2^8 * log2(e) (E4M3); softmax scale * log2(e) (BF16)
+    float v_scale;      // gv * 2^8 (E4M3); 1 (BF16)
+};

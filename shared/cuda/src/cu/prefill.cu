@@ -42,15 +42,6 @@ __device__ __forceinline__ void pf_load(const u8* p, u32* w) {
     }
 }
 
-struct PrefillArgs {
-    u32 n;          // query rows
-    u32 start;      // position of row 0 (the keys before it are a cached prefix)
-    u32 q_heads;
-    u32 kv_heads;
-    float score_scale;  // softmax scale * gk * 2^8 * log2(e) (E4M3); softmax scale * log2(e) (BF16)
-    float v_scale;      // gv * 2^8 (E4M3); 1 (BF16)
-};
-
 // Bytes per value of the workspace, and the words of a key vector's quarter (K lanes) and
 // eighth (V lanes).
 template <int FMT, int D>

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
-    DeviceRepr, LaunchConfig,
+    LaunchConfig,
 };
 use nibble_engine::paged::WorkDtype;
 use nibble_kvfmt::{KvDtype, ScaleRule};
@@ -20,6 +20,7 @@ mod checks;
 pub(crate) use checks::{check, check_write_slots};
 use checks::{check_new_kv, check_page_copy};
 mod decode;
+pub(crate) mod prefill;
 
 pub use args::{CachedPrefix, DecodeOut, KvScales, KvWorkspace, NewKv, PrefillBatch, WindowRows};
 
@@ -27,24 +28,8 @@ pub(crate) use decode::DecodeArgs;
 use decode::DECODE_THREADS;
 pub(crate) use decode::DECODE_TILE;
 pub use decode::{DecodeBatch, DecodeWorkspace};
-
-/// `PrefillArgs` of `cu/prefill.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PrefillArgs {
-    n: u32,
-    start: u32,
-    q_heads: u32,
-    kv_heads: u32,
-    score_scale: f32,
-    v_scale: f32,
-}
-
-// SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
-unsafe impl DeviceRepr for PrefillArgs {}
-
-/// Query rows per prefill block (4 warps of 16), as in `cu/prefill.cu`.
-const PREFILL_ROWS: u32 = 64;
+pub use prefill::PrefillKernel;
+use prefill::PrefillKernels;
 
 /// The compiled kernels on one device.
 pub struct Kernels {
@@ -63,8 +48,8 @@ pub struct Kernels {
     decode: [[CudaFunction; 2]; 3],
     /// Decode blocks resident on the whole device at once, per kernel of `decode`.
     decode_slots: [[usize; 2]; 3],
-    /// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
-    prefill: [[CudaFunction; 2]; 2],
+    /// The prefill/extend attention kernels and which of them runs.
+    prefill: PrefillKernels,
     combine: CudaFunction,
     combine_groups: CudaFunction,
     pages_gather: CudaFunction,
@@ -176,16 +161,7 @@ impl Kernels {
             pages_gather: function("pages", "pages_gather")?,
             pages_scatter: function("pages", "pages_scatter")?,
             window_store: function("pages", "window_store")?,
-            prefill: [
-                [
-                    function("prefill", "prefill_fp8_d64")?,
-                    function("prefill", "prefill_fp8_d128")?,
-                ],
-                [
-                    function("prefill", "prefill_bf16_d64")?,
-                    function("prefill", "prefill_bf16_d128")?,
-                ],
-            ],
+            prefill: PrefillKernels::load(&ctx, (major, minor), |name| function("prefill", name))?,
             ctx,
             stream,
             arch,
@@ -508,74 +484,6 @@ impl Kernels {
         // SAFETY: matches pages_gather's and pages_scatter's signature (dst, src, ids, n,
         // page_bytes); the callers checked the sizes and ids.
         unsafe { b.launch(page_copy_grid(page_ids.len(), page_bytes)) }?;
-        Ok(())
-    }
-
-    /// Causal attention of one sequence's `n` new queries (positions `start..start + n`) over
-    /// the work-dtype workspace holding its first `start + n` tokens (E4M3 for fp8 and nvfp4
-    /// caches, BF16 for a bf16 cache): the initial prefill (`start` = 0) and extend paths.
-    /// Writes `out` (`[row][q_head][head_dim]` f32).
-    pub fn prefill(&self, batch: &PrefillBatch<'_>, out: &mut CudaSlice<f32>) -> Result<()> {
-        let d = batch.head_dim;
-        let dim_index = match d {
-            64 => 0,
-            128 => 1,
-            _ => {
-                return Err(Error::Unsupported(format!(
-                    "prefill with head dim {d} (64 or 128)"
-                )))
-            }
-        };
-        let (q_heads, kv_heads) = (batch.q_heads, batch.kv_heads);
-        if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 {
-            return Err(Error::Unsupported(format!(
-                "{q_heads} query heads over {kv_heads} KV heads"
-            )));
-        }
-        let (work_index, width, (gk, gv)) = match batch.work {
-            KvDtype::Fp8 => (0, 1, (batch.work_scales.k, batch.work_scales.v)),
-            // a BF16 workspace has no scale (docs/FORMAT.md)
-            KvDtype::Bf16 => (1, 2, (1.0, 1.0)),
-            KvDtype::Nvfp4 => {
-                return Err(Error::Unsupported(
-                    "an nvfp4 workspace (the work dtype of an nvfp4 cache is fp8)".into(),
-                ))
-            }
-        };
-        let n = batch.n;
-        check("queries", n * q_heads * d, batch.q.len())?;
-        check("outputs", n * q_heads * d, out.len())?;
-        let context = (batch.start + n) * kv_heads * d * width;
-        if batch.k.len() < context || batch.v.len() < context {
-            return Err(Error::Shape {
-                what: "workspace bytes (at least)",
-                expected: context,
-                actual: batch.k.len().min(batch.v.len()),
-            });
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let args = PrefillArgs {
-            n: n as u32,
-            start: batch.start as u32,
-            q_heads: q_heads as u32,
-            kv_heads: kv_heads as u32,
-            score_scale: batch.softmax_scale
-                * gk
-                * fmt_factor(batch.work)
-                * std::f32::consts::LOG2_E,
-            v_scale: gv * fmt_factor(batch.work),
-        };
-        let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(PREFILL_ROWS), q_heads as u32, 1),
-            block_dim: (PREFILL_ROWS * 2, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.builder(&self.prefill[work_index][dim_index]);
-        b.arg(batch.q).arg(batch.k).arg(batch.v).arg(out).arg(&args);
-        // SAFETY: matches prefill_*'s signature; q, out and the workspace were checked.
-        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 }

@@ -1,0 +1,364 @@
+//! Prefill and extend attention: the `mma.sync` kernels of `cu/prefill.cu` on every device, and
+//! on Hopper (compute capability 9.0) the warpgroup-MMA kernels of `cu/prefill_hopper.cu`
+//! (compiled for sm_90a), which run there by default. `NIBBLE_PREFILL_KERNEL=mma` (or
+//! [`Kernels::set_prefill_kernel`]) keeps the fallback, to compare the two.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DeviceRepr, LaunchConfig};
+use nibble_kvfmt::KvDtype;
+
+use super::{check, fmt_factor, Kernels};
+use crate::{nvrtc, Error, PrefillBatch, Result};
+
+/// `PrefillArgs` of `cu/common.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillArgs {
+    n: u32,
+    start: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    score_scale: f32,
+    v_scale: f32,
+}
+
+// SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
+unsafe impl DeviceRepr for PrefillArgs {}
+
+/// Query rows per block of `cu/prefill.cu` (4 warps of 16).
+const MMA_ROWS: u32 = 64;
+/// Query rows per block of `cu/prefill_hopper.cu` (2 consumer warpgroups of 64), its threads
+/// (with the producer warpgroup) and its shared-memory geometry (`H_*` there).
+const WGMMA_ROWS: u32 = 128;
+const WGMMA_THREADS: u32 = 384;
+const WGMMA_KEYS: u32 = 128;
+const WGMMA_STAGES: u32 = 2;
+
+/// Which prefill/extend attention kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// `mma.sync` (m16n8k16), every supported device.
+    Mma,
+    /// Hopper's warpgroup MMA with a producer warpgroup staging K/V through shared memory.
+    Wgmma,
+}
+
+impl std::fmt::Display for PrefillKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Mma => "mma",
+            Self::Wgmma => "wgmma",
+        })
+    }
+}
+
+impl std::str::FromStr for PrefillKernel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "mma" => Ok(Self::Mma),
+            "wgmma" => Ok(Self::Wgmma),
+            other => Err(Error::Unsupported(format!(
+                "prefill kernel {other:?} (expected mma or wgmma)"
+            ))),
+        }
+    }
+}
+
+/// [0: E4M3 workspace, 1: BF16][0: head dim 64, 1: 128]
+type Table = [[CudaFunction; 2]; 2];
+
+/// The sm_90a kernels: attention, and the merge of its key splits.
+struct Hopper {
+    attention: Table,
+    combine: CudaFunction,
+}
+
+/// The loaded prefill kernels and the one that runs.
+pub(super) struct PrefillKernels {
+    mma: Table,
+    wgmma: Option<Hopper>,
+    chosen: PrefillKernel,
+}
+
+/// Key splits of a wgmma launch: one unless its blocks (128 query rows of one head) leave the
+/// device less than full, then enough to give every multiprocessor two blocks, each split keeping
+/// at least two 128-key tiles to pipeline. The extend blocks of a long prompt (256 queries after
+/// thousands of keys) are such launches: 64 blocks for 32 heads on 132 multiprocessors.
+fn wgmma_splits(n: usize, start: usize, q_heads: usize, sms: u32) -> u32 {
+    let blocks = n.div_ceil(WGMMA_ROWS as usize) * q_heads;
+    let sms = sms as usize;
+    if blocks >= sms {
+        return 1;
+    }
+    let tiles = (start + n).div_ceil(WGMMA_KEYS as usize);
+    (2 * sms).div_ceil(blocks).min(tiles / 2).max(1) as u32
+}
+
+/// Dynamic shared memory of a `cu/prefill_hopper.cu` block (`H_SMEM` there): the f16/BF16
+/// stages of K and V tiles, two E4M3 staging buffers, alignment slack and the barriers.
+fn wgmma_smem(work_index: usize, head_dim: u32) -> u32 {
+    let stages = WGMMA_STAGES * 2 * (head_dim / 64) * WGMMA_KEYS * 128;
+    let raw = if work_index == 1 {
+        0
+    } else {
+        4 * WGMMA_KEYS * head_dim
+    };
+    stages + raw + 1024 + 64
+}
+
+impl PrefillKernels {
+    /// The `mma.sync` kernels from the compiled `prefill` module (`function`), and on compute
+    /// capability 9.0 the sm_90a kernels, compiled here; then the choice of
+    /// `NIBBLE_PREFILL_KERNEL` (unset: the fastest the device has).
+    pub(super) fn load(
+        ctx: &Arc<CudaContext>,
+        capability: (i32, i32),
+        function: impl Fn(&str) -> Result<CudaFunction>,
+    ) -> Result<Self> {
+        let mma = [
+            [function("prefill_fp8_d64")?, function("prefill_fp8_d128")?],
+            [
+                function("prefill_bf16_d64")?,
+                function("prefill_bf16_d128")?,
+            ],
+        ];
+        // sm_90a code runs on compute capability 9.0 alone.
+        let wgmma = if capability == (9, 0) {
+            let compiled = nvrtc::compile_hopper()?;
+            let module = ctx.load_module(compiled.ptx)?;
+            let f = |work_index: usize, d: u32| -> Result<CudaFunction> {
+                let work = ["fp8", "bf16"][work_index];
+                let f = module.load_function(&format!("prefill_hopper_{work}_d{d}"))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    wgmma_smem(work_index, d) as i32,
+                )?;
+                Ok(f)
+            };
+            Some(Hopper {
+                attention: [[f(0, 64)?, f(0, 128)?], [f(1, 64)?, f(1, 128)?]],
+                combine: module.load_function("prefill_combine")?,
+            })
+        } else {
+            None
+        };
+        let best = if wgmma.is_some() {
+            PrefillKernel::Wgmma
+        } else {
+            PrefillKernel::Mma
+        };
+        let mut kernels = Self {
+            mma,
+            wgmma,
+            chosen: best,
+        };
+        match std::env::var("NIBBLE_PREFILL_KERNEL") {
+            Err(std::env::VarError::NotPresent) => {}
+            Ok(v) => kernels.choose(v.parse()?)?,
+            Err(e) => return Err(Error::Unsupported(format!("NIBBLE_PREFILL_KERNEL: {e}"))),
+        }
+        Ok(kernels)
+    }
+
+    fn choose(&mut self, kernel: PrefillKernel) -> Result<()> {
+        if kernel == PrefillKernel::Wgmma && self.wgmma.is_none() {
+            return Err(Error::Unsupported(
+                "the wgmma prefill kernel (it needs compute capability 9.0)".into(),
+            ));
+        }
+        self.chosen = kernel;
+        Ok(())
+    }
+}
+
+impl Kernels {
+    /// The prefill/extend kernels this device has, fastest last.
+    pub fn prefill_kernels(&self) -> Vec<PrefillKernel> {
+        let mut all = vec![PrefillKernel::Mma];
+        if self.prefill.wgmma.is_some() {
+            all.push(PrefillKernel::Wgmma);
+        }
+        all
+    }
+
+    /// The prefill/extend kernel that runs.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        self.prefill.chosen
+    }
+
+    /// Runs `kernel` for prefill and extend from now on; an error if the device lacks it.
+    pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) -> Result<()> {
+        self.prefill.choose(kernel)
+    }
+
+    /// Causal attention of one sequence's `n` new queries (positions `start..start + n`) over
+    /// the work-dtype workspace holding its first `start + n` tokens (E4M3 for fp8 and nvfp4
+    /// caches, BF16 for a bf16 cache): the initial prefill (`start` = 0) and extend paths.
+    /// Writes `out` (`[row][q_head][head_dim]` f32).
+    pub fn prefill(&self, batch: &PrefillBatch<'_>, out: &mut CudaSlice<f32>) -> Result<()> {
+        let d = batch.head_dim;
+        let dim_index = match d {
+            64 => 0,
+            128 => 1,
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "prefill with head dim {d} (64 or 128)"
+                )))
+            }
+        };
+        let (q_heads, kv_heads) = (batch.q_heads, batch.kv_heads);
+        if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(Error::Unsupported(format!(
+                "{q_heads} query heads over {kv_heads} KV heads"
+            )));
+        }
+        let (work_index, width, (gk, gv)) = match batch.work {
+            KvDtype::Fp8 => (0, 1, (batch.work_scales.k, batch.work_scales.v)),
+            // a BF16 workspace has no scale (docs/FORMAT.md)
+            KvDtype::Bf16 => (1, 2, (1.0, 1.0)),
+            KvDtype::Nvfp4 => {
+                return Err(Error::Unsupported(
+                    "an nvfp4 workspace (the work dtype of an nvfp4 cache is fp8)".into(),
+                ))
+            }
+        };
+        let n = batch.n;
+        check("queries", n * q_heads * d, batch.q.len())?;
+        check("outputs", n * q_heads * d, out.len())?;
+        let context = (batch.start + n) * kv_heads * d * width;
+        if batch.k.len() < context || batch.v.len() < context {
+            return Err(Error::Shape {
+                what: "workspace bytes (at least)",
+                expected: context,
+                actual: batch.k.len().min(batch.v.len()),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let args = PrefillArgs {
+            n: n as u32,
+            start: batch.start as u32,
+            q_heads: q_heads as u32,
+            kv_heads: kv_heads as u32,
+            score_scale: batch.softmax_scale
+                * gk
+                * fmt_factor(batch.work)
+                * std::f32::consts::LOG2_E,
+            v_scale: gv * fmt_factor(batch.work),
+        };
+        match (self.prefill.chosen, &self.prefill.wgmma) {
+            (PrefillKernel::Wgmma, Some(hopper)) => {
+                self.prefill_wgmma(hopper, batch, (work_index, dim_index), args, out)
+            }
+            _ => {
+                let cfg = LaunchConfig {
+                    grid_dim: ((n as u32).div_ceil(MMA_ROWS), q_heads as u32, 1),
+                    block_dim: (MMA_ROWS * 2, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = self.builder(&self.prefill.mma[work_index][dim_index]);
+                b.arg(batch.q).arg(batch.k).arg(batch.v).arg(out).arg(&args);
+                // SAFETY: matches prefill_*'s signature; q, out and the workspace were checked.
+                unsafe { b.launch(cfg) }?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The wgmma launch, split over the keys where its blocks alone leave the device less than
+    /// full (see [`wgmma_splits`]), and then the merge of the splits.
+    fn prefill_wgmma(
+        &self,
+        hopper: &Hopper,
+        batch: &PrefillBatch<'_>,
+        (work_index, dim_index): (usize, usize),
+        args: PrefillArgs,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (n, q_heads, d) = (batch.n, batch.q_heads, batch.head_dim);
+        let splits = wgmma_splits(n, batch.start, q_heads, self.sms);
+        // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); one split
+        // writes `out` and never touches it
+        let part_len = if splits > 1 {
+            splits as usize * n * q_heads * (d + 2)
+        } else {
+            1
+        };
+        // SAFETY: every element the kernels read is written first: each split writes every row's
+        // partial output and (max, sum), also a split that saw no key.
+        let mut part = unsafe { self.stream.alloc::<f32>(part_len) }?;
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(WGMMA_ROWS), q_heads as u32, splits),
+            block_dim: (WGMMA_THREADS, 1, 1),
+            shared_mem_bytes: wgmma_smem(work_index, d as u32),
+        };
+        let mut b = self.builder(&hopper.attention[work_index][dim_index]);
+        b.arg(batch.q)
+            .arg(batch.k)
+            .arg(batch.v)
+            .arg(&mut *out)
+            .arg(&mut part)
+            .arg(&args);
+        // SAFETY: matches prefill_hopper_*'s signature; q, out and the workspace were checked,
+        // `part` holds `splits` splits' outputs when there are several.
+        unsafe { b.launch(cfg) }?;
+        if splits > 1 {
+            let (n32, qh32, d32) = (n as u32, q_heads as u32, d as u32);
+            let cfg = LaunchConfig {
+                grid_dim: (n32, qh32.div_ceil(4), 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.builder(&hopper.combine);
+            b.arg(&part).arg(out).arg(&n32).arg(&qh32).arg(&d32);
+            b.arg(&splits).arg(&args.v_scale);
+            // SAFETY: matches prefill_combine's signature; `part` and `out` are sized above.
+            unsafe { b.launch(cfg) }?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_names_parse_and_print_back() {
+        for k in [PrefillKernel::Mma, PrefillKernel::Wgmma] {
+            assert_eq!(k.to_string().parse::<PrefillKernel>().unwrap(), k);
+        }
+        let err = "tensor".parse::<PrefillKernel>().unwrap_err().to_string();
+        assert!(
+            err.contains("\"tensor\"") && err.contains("mma or wgmma"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_wgmma_block_fits_hoppers_shared_memory() {
+        // 227 KB per block on compute capability 9.0
+        for work_index in 0..2 {
+            for d in [64, 128] {
+                assert!(wgmma_smem(work_index, d) <= 232_448, "{work_index} {d}");
+            }
+        }
+        assert_eq!(wgmma_smem(0, 128), 131_072 + 65_536 + 1_088);
+    }
+
+    #[test]
+    fn only_launches_that_leave_the_device_less_than_full_split_their_keys() {
+        // a 4K prompt: 32 x 32 blocks on 132 multiprocessors
+        assert_eq!(wgmma_splits(4096, 0, 32, 132), 1);
+        // a long prompt's 256-query extend blocks: 64 blocks, split to fill the device twice
+        assert_eq!(wgmma_splits(256, 16_128, 32, 132), 5);
+        // its first block has two tiles of keys: one split
+        assert_eq!(wgmma_splits(256, 0, 32, 132), 1);
+        assert_eq!(wgmma_splits(256, 256, 32, 132), 2);
+        assert!(wgmma_splits(1, 0, 1, 132) >= 1);
+    }
+}
