@@ -32,6 +32,10 @@ use nibble_engine::{Backend, CpuBackend, ModelConfig};
 use nibble_kvfmt::KvDtype;
 use serde_json::json;
 
+#[path = "support/args.rs"]
+mod args;
+use args::list;
+
 /// Device memory left free beside the KV pool (workspace, cuBLAS, the driver).
 const HEADROOM: usize = 4 << 30;
 /// Pool budget on the CPU backend (the tiny shape needs a few MB).
@@ -43,15 +47,6 @@ struct Args {
     bench: DecodeBench,
     dtypes: Vec<KvDtype>,
     threads: usize,
-}
-
-fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>>
-where
-    T::Err: std::fmt::Display,
-{
-    s.split(',')
-        .map(|x| x.trim().parse().map_err(|e| anyhow::anyhow!("`{x}`: {e}")))
-        .collect()
 }
 
 fn parse() -> Result<Args> {

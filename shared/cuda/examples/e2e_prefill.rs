@@ -31,6 +31,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
+#[path = "support/args.rs"]
+mod args;
+use args::list;
+
 struct Args {
     cpu: bool,
     tiny: bool,
@@ -38,15 +42,6 @@ struct Args {
     dtypes: Vec<KvDtype>,
     runs: usize,
     seed: u64,
-}
-
-fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>>
-where
-    T::Err: std::fmt::Display,
-{
-    s.split(',')
-        .map(|x| x.trim().parse().map_err(|e| anyhow::anyhow!("`{x}`: {e}")))
-        .collect()
 }
 
 fn parse() -> Result<Args> {

@@ -145,7 +145,15 @@ fn prefill_with(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
     let stream = kernels.stream();
     for work in [KvDtype::Fp8, KvDtype::Bf16] {
         let width = if work == KvDtype::Bf16 { 2 } else { 1 };
-        for (start, n) in [(0usize, 4096usize), (0, 16384), (0, 32768), (31744, 1024)] {
+        for (start, n) in [
+            (0usize, 4096usize),
+            (0, 16384),
+            (0, 32768),
+            (31744, 1024),
+            (4096, 256),
+            (16128, 256),
+            (32512, 256),
+        ] {
             let tokens = start + n;
             let layout = PageLayout::new(1, 1, 16, 16, work)?;
             let geom = PageGeom::new(&layout, 0)?;

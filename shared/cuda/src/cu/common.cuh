@@ -290,6 +290,48 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
     }
 }
 
+// One step of the online softmax (log2 units) of the prefill kernels for row r of a lane (0: its
+// row g, 1: g + 8) over T n-tiles of 8 keys in the mma accumulator layout (s[4t + 2r + e] is key
+// key0 + 8t + 2c + e, c = lane % 4): scales the scores, masks keys >= visible (where `mask`),
+// updates the row's running max m and the lane's share of its sum l, turns the scores into
+// weights, and returns the factor the row's output must be rescaled by. Every lane of the quad
+// holding the row must call it.
+template <int T>
+__device__ __forceinline__ float online_softmax_row(float* s, int r, u32 key0, u32 c, u32 visible,
+                                                   bool mask, float score_scale, float& m,
+                                                   float& l) {
+    const float NEG_INF = __int_as_float(0xff800000);
+    float tmax = NEG_INF;
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * t + 2 * r + e];
+            const u32 key = key0 + 8u * t + 2u * c + e;
+            x = (!mask || key < visible) ? x * score_scale : NEG_INF;
+            tmax = fmaxf(tmax, x);
+        }
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    const float mnew = fmaxf(m, tmax);
+    const float mu = mnew == NEG_INF ? 0.f : mnew;
+    const float corr = fast_exp2(m - mu);
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * t + 2 * r + e];
+            x = fast_exp2(x - mu);
+            sum += x;
+        }
+    }
+    l = l * corr + sum;  // this lane's share; the row's lanes are added at the end
+    m = mnew;
+    return corr;
+}
+
 // The arguments of the prefill/extend attention kernels (prefill.cu, and prefill_hopper.cu on
 // sm_90a). Matches `PrefillArgs` of launch/mod.rs (#[repr(C)]).
 struct PrefillArgs {

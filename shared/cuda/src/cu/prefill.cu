@@ -141,34 +141,8 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ q, const 
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const u32 visible = rows[r] < a.n ? a.start + rows[r] + 1u : 0u;  // keys < visible
-            float tmax = NEG_INF;
-#pragma unroll
-            for (int t = 0; t < 2; ++t) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const u32 key = j0 + 8u * t + 2u * lc + e;
-                    float& x = s[t][2 * r + e];
-                    x = key < visible ? x * a.score_scale : NEG_INF;
-                    tmax = fmaxf(tmax, x);
-                }
-            }
-            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-            const float mnew = fmaxf(m[r], tmax);
-            const float mu = mnew == NEG_INF ? 0.f : mnew;
-            corr[r] = fast_exp2(m[r] - mu);
-            float sum = 0.f;
-#pragma unroll
-            for (int t = 0; t < 2; ++t) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[t][2 * r + e];
-                    x = fast_exp2(x - mu);
-                    sum += x;
-                }
-            }
-            l[r] = l[r] * corr[r] + sum;  // this lane's share; the row's lanes are added at the end
-            m[r] = mnew;
+            corr[r] = online_softmax_row<2>(&s[0][0], r, j0, lc, visible, true, a.score_scale,
+                                            m[r], l[r]);
         }
         if (!__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) {
 #pragma unroll

@@ -23,9 +23,6 @@
 // prefill.cu's: score_scale and v_scale fold the 2^8, the global scales, the softmax scale and
 // log2(e).
 
-#ifndef HOP_DIAG
-#define HOP_DIAG 0
-#endif
 #define H_ROWS 128
 #define H_KEYS 128
 #define H_STAGES 2
@@ -322,7 +319,7 @@ __device__ __forceinline__ void hop_consume(const float* __restrict__ q, float* 
     for (u32 i = 0; i < count; ++i) {
         const u32 s = i % H_STAGES, key0 = (first + i) * H_KEYS;
         mbar_wait(bars + 8u * s, (i / H_STAGES) & 1u);
-        if (HOP_DIAG != 2 && key0 < its_end) {
+        if (key0 < its_end) {
             const u32 k_tile = stages + s * H::STAGE, v_tile = k_tile + H::TILE;
             float sc[64];
             wg_fence();
@@ -341,34 +338,8 @@ __device__ __forceinline__ void hop_consume(const float* __restrict__ q, float* 
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const u32 visible = rows[r] < a.n ? a.start + rows[r] + 1u : 0u;
-                float tmax = NEG_INF;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = sc[4 * j + 2 * r + e];
-                        const u32 key = key0 + 8u * j + 2u * c + e;
-                        x = (!mask || key < visible) ? x * a.score_scale : NEG_INF;
-                        tmax = fmaxf(tmax, x);
-                    }
-                }
-                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-                const float mnew = fmaxf(m[r], tmax);
-                const float mu = mnew == NEG_INF ? 0.f : mnew;
-                corr[r] = fast_exp2(m[r] - mu);
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = sc[4 * j + 2 * r + e];
-                        x = fast_exp2(x - mu);
-                        sum += x;
-                    }
-                }
-                l[r] = l[r] * corr[r] + sum;  // this thread's share; a row's 4 threads add at the end
-                m[r] = mnew;
+                corr[r] = online_softmax_row<16>(sc, r, key0, c, visible, mask, a.score_scale,
+                                                 m[r], l[r]);
             }
 #pragma unroll
             for (int h = 0; h < H::ATOMS; ++h) {
