@@ -89,6 +89,8 @@ enum Command {
     Submit {
         id: SeqId,
         prompt: Vec<u32>,
+        /// A resumed request's output so far (empty for a new request).
+        resumed: Vec<u32>,
         params: SamplingParams,
         prefill_only: bool,
         events: mpsc::UnboundedSender<Event>,
@@ -123,6 +125,8 @@ enum Command {
     StartDecode {
         id: SeqId,
         first_token: u32,
+        /// A resumed request's output so far, which replaces `first_token` (empty otherwise).
+        resumed: Vec<u32>,
         params: SamplingParams,
         events: mpsc::UnboundedSender<Event>,
         reply: oneshot::Sender<std::result::Result<(), RequestError>>,
@@ -308,6 +312,7 @@ impl EngineHandle {
         &self,
         id: SeqId,
         prompt: Vec<u32>,
+        resumed: Vec<u32>,
         params: SamplingParams,
         prefill_only: bool,
     ) -> Result<EventStream> {
@@ -315,6 +320,7 @@ impl EngineHandle {
         self.call(|reply| Command::Submit {
             id,
             prompt,
+            resumed,
             params,
             prefill_only,
             events,
@@ -332,7 +338,21 @@ impl EngineHandle {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<EventStream> {
-        self.submit_request(id, prompt, params, false).await
+        self.submit_request(id, prompt, Vec::new(), params, false)
+            .await
+    }
+
+    /// Queues a request resumed after `output`, the tokens another worker generated and
+    /// streamed ([`Engine::submit_resumed`]); events as for [`submit`](Self::submit), from the
+    /// first token after them.
+    pub async fn submit_resumed(
+        &self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        self.submit_request(id, prompt, output, params, false).await
     }
 
     /// Queues a prefill-only request: the stream yields [`Event::Prefilled`] (or
@@ -343,7 +363,8 @@ impl EngineHandle {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<EventStream> {
-        self.submit_request(id, prompt, params, true).await
+        self.submit_request(id, prompt, Vec::new(), params, true)
+            .await
     }
 
     /// Reserves pages for a prompt whose K/V another worker will push.
@@ -411,10 +432,32 @@ impl EngineHandle {
         first_token: u32,
         params: SamplingParams,
     ) -> Result<EventStream> {
+        self.start(id, first_token, Vec::new(), params).await
+    }
+
+    /// Starts decoding a filled reservation of a request resumed after `output`
+    /// ([`Engine::resume_decode`]); events from the first token after it.
+    pub async fn resume_decode(
+        &self,
+        id: SeqId,
+        output: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        self.start(id, 0, output, params).await
+    }
+
+    async fn start(
+        &self,
+        id: SeqId,
+        first_token: u32,
+        resumed: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
         let (events, stream) = mpsc::unbounded_channel();
         self.call(|reply| Command::StartDecode {
             id,
             first_token,
+            resumed,
             params,
             events,
             reply,
@@ -575,20 +618,22 @@ where
             Command::Submit {
                 id,
                 prompt,
+                resumed,
                 params,
                 prefill_only,
                 events,
                 reply,
             } => {
                 let result = if prefill_only {
-                    self.engine.submit_prefill(id, prompt, params)
+                    self.engine
+                        .submit_prefill(id, prompt, params)
+                        .map(|()| Vec::new())
+                } else if resumed.is_empty() {
+                    self.engine.submit(id, prompt, params).map(|()| Vec::new())
                 } else {
-                    self.engine.submit(id, prompt, params)
+                    self.engine.submit_resumed(id, prompt, &resumed, params)
                 };
-                if result.is_ok() {
-                    self.senders.insert(id, events);
-                }
-                let _ = reply.send(result);
+                self.started(id, result, events, reply);
             }
             Command::Reserve { id, prompt, reply } => {
                 let _ = reply.send(self.engine.reserve(id, &prompt));
@@ -623,19 +668,17 @@ where
             Command::StartDecode {
                 id,
                 first_token,
+                resumed,
                 params,
                 events,
                 reply,
-            } => match self.engine.start_decode(id, first_token, params) {
-                Ok(first) => {
-                    self.senders.insert(id, events);
-                    let _ = reply.send(Ok(()));
-                    self.route(first);
-                }
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                }
-            },
+            } => {
+                let result = match resumed.is_empty() {
+                    true => self.engine.start_decode(id, first_token, params),
+                    false => self.engine.resume_decode(id, &resumed, params),
+                };
+                self.started(id, result, events, reply);
+            }
             Command::Abort { id, reply } => {
                 let found = self.engine.abort(id);
                 if let Some(sender) = self.senders.remove(&id) {
@@ -752,6 +795,27 @@ where
 
     /// Sends each event to its request; a request that cannot be told is aborted (or, when
     /// prefilled, released).
+    /// Answers a request's start: on success its events go to `events` from now on, beginning
+    /// with those the start produced.
+    fn started(
+        &mut self,
+        id: SeqId,
+        result: std::result::Result<Vec<Event>, RequestError>,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<std::result::Result<(), RequestError>>,
+    ) {
+        match result {
+            Ok(first) => {
+                self.senders.insert(id, events);
+                let _ = reply.send(Ok(()));
+                self.route(first);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
     fn route(&mut self, events: Vec<Event>) {
         for event in events {
             let (id, last) = match &event {

@@ -1,0 +1,106 @@
+//! Failover of a dispatched request whose decode worker fails.
+//!
+//! Before any token was sent, a decode worker that cannot be reached is left for another
+//! (at most [`DECODE_ATTEMPTS`] in all). After tokens were sent, the request is *resumed* on
+//! another decode worker: the prompt is computed again there (through a prefill worker or
+//! locally, as routing decides) and then the tokens sent, replayed through the decode path
+//! (`DecodeRequest.generated_token_ids`), and the client's stream goes on with the tokens that
+//! follow, under greedy decoding exactly those of an undisturbed run, with no error. A request
+//! is resumed at most `--max-resumes` times ([`ServiceConfig::max_resumes`](super::super::ServiceConfig));
+//! the next break ends its stream with [`Stop::Exhausted`]'s error. Either way the failed worker
+//! is marked unreachable (no request goes there until it answers a load poll again), the request
+//! is aborted there (best effort: what a dead worker held died with it) and routed anew without
+//! it.
+
+use std::sync::Arc;
+
+use nibble_discovery::Role;
+use nibble_proto::v1;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::{Flow, Stop};
+use crate::metrics::{self, Resume};
+use crate::WorkerSet;
+
+/// Decode workers tried per request while none has sent a token.
+const DECODE_ATTEMPTS: usize = 3;
+
+impl Flow {
+    /// [`drive`](Self::drive), moved to another decode worker when the chosen one cannot be
+    /// reached before any token was sent, and resumed on another when it fails mid-stream.
+    pub(super) async fn drive_with_failover(
+        &mut self,
+        tx: &mpsc::Sender<Result<v1::GenerateResponse, Status>>,
+        prefill_address: &mut Option<String>,
+    ) -> Result<(), Stop> {
+        let mut failed = WorkerSet::EMPTY;
+        let mut retries = 0;
+        loop {
+            let status = match self.drive(tx, prefill_address).await {
+                Err(Stop::Failed(status)) => status,
+                other => return other,
+            };
+            if !unreachable(&status) {
+                return Err(Stop::Failed(status));
+            }
+            let decode = &self.routed.decision.decode;
+            let (slot, worker) = (decode.slot, Arc::clone(&decode.worker));
+            if !self.sent {
+                retries += 1;
+                if retries >= DECODE_ATTEMPTS {
+                    return Err(Stop::Failed(status));
+                }
+                tracing::warn!(worker = %worker.id, %status, "decode worker unreachable; routing elsewhere");
+                metrics::count(metrics::DECODE_RETRIES_TOTAL, 1);
+            } else {
+                if self.resumes >= self.shared.config().max_resumes {
+                    metrics::resume(Resume::Exhausted);
+                    return Err(Stop::Exhausted(status));
+                }
+                self.resumes += 1;
+                tracing::warn!(
+                    worker = %worker.id,
+                    %status,
+                    streamed = self.streamed.len(),
+                    resume = self.resumes,
+                    "decode worker failed mid-stream; resuming elsewhere"
+                );
+                metrics::resume(Resume::Started);
+            }
+            failed.insert(slot);
+            // Free whatever it (or a prefill worker) may still hold, if it is there at all.
+            self.abort_on(
+                std::iter::once(worker.addresses.grpc.clone()).chain(prefill_address.take()),
+            )
+            .await;
+            let mut router = self.shared.router();
+            router.set_reachable(Role::Decode, &worker.id, false);
+            router.finish(self.routed.ticket);
+            match router.route(&self.prompt, failed) {
+                Ok(routed) => self.routed = routed,
+                Err(e) => {
+                    // Nothing left to take it: the ticket is gone, keep `finish` a no-op.
+                    return Err(Stop::Failed(Status::unavailable(format!(
+                        "decode worker {} is unreachable ({status}) and {e}",
+                        worker.id
+                    ))));
+                }
+            }
+        }
+    }
+}
+
+/// Whether a decode worker's failure means it could not be reached (a refused or broken
+/// connection, a worker stopping), not that it refused the request. A connection that breaks
+/// under a call (the worker's process died) can surface as INTERNAL from the local HTTP/2 stack:
+/// such a status carries its transport error as its source, which a worker's own INTERNAL
+/// answer, decoded from the wire, never does.
+pub(super) fn unreachable(status: &Status) -> bool {
+    use std::error::Error as _;
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => true,
+        tonic::Code::Internal => status.source().is_some(),
+        _ => false,
+    }
+}
