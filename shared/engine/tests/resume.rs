@@ -8,10 +8,11 @@ mod common;
 
 use std::sync::Arc;
 
+use common::engine;
 use nibble_engine::grammar::Constraint;
 use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{FinishReason, SchedulerConfig, SeqId};
-use nibble_engine::{CpuBackend, Engine, EngineConfig, Event, KvConfig, Model, Tokenizer};
+use nibble_engine::scheduler::{FinishReason, SeqId};
+use nibble_engine::{CpuBackend, Engine, Event, Model, Tokenizer};
 use nibble_kvfmt::KvDtype;
 
 const PROMPT: &str = "Write a short poem about the sea, in four lines.";
@@ -27,17 +28,6 @@ struct Run {
     tail: String,
     reason: Option<FinishReason>,
     completion_tokens: usize,
-}
-
-fn engine(model: &Model<CpuBackend>, tokenizer: &Arc<Tokenizer>) -> Engine<CpuBackend> {
-    let kv = KvConfig::new(KvDtype::Nvfp4);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: 128 * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    Engine::new(model.clone(), Arc::clone(tokenizer), config).unwrap()
 }
 
 fn record(run: &mut Run, events: Vec<Event>) {
@@ -106,7 +96,7 @@ fn a_resumed_request_continues_with_the_tokens_of_an_undisturbed_run() {
         ("seeded", seeded),
         ("constrained", constrained),
     ] {
-        let mut reference = engine(&model, &tokenizer);
+        let mut reference = engine(&model, &tokenizer, KvDtype::Nvfp4);
         reference
             .submit(SeqId(1), prompt.clone(), params.clone())
             .unwrap();
@@ -120,29 +110,29 @@ fn a_resumed_request_continues_with_the_tokens_of_an_undisturbed_run() {
                 texts: whole.texts[..k].to_vec(),
                 ..Run::default()
             };
+            // What the resumed engine streams, after the `k` tokens seen, is the rest.
+            let check = |rest: Run, how: &str| {
+                let joined = [&seen.tokens[..], &rest.tokens].concat();
+                assert_eq!(joined, whole.tokens, "{name}, {how}, after {k}");
+                assert_eq!(text(&[&seen, &rest]), text(&[&whole]), "{name}, {how}, {k}");
+                assert_eq!(
+                    (rest.reason, rest.completion_tokens),
+                    (whole.reason, whole.completion_tokens),
+                    "{name}, {how}, after {k}"
+                );
+            };
             // On an engine that computes the prompt itself.
-            let mut local = engine(&model, &tokenizer);
+            let mut local = engine(&model, &tokenizer, KvDtype::Nvfp4);
             let events = local
                 .submit_resumed(SeqId(2), prompt.clone(), &seen.tokens, params.clone())
                 .unwrap();
             let mut rest = Run::default();
             record(&mut rest, events);
-            let rest = drain(&mut local, rest);
-            assert_eq!(
-                [&seen.tokens[..], &rest.tokens].concat(),
-                whole.tokens,
-                "{name}, local, after {k}"
-            );
-            assert_eq!(text(&[&seen, &rest]), text(&[&whole]), "{name} after {k}");
-            assert_eq!(
-                (rest.reason, rest.completion_tokens),
-                (whole.reason, whole.completion_tokens),
-                "{name} after {k}"
-            );
+            check(drain(&mut local, rest), "local");
 
             // On an engine whose prompt a prefill engine computed.
-            let (mut prefill, mut decode) =
-                (engine(&model, &tokenizer), engine(&model, &tokenizer));
+            let mut prefill = engine(&model, &tokenizer, KvDtype::Nvfp4);
+            let mut decode = engine(&model, &tokenizer, KvDtype::Nvfp4);
             prefill
                 .submit_prefill(SeqId(3), prompt.clone(), params.clone())
                 .unwrap();
@@ -164,14 +154,7 @@ fn a_resumed_request_continues_with_the_tokens_of_an_undisturbed_run() {
             let events = (decode.resume_decode(SeqId(3), &seen.tokens, params.clone())).unwrap();
             let mut rest = Run::default();
             record(&mut rest, events);
-            let rest = drain(&mut decode, rest);
-            assert_eq!(
-                [&seen.tokens[..], &rest.tokens].concat(),
-                whole.tokens,
-                "{name}, handed off, after {k}"
-            );
-            assert_eq!(text(&[&seen, &rest]), text(&[&whole]), "{name} after {k}");
-            assert_eq!(rest.completion_tokens, whole.completion_tokens);
+            check(drain(&mut decode, rest), "handed off");
         }
     }
 }

@@ -5,15 +5,10 @@
 
 mod support;
 
-use std::sync::Arc;
-
-use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_testkit::{greedy, model, WorkerApi};
-use nibble_worker::EngineHandle;
-use support::Server;
+use support::{engine, Server};
 
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
@@ -61,16 +56,12 @@ async fn decode(d: &Server, id: &str, generated: &[u32]) -> Streamed {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_resumes_after_the_tokens_another_streamed() {
-    let (model, tokenizer) = model();
-    let kv = KvConfig::new(KvDtype::Nvfp4);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: 64 * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    let engine = EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap();
-    let d = Server::start(engine, v1::WorkerRole::Decode, "decode-0".into()).await;
+    let d = Server::start(
+        engine(KvDtype::Nvfp4),
+        v1::WorkerRole::Decode,
+        "decode-0".into(),
+    )
+    .await;
 
     let whole = decode(&d, "whole", &[]).await;
     assert_eq!(whole.tokens.len(), NEW_TOKENS as usize);
