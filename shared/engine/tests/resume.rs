@@ -157,4 +157,14 @@ fn a_resumed_request_continues_with_the_tokens_of_an_undisturbed_run() {
             check(drain(&mut decode, rest), "handed off");
         }
     }
+    // More output than max_tokens allows, or none, is refused; nothing is held.
+    let mut e = engine(&model, &tokenizer, KvDtype::Nvfp4);
+    let params = SamplingParams::greedy(3);
+    let refused = e.submit_resumed(SeqId(4), prompt.clone(), &[1, 2, 3, 4], params.clone());
+    assert!(refused
+        .unwrap_err()
+        .to_string()
+        .contains("already generated all"));
+    assert!(e.submit_resumed(SeqId(5), prompt, &[], params).is_err());
+    assert!(!e.has_work());
 }

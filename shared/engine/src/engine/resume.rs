@@ -102,6 +102,9 @@ impl<B: Backend> Engine<B> {
         let Some(&last) = output.last() else {
             return Err(SubmitError::EmptyOutput(id).into());
         };
+        if output.len() > params.max_tokens as usize {
+            return Err(SubmitError::Finished(id).into());
+        }
         let stop_tokens = self.stop_tokens(params);
         let mut request = Request::new(prompt, params, self.sampler(params, output)?);
         request.completion_tokens = output.len();
