@@ -1,5 +1,5 @@
-//! Requests survive a dead decode worker: etcd, a router, a prefill worker and three decode
-//! workers as separate `nibble` processes with the real model. A decode worker killed (SIGKILL)
+//! Requests survive a dead decode worker: etcd, a router and workers as separate `nibble`
+//! processes with the real model. A decode worker killed (SIGKILL)
 //! while a greedy request streams is replaced: the request is resumed on another decode worker
 //! and the client's stream carries exactly the tokens, text and usage of an undisturbed run,
 //! with no error. Once a request has used its `--max-resumes`, the next break ends its stream
@@ -18,6 +18,9 @@ use tonic::Code;
 const AUSTEN: &str =
     include_str!("../shared/engine/tests/fixtures/austen_pride_and_prejudice_8000_20000.txt");
 const NEW_TOKENS: u32 = 48;
+
+/// One cluster test at a time (each starts several processes on a small machine).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A greedy request for the first `n` tokens of the Austen fixture.
 fn request(n: usize) -> v1::GenerateRequest {
@@ -130,6 +133,7 @@ async fn resumes(cluster: &Cluster, outcome: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_whose_decode_worker_dies_mid_stream_continues_exactly_then_resumes_run_out() {
+    let _serial = SERIAL.lock().await;
     let mut spec = Spec::new("nvfp4");
     spec.decodes = 3;
     spec.router_args
@@ -202,5 +206,116 @@ async fn a_request_whose_decode_worker_dies_mid_stream_continues_exactly_then_re
     assert_eq!(resumes(&cluster, "started").await, 2.0);
     assert_eq!(resumes(&cluster, "exhausted").await, 1.0);
     assert_eq!(resumes(&cluster, "failed").await, 0.0);
+    cluster.assert_pages_back().await;
+}
+
+/// What a streamed OpenAI response carried: its content, its usage, its finish reason.
+#[derive(Debug, PartialEq)]
+struct Sse {
+    content: String,
+    usage: serde_json::Value,
+    finish_reason: serde_json::Value,
+}
+
+impl Sse {
+    fn of(response: &nibble_testkit::http_client::HttpResponse) -> Self {
+        assert_eq!(response.status, 200, "{}", response.text());
+        let chunks: Vec<serde_json::Value> = (response.sse_data().iter())
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        for chunk in &chunks {
+            assert!(chunk.get("error").is_none(), "an error event: {chunk}");
+        }
+        let choice = |field: &str| -> Vec<&serde_json::Value> {
+            (chunks.iter())
+                .filter_map(|c| c["choices"].get(0))
+                .map(|c| &c[field])
+                .collect()
+        };
+        Self {
+            content: (choice("delta").iter())
+                .filter_map(|d| d["content"].as_str())
+                .collect(),
+            usage: chunks.last().expect("chunks")["usage"].clone(),
+            finish_reason: (choice("finish_reason").into_iter())
+                .find(|r| !r.is_null())
+                .cloned()
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// Tokens the router streamed to clients so far.
+async fn streamed(cluster: &Cluster) -> f64 {
+    let address = cluster
+        .router
+        .metrics
+        .expect("the router's metrics address");
+    let text = nibble_telemetry::scrape(address)
+        .await
+        .expect("GET /metrics");
+    nibble_telemetry::Samples::parse(&text)
+        .get("nibble_router_generation_tokens_total", &[])
+        .unwrap_or(0.0)
+}
+
+/// Through the OpenAI HTTP API, streamed (SSE), a constrained (JSON schema) chat request whose
+/// decode worker is killed mid-stream, in a cluster without prefill workers (a decode worker
+/// prefills its prompts itself): the stream goes on with no error event, and its text, finish
+/// reason and usage are the undisturbed run's, the JSON valid. The grammar is replayed over the
+/// tokens already streamed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_constrained_http_stream_is_resumed_on_a_decode_worker_that_prefills_itself() {
+    use serde_json::json;
+    let _serial = SERIAL.lock().await;
+    let mut spec = Spec::new("nvfp4");
+    (spec.prefills, spec.decodes) = (0, 2);
+    let mut cluster = Cluster::start(spec).await;
+    let http = cluster
+        .router
+        .http
+        .expect("the router's HTTP address")
+        .to_string();
+    let schema = json!({"type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20},
+                       "city": {"type": "string", "maxLength": 20},
+                       "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                   "minItems": 2, "maxItems": 3}},
+        "required": ["name", "city", "hobbies"], "additionalProperties": false});
+    let body = json!({
+        "messages": [{"role": "user", "content": "Describe a person living in Paris as JSON."}],
+        "max_tokens": 60, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true},
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "person", "schema": schema}},
+    });
+    let post = |body: serde_json::Value| {
+        let http = http.clone();
+        tokio::spawn(async move {
+            nibble_testkit::http_client::post_json(&http, "/v1/chat/completions", &body).await
+        })
+    };
+    let solo = Sse::of(&post(body.clone()).await.unwrap());
+    let person: serde_json::Value = serde_json::from_str(&solo.content).unwrap();
+    assert!(person["hobbies"].is_array(), "{person}");
+
+    let before = streamed(&cluster).await;
+    let call = post(body);
+    let start = Instant::now();
+    while streamed(&cluster).await < before + 6.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no tokens streamed"
+        );
+        assert!(!call.is_finished(), "the request ended before the kill");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let busy = busy_decode(&cluster).await;
+    kill_decode(&mut cluster, &busy);
+    let resumed = Sse::of(&call.await.unwrap());
+    assert_eq!(resumed, solo, "logs:\n{}", cluster.logs());
+    assert_eq!(resumes(&cluster, "started").await, 1.0);
+    assert_eq!(resumes(&cluster, "completed").await, 1.0);
     cluster.assert_pages_back().await;
 }
