@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use nibble_engine::{ModelSource, Tokenizer};
 use nibble_proto::v1;
-use nibble_testkit::{generate, model_path, Generated};
+use nibble_testkit::{model_path, Generated};
 use support::cluster::{greedy, Cluster, Spec};
 use tonic::Code;
 
@@ -142,9 +142,13 @@ async fn a_request_whose_decode_worker_dies_mid_stream_continues_exactly_then_re
     let prompt = request(64);
 
     // The undisturbed run.
-    let solo = generate(&mut cluster.client().await, prompt.clone())
+    let sent = Instant::now();
+    let (solo, arrivals) = Streaming::start(&cluster, prompt.clone())
+        .await
+        .finish()
         .await
         .unwrap_or_else(|s| panic!("{s}; logs:\n{}", cluster.logs()));
+    let ttft = arrivals[0].duration_since(sent);
     assert_eq!(solo.tokens.len(), NEW_TOKENS as usize);
     let usage = solo.usage.expect("usage");
     assert_eq!(usage.completion_tokens, NEW_TOKENS);
@@ -175,7 +179,8 @@ async fn a_request_whose_decode_worker_dies_mid_stream_continues_exactly_then_re
         .find(|t| **t > killed)
         .expect("tokens after the kill");
     eprintln!(
-        "resumed: first token {:?} after the kill",
+        "resumed: the next token {:?} after the kill (undisturbed: first token {ttft:?} after \
+         the request)",
         after.duration_since(killed)
     );
     assert_eq!(resumes(&cluster, "started").await, 1.0);
