@@ -439,21 +439,7 @@ mod transfer_tests {
     use nibble_discovery::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
     use nibble_proto::v1::TransferBackend;
 
-    use super::failover::unreachable;
     use super::{public, transfer_backend};
-
-    #[test]
-    fn a_broken_connection_is_unreachable_and_a_workers_internal_error_is_not() {
-        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
-        let mut broken = tonic::Status::internal("h2 protocol error: connection reset");
-        broken.set_source(std::sync::Arc::new(io));
-        assert!(unreachable(&broken));
-        assert!(!unreachable(&tonic::Status::internal("the engine failed")));
-        assert!(unreachable(&tonic::Status::unavailable(
-            "tcp connect error"
-        )));
-        assert!(!unreachable(&tonic::Status::invalid_argument("bad")));
-    }
 
     #[test]
     fn server_faults_reach_clients_as_stable_sentences_with_the_id() {

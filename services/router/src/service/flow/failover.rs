@@ -26,6 +26,31 @@ use crate::WorkerSet;
 /// Decode workers tried per request while none has sent a token.
 const DECODE_ATTEMPTS: usize = 3;
 
+/// What becomes of a request whose decode attempt ended with a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// It fails with that status (a worker's own refusal, or no attempt left before a token).
+    Fail,
+    /// Nothing was sent yet: it moves to another decode worker.
+    Retry,
+    /// Tokens were sent: it is resumed on another decode worker after them.
+    Resume,
+    /// Tokens were sent, and it was resumed as many times as allowed: it fails saying so.
+    Exhausted,
+}
+
+/// The policy: after `status`, with a chunk `sent` or not, `retries` moves before any token and
+/// `resumes` resumptions so far, at most `max_resumes`.
+fn next(status: &Status, sent: bool, retries: usize, resumes: u32, max_resumes: u32) -> Next {
+    match sent {
+        _ if !unreachable(status) => Next::Fail,
+        false if retries + 1 >= DECODE_ATTEMPTS => Next::Fail,
+        false => Next::Retry,
+        true if resumes >= max_resumes => Next::Exhausted,
+        true => Next::Resume,
+    }
+}
+
 impl Flow {
     /// [`drive`](Self::drive), moved to another decode worker when the chosen one cannot be
     /// reached before any token was sent, and resumed on another when it fails mid-stream.
@@ -41,32 +66,31 @@ impl Flow {
                 Err(Stop::Failed(status)) => status,
                 other => return other,
             };
-            if !unreachable(&status) {
-                return Err(Stop::Failed(status));
-            }
             let decode = &self.routed.decision.decode;
             let (slot, worker) = (decode.slot, Arc::clone(&decode.worker));
-            if !self.sent {
-                retries += 1;
-                if retries >= DECODE_ATTEMPTS {
-                    return Err(Stop::Failed(status));
-                }
-                tracing::warn!(worker = %worker.id, %status, "decode worker unreachable; routing elsewhere");
-                metrics::count(metrics::DECODE_RETRIES_TOTAL, 1);
-            } else {
-                if self.resumes >= self.shared.config().max_resumes {
+            let max_resumes = self.shared.config().max_resumes;
+            match next(&status, self.sent, retries, self.resumes, max_resumes) {
+                Next::Fail => return Err(Stop::Failed(status)),
+                Next::Exhausted => {
                     metrics::resume(Resume::Exhausted);
                     return Err(Stop::Exhausted(status));
                 }
-                self.resumes += 1;
-                tracing::warn!(
-                    worker = %worker.id,
-                    %status,
-                    streamed = self.streamed.len(),
-                    resume = self.resumes,
-                    "decode worker failed mid-stream; resuming elsewhere"
-                );
-                metrics::resume(Resume::Started);
+                Next::Retry => {
+                    retries += 1;
+                    tracing::warn!(worker = %worker.id, %status, "decode worker unreachable; routing elsewhere");
+                    metrics::count(metrics::DECODE_RETRIES_TOTAL, 1);
+                }
+                Next::Resume => {
+                    self.resumes += 1;
+                    tracing::warn!(
+                        worker = %worker.id,
+                        %status,
+                        streamed = self.streamed.len(),
+                        resume = self.resumes,
+                        "decode worker failed mid-stream; resuming elsewhere"
+                    );
+                    metrics::resume(Resume::Started);
+                }
             }
             failed.insert(slot);
             // Free whatever it (or a prefill worker) may still hold, if it is there at all.
@@ -102,5 +126,50 @@ pub(super) fn unreachable(status: &Status) -> bool {
         tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => true,
         tonic::Code::Internal => status.source().is_some(),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{next, unreachable, Next};
+    use tonic::Status;
+
+    #[test]
+    fn a_broken_connection_is_unreachable_and_a_workers_internal_error_is_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let mut broken = tonic::Status::internal("h2 protocol error: connection reset");
+        broken.set_source(std::sync::Arc::new(io));
+        assert!(unreachable(&broken));
+        assert!(!unreachable(&tonic::Status::internal("the engine failed")));
+        assert!(unreachable(&tonic::Status::unavailable(
+            "tcp connect error"
+        )));
+        assert!(!unreachable(&tonic::Status::invalid_argument("bad")));
+    }
+
+    #[test]
+    fn a_broken_worker_is_left_before_a_token_and_resumed_after_until_the_limit() {
+        let gone = Status::unavailable("tcp connect error");
+        // Before any token: moved twice, the third failure fails the request.
+        assert_eq!(next(&gone, false, 0, 0, 2), Next::Retry);
+        assert_eq!(next(&gone, false, 1, 0, 2), Next::Retry);
+        assert_eq!(next(&gone, false, 2, 0, 2), Next::Fail);
+        // After tokens: resumed up to --max-resumes times, whatever the moves before.
+        assert_eq!(next(&gone, true, 2, 0, 2), Next::Resume);
+        assert_eq!(next(&gone, true, 0, 1, 2), Next::Resume);
+        assert_eq!(next(&gone, true, 0, 2, 2), Next::Exhausted);
+        assert_eq!(
+            next(&gone, true, 0, 0, 0),
+            Next::Exhausted,
+            "--max-resumes 0"
+        );
+        // A worker's own refusal or failure is the request's answer, before or after tokens.
+        for answer in [
+            Status::invalid_argument("bad"),
+            Status::internal("the output's constraint failed"),
+        ] {
+            assert_eq!(next(&answer, false, 0, 0, 2), Next::Fail);
+            assert_eq!(next(&answer, true, 0, 0, 2), Next::Fail);
+        }
     }
 }
