@@ -689,3 +689,23 @@ fn a_resumed_request_replays_its_output_through_decode_and_continues_exactly() {
     );
     assert_no_leak(&mut s);
 }
+
+#[test]
+fn a_preempted_resumed_request_replays_its_output_again() {
+    // As `preemption_recomputes_and_gives_the_same_tokens`, the newest being a resumed request.
+    let mut s = state(5, SchedulerConfig::default());
+    let a: Vec<u32> = (0..7).collect();
+    let b: Vec<u32> = (50..57).collect();
+    let resumed = expected_output(&b, 8);
+    s.submit(request(1, a.clone(), 8)).unwrap();
+    s.submit(NewRequest {
+        output: resumed[..2].to_vec(),
+        ..request(2, b.clone(), 8)
+    })
+    .unwrap();
+    let out = drain(&mut s);
+    assert_eq!(out[&SeqId(1)], expected_output(&a, 8));
+    assert_eq!(out[&SeqId(2)], resumed[2..]);
+    assert!(s.preemptions() > 0, "the test must exercise preemption");
+    assert_no_leak(&mut s);
+}
