@@ -119,15 +119,18 @@ async fn busy_decode(cluster: &Cluster) -> String {
     }
 }
 
-async fn resumes(cluster: &Cluster, outcome: &str) -> f64 {
-    let address = cluster
-        .router
-        .metrics
-        .expect("the router's metrics address");
+/// The router's metrics now.
+async fn router_metrics(cluster: &Cluster) -> nibble_telemetry::Samples {
+    let address = (cluster.router.metrics).expect("the router's metrics address");
     let text = nibble_telemetry::scrape(address)
         .await
         .expect("GET /metrics");
     nibble_telemetry::Samples::parse(&text)
+}
+
+async fn resumes(cluster: &Cluster, outcome: &str) -> f64 {
+    router_metrics(cluster)
+        .await
         .value("nibble_router_resumes_total", &[("outcome", outcome)])
 }
 
@@ -253,14 +256,8 @@ impl Sse {
 
 /// Tokens the router streamed to clients so far.
 async fn streamed(cluster: &Cluster) -> f64 {
-    let address = cluster
-        .router
-        .metrics
-        .expect("the router's metrics address");
-    let text = nibble_telemetry::scrape(address)
+    router_metrics(cluster)
         .await
-        .expect("GET /metrics");
-    nibble_telemetry::Samples::parse(&text)
         .get("nibble_router_generation_tokens_total", &[])
         .unwrap_or(0.0)
 }
