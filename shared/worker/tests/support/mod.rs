@@ -6,10 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use nibble_testkit::{model, WorkerApi};
+use nibble_testkit::{engine_config, model, WorkerApi};
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -22,13 +21,7 @@ pub const PAGES: usize = 64;
 #[allow(dead_code)] // tests/metrics.rs loads its own model
 pub fn engine(dtype: KvDtype) -> EngineHandle {
     let (model, tokenizer) = model();
-    let kv = KvConfig::new(dtype);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: PAGES * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
+    let config = engine_config(dtype, PAGES, SchedulerConfig::default());
     EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
 }
 
