@@ -206,14 +206,8 @@ impl Flow {
 
     /// Aborts the request on every worker at `addresses` (best effort, briefly).
     async fn abort_on(&self, addresses: impl Iterator<Item = String>) {
-        let abort = v1::AbortRequest {
-            request_id: self.req.request_id.clone(),
-        };
         for address in addresses {
-            if let Ok(mut client) = self.shared.client(&address) {
-                let call = client.abort(abort.clone());
-                let _ = tokio::time::timeout(ABORT_TIMEOUT, call).await;
-            }
+            abort(&self.shared, &self.req.request_id, &address).await;
         }
     }
 
@@ -410,6 +404,17 @@ impl Flow {
         self.last_token = Some(now);
         self.generated += n as u64;
         metrics::model_count(metrics::GENERATION_TOKENS_TOTAL, model, n as u64);
+    }
+}
+
+/// Aborts request `request_id` on the worker at `address` (best effort, at most
+/// [`ABORT_TIMEOUT`]).
+async fn abort(shared: &Shared, request_id: &str, address: &str) {
+    let abort = v1::AbortRequest {
+        request_id: request_id.to_string(),
+    };
+    if let Ok(mut client) = shared.client(address) {
+        let _ = tokio::time::timeout(ABORT_TIMEOUT, client.abort(abort)).await;
     }
 }
 

@@ -93,11 +93,14 @@ impl Flow {
                 }
             }
             failed.insert(slot);
-            // Free whatever it (or a prefill worker) may still hold, if it is there at all.
-            self.abort_on(
-                std::iter::once(worker.addresses.grpc.clone()).chain(prefill_address.take()),
-            )
-            .await;
+            // Free whatever a prefill worker may still hold (it may take the next attempt, so
+            // this is waited for) and whatever the failed worker may, if it is there at all: in
+            // the background, so that one that cannot be reached (a cut network) does not hold
+            // the next attempt up for the abort's timeout.
+            self.abort_on(prefill_address.take().into_iter()).await;
+            let (shared, id) = (Arc::clone(&self.shared), self.req.request_id.clone());
+            let address = worker.addresses.grpc.clone();
+            tokio::spawn(async move { super::abort(&shared, &id, &address).await });
             let mut router = self.shared.router();
             router.set_reachable(Role::Decode, &worker.id, false);
             router.finish(self.routed.ticket);
