@@ -105,6 +105,7 @@ async fn main() {
                 stopping: stopping(),
                 logprobs: None,
                 skip_special_tokens: None,
+                generated_token_ids: Vec::new(),
             })
             .await
             .expect("Decode")

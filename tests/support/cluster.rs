@@ -193,6 +193,7 @@ impl Spec {
 
 /// etcd, workers and a router, as processes.
 pub struct Cluster {
+    #[allow(dead_code)] // tests/cluster.rs
     pub etcd: EtcdServer,
     pub prefills: Vec<Proc>,
     pub decodes: Vec<Proc>,

@@ -50,7 +50,7 @@ pub enum Command {
     Calibrate(CalibrateArgs),
     /// Run a whole cluster on this machine: a router, a prefill and a decode worker on
     /// loopback, without etcd, on the default model (fetched on first use).
-    Up(crate::cluster::UpArgs),
+    Up(Box<crate::cluster::UpArgs>),
     /// Measure a running cluster under load (or a suite of clusters it starts itself): TTFT,
     /// ITL, throughput and goodput per load point, as JSON and plots.
     Bench(crate::bench::BenchArgs),

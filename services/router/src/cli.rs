@@ -94,6 +94,11 @@ pub struct ServingArgs {
     #[arg(long, env = "NIBBLE_GRPC_MAX_CONNECTIONS",
           default_value_t = nibble_proto::serving::DEFAULT_MAX_CONNECTIONS)]
     pub grpc_max_connections: usize,
+    /// How many times a request whose decode worker fails mid-stream is resumed on another
+    /// decode worker (its prompt and the tokens it streamed computed again there, the stream
+    /// continuing); beyond it the stream ends with an error. 0: never resumed.
+    #[arg(long, env = "NIBBLE_MAX_RESUMES", default_value_t = crate::service::DEFAULT_MAX_RESUMES)]
+    pub max_resumes: u32,
     #[command(flatten)]
     pub http: HttpArgs,
 }
@@ -122,6 +127,7 @@ impl ServingArgs {
         config.max_tokens_limit = self.max_tokens_limit;
         config.max_prompt_bytes = self.max_prompt_bytes;
         config.grpc_max_connections = self.grpc_max_connections;
+        config.max_resumes = self.max_resumes;
         config.api_key = self.http.api_key.as_deref().and_then(Secret::new);
         Ok(config)
     }

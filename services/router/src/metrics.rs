@@ -47,6 +47,11 @@ pub const PREFILL_RETRIES_TOTAL: &str = "nibble_router_prefill_retries_total";
 pub const DECODE_RETRIES_TOTAL: &str = "nibble_router_decode_retries_total";
 /// Counter: prompts prefilled on their decode worker because no prefill worker could take them.
 pub const LOCAL_PREFILL_FALLBACKS_TOTAL: &str = "nibble_router_local_prefill_fallbacks_total";
+/// Counter: requests whose decode worker failed mid-stream, labelled `outcome`
+/// ([`Resume::as_str`]): each resumption on another decode worker (`started`), a resumed request
+/// that then finished (`completed`) or failed (`failed`), and a broken stream not resumed because
+/// the request had used its `--max-resumes` (`exhausted`).
+pub const RESUMES_TOTAL: &str = "nibble_router_resumes_total";
 /// Gauge: workers marked unreachable (left out of placement until they answer again).
 pub const UNREACHABLE_WORKERS: &str = "nibble_router_unreachable_workers";
 /// Counter: routing decisions, labelled `reason`.
@@ -91,6 +96,43 @@ pub enum Outcome {
     Failed,
     /// It was refused before dispatch: invalid, over capacity, or no worker to take it.
     Refused,
+}
+
+/// What happened to a request whose decode stream broke (the `outcome` label of
+/// [`RESUMES_TOTAL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// It was resumed on another decode worker.
+    Started,
+    /// A resumed request streamed to its end.
+    Completed,
+    /// A resumed request failed after all (its new worker refused it, none was left).
+    Failed,
+    /// It had been resumed `--max-resumes` times: its stream ended with an error.
+    Exhausted,
+}
+
+impl Resume {
+    pub const ALL: [Resume; 4] = [
+        Resume::Started,
+        Resume::Completed,
+        Resume::Failed,
+        Resume::Exhausted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resume::Started => "started",
+            Resume::Completed => "completed",
+            Resume::Failed => "failed",
+            Resume::Exhausted => "exhausted",
+        }
+    }
+}
+
+/// Counts one resumption event of `outcome`.
+pub(crate) fn resume(outcome: Resume) {
+    metrics::counter!(RESUMES_TOTAL, "outcome" => outcome.as_str()).increment(1);
 }
 
 impl Outcome {
@@ -163,6 +205,10 @@ pub fn describe(model: &str) {
         LOCAL_PREFILL_FALLBACKS_TOTAL,
         "Prompts prefilled on their decode worker because no prefill worker could take them."
     );
+    describe_counter!(
+        RESUMES_TOTAL,
+        "Requests whose decode worker failed mid-stream, by what became of them."
+    );
     describe_counter!(DECISIONS_TOTAL, "Routing decisions by reason.");
     describe_histogram!(
         DECISION_DURATION_SECONDS,
@@ -199,6 +245,9 @@ pub fn describe(model: &str) {
     );
     for reason in Reason::ALL {
         metrics::counter!(DECISIONS_TOTAL, "reason" => reason.as_str()).absolute(0);
+    }
+    for outcome in Resume::ALL {
+        metrics::counter!(RESUMES_TOTAL, "outcome" => outcome.as_str()).absolute(0);
     }
     for (outcome, code) in [
         (Outcome::Finished, tonic::Code::Ok),

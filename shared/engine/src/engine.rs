@@ -30,6 +30,7 @@ use crate::session::KvConfig;
 use crate::stop::{StopMatcher, StopStep};
 use crate::tokenizer::Tokenizer;
 
+mod resume;
 mod scoring;
 use scoring::Scoring;
 
@@ -306,14 +307,15 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The sampler of `params`, its constraint (if any) started after `generated` tokens of
-    /// output: compiled and its first mask computed off this thread ([`Grammar::start`]).
+    /// The sampler of `params` after `generated` tokens of output another engine sampled: its
+    /// random stream as many draws on, its constraint (if any) started after them, compiled and
+    /// its first mask computed off this thread ([`Grammar::start`]).
     fn sampler(
         &self,
         params: &SamplingParams,
         generated: &[u32],
     ) -> std::result::Result<Sampler, RequestError> {
-        let sampler = Sampler::new(params.clone());
+        let sampler = Sampler::new(params.clone()).skip_draws(generated.len());
         let Some(constraint) = &params.constraint else {
             return Ok(sampler);
         };
@@ -348,6 +350,7 @@ impl<B: Backend> Engine<B> {
             stop_tokens,
             prefill_only,
             reuse_prefix: params.prompt_logprobs.is_none(),
+            output: Vec::new(),
         })?;
         self.requests
             .insert(id, Request::new(&prompt, &params, sampler));
@@ -758,9 +761,7 @@ impl<B: Backend> Engine<B> {
         if let Some(r) = self.requests.get_mut(&id) {
             r.cached_tokens = cached;
         }
-        let finished = self
-            .state
-            .activate(id, first_token, max_tokens, stop_tokens)?;
+        let finished = (self.state).activate(id, &[first_token], max_tokens, stop_tokens)?;
         let mut events = Vec::new();
         let outcome = match finished {
             Some(reason) => Outcome::Finished(Some(first_token), reason),

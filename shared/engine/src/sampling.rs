@@ -498,6 +498,18 @@ impl Sampler {
         Self { prompt_len, ..self }
     }
 
+    /// The same sampler with its random stream `n` draws on: where it would be had it drawn
+    /// the first `n` tokens of its output itself. A decode worker's sampler continues after the
+    /// tokens another engine sampled (the prefill worker's first token, a resumed request's
+    /// output), so a seeded request draws the same numbers whichever engines sample it.
+    pub fn skip_draws(mut self, n: usize) -> Self {
+        // `draw` takes one f32 per token.
+        for _ in 0..n {
+            let _: f32 = self.rng.gen();
+        }
+        self
+    }
+
     /// This sampler with `grammar` masking every draw (the request's constraint, started).
     pub fn with_grammar(mut self, grammar: Grammar) -> Self {
         self.grammar = Some(grammar);

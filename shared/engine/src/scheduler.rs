@@ -13,7 +13,10 @@
 //! When a page cannot be had, the prefix cache evicts unused blocks; when that is not enough for a
 //! running decode, the most recently admitted sequence is preempted by recompute: its pages are
 //! released and it rejoins the front of the queue with its prompt and output so far, to be
-//! prefilled again (often largely from the prefix cache). After the model runs,
+//! prefilled again (often largely from the prefix cache). A resumed request (one another worker
+//! started and could not finish, [`NewRequest::output`]) computes its prompt in blocks and then
+//! its output so far one token at a time through the decode path, as that output was first
+//! computed, without sampling; it samples after the last of them. After the model runs,
 //! [`State::complete`] appends the sampled tokens, caches newly filled pages, and retires finished
 //! sequences. [`State::abort`] frees a request's pages at any point.
 
@@ -101,6 +104,10 @@ pub enum SubmitError {
     Unknown(SeqId),
     #[error("{needed} KV pages needed, {free} free after eviction")]
     NoRoom { needed: usize, free: usize },
+    #[error("request {0:?} already generated all its tokens")]
+    Finished(SeqId),
+    #[error("request {0:?} starts decoding without a first token")]
+    EmptyOutput(SeqId),
 }
 
 /// Which attention path an item runs through.
@@ -186,11 +193,32 @@ struct Sequence {
     /// Whether admission may start it from cached pages (not for a scoring request, which needs
     /// every prompt position's logits).
     reuse_prefix: bool,
+    /// Whether its output is computed one token at a time through the decode path, as first
+    /// computed, whenever it is (re)admitted, and only its prompt in blocks: a resumed request
+    /// ([`NewRequest::output`]), so that its K/V, and its next token, are exactly those of an
+    /// undisturbed run. Otherwise a preempted sequence computes its output as prompt blocks.
+    replay: bool,
 }
 
 impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens an admission computes as prompt blocks: the prompt of a replaying sequence,
+    /// else every token it has.
+    fn blocks(&self) -> usize {
+        match self.replay {
+            true => self.prompt_len,
+            false => self.tokens.len(),
+        }
+    }
+
+    /// Whether its next token runs through the decode path: it is past its prompt blocks (or at
+    /// their last token, which runs as one) and has a token to compute.
+    fn decodes(&self) -> bool {
+        self.computed < self.tokens.len()
+            && (self.computed >= self.prefilled || self.computed + 1 == self.tokens.len())
     }
 }
 
@@ -207,6 +235,10 @@ pub struct NewRequest {
     /// Start from the longest cached prefix (false: compute the whole prompt, so every position
     /// has logits; its pages are still offered to the cache).
     pub reuse_prefix: bool,
+    /// Output a previous worker already generated (a resumed request; usually empty): it counts
+    /// toward `max_tokens` and is computed one token at a time through the decode path, without
+    /// sampling, before the first new token is sampled.
+    pub output: Vec<u32>,
 }
 
 /// The scheduler's state: queues, pages, prefix cache.
@@ -317,7 +349,7 @@ impl State {
             .waiting
             .iter()
             .map(|seq| {
-                let len = seq.tokens.len();
+                let len = seq.blocks();
                 // Its hashes: the prompt's (from `submit`), or what a preempted sequence had
                 // filled, a prefix of its tokens either way.
                 let matched = match seq.reuse_prefix {
@@ -353,6 +385,9 @@ impl State {
             request.max_tokens,
             self.config.max_context,
         )?;
+        if request.output.len() >= request.max_tokens {
+            return Err(SubmitError::Finished(request.id));
+        }
         let total = request.prompt.len() + request.max_tokens;
         let needed = total.div_ceil(self.page_size()) + self.window_pages;
         if needed > self.pool.total_pages() {
@@ -374,10 +409,14 @@ impl State {
             &request.prompt[..request.prompt.len() - 1],
             self.page_size(),
         );
+        let replay = !request.output.is_empty();
+        let mut tokens = request.prompt;
+        let prompt_len = tokens.len();
+        tokens.extend(request.output);
         self.waiting.push_back(Sequence {
             id: request.id,
-            prompt_len: request.prompt.len(),
-            tokens: request.prompt,
+            prompt_len,
+            tokens,
             max_tokens: request.max_tokens,
             stop_tokens: request.stop_tokens,
             computed: 0,
@@ -390,6 +429,7 @@ impl State {
             prefix_hit: 0,
             prefill_only: request.prefill_only,
             reuse_prefix: request.reuse_prefix,
+            replay,
         });
         Ok(())
     }
@@ -494,15 +534,14 @@ impl State {
         let starting = self
             .running
             .iter()
-            .filter(|s| s.computed + 1 == s.tokens.len())
+            .filter(|s| s.decodes())
             .take(budget)
             .filter(|s| s.table.pages_needed(1, page_size) > 0)
             .count();
         Self::make_room(&mut self.pool, &mut self.cache, starting);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let seq = &self.running[i];
-            if seq.computed + 1 != seq.tokens.len() {
+            if !self.running[i].decodes() {
                 i += 1;
                 continue;
             }
@@ -517,7 +556,8 @@ impl State {
                         tokens: vec![seq.tokens[p]],
                         slots,
                         path: Path::Decode,
-                        sample: true,
+                        // A replayed token's successor is known: nothing to sample.
+                        sample: p + 1 == seq.tokens.len(),
                     });
                     budget -= 1;
                     i += 1;
@@ -545,11 +585,10 @@ impl State {
                 break;
             }
             let seq = &self.running[idx];
-            let remaining = seq.tokens.len() - seq.computed;
-            if seq.computed >= seq.prefilled || (remaining <= 1 && seq.computed > 0) {
+            if seq.computed >= seq.prefilled || (seq.decodes() && seq.computed > 0) {
                 continue; // decoding (or the prompt's last token, as one), handled above
             }
-            let n = self.block_chunk(seq.computed, remaining);
+            let n = self.block_chunk(seq.computed, seq.prefilled - seq.computed);
             if n > budget {
                 continue; // a block is never split: it waits for a step with room
             }
@@ -565,26 +604,27 @@ impl State {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            if self.block_chunk(0, seq.tokens.len()).min(self.block) > budget {
+            let blocks = seq.blocks();
+            if self.block_chunk(0, blocks).min(self.block) > budget {
                 // Even an uncached start needs a whole first block.
                 self.waiting.push_front(seq);
                 break;
             }
             // Reuse the longest cached prefix, keeping at least one token to compute so the step
             // produces logits.
-            let hashes = hash_blocks(&seq.tokens[..seq.tokens.len() - 1], page_size);
+            let hashes = hash_blocks(&seq.tokens[..blocks - 1], page_size);
             let mut pages = match seq.reuse_prefix {
                 true => self.cache.match_prefix(&hashes),
                 false => Vec::new(),
             };
-            pages.truncate(self.reusable_pages(seq.tokens.len(), pages.len()));
+            pages.truncate(self.reusable_pages(blocks, pages.len()));
             let hit = &hashes[..pages.len()];
             self.cache.lock(hit).expect("just matched");
             seq.table = PageTable::from_shared(&mut self.pool, &pages).expect("cached pages");
             seq.locked = hit.to_vec();
             seq.hashes = hashes;
             seq.computed = pages.len() * page_size;
-            seq.prefilled = seq.tokens.len();
+            seq.prefilled = blocks;
             seq.cached_pages = pages.len();
             if seq.prefix_hit == 0 {
                 seq.prefix_hit = seq.computed;
@@ -599,8 +639,8 @@ impl State {
             }
             self.running.push(seq);
             let idx = self.running.len() - 1;
-            let (computed, len) = (self.running[idx].computed, self.running[idx].tokens.len());
-            let n = self.block_chunk(computed, len - computed);
+            let (computed, blocks) = (self.running[idx].computed, self.running[idx].prefilled);
+            let n = self.block_chunk(computed, blocks - computed);
             let chunk = if n <= budget {
                 self.chunk(idx, n)
             } else {

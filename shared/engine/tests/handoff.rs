@@ -7,9 +7,10 @@ mod common;
 
 use std::sync::Arc;
 
+use common::engine;
 use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{SchedulerConfig, SeqId};
-use nibble_engine::{CpuBackend, Engine, EngineConfig, Event, KvConfig, Model, Tokenizer};
+use nibble_engine::scheduler::SeqId;
+use nibble_engine::{CpuBackend, Engine, Event, Model, Tokenizer};
 use nibble_kvfmt::KvDtype;
 
 const WARMUP: &str =
@@ -18,21 +19,6 @@ const WARMUP: &str =
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a \
                       good fortune, must be in want of a wife. However little known the feelings";
-
-fn engine(
-    model: &Model<CpuBackend>,
-    tokenizer: &Arc<Tokenizer>,
-    dtype: KvDtype,
-) -> Engine<CpuBackend> {
-    let kv = KvConfig::new(dtype);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: 64 * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    Engine::new(model.clone(), Arc::clone(tokenizer), config).unwrap()
-}
 
 /// Runs to completion, returning the tokens of `id`.
 fn drain(e: &mut Engine<CpuBackend>, id: SeqId, mut tokens: Vec<u32>) -> Vec<u32> {

@@ -33,7 +33,7 @@ use std::path::PathBuf;
 
 pub use etcd::EtcdServer;
 #[cfg(feature = "model")]
-pub use model::{model, reference, reference_with};
+pub use model::{engine_config, model, reference, reference_with};
 #[cfg(feature = "grpc")]
 pub use router::{generate, Generated, RouterApi};
 #[cfg(feature = "grpc")]

@@ -24,6 +24,18 @@ pub fn model() -> &'static (Model<CpuBackend>, Arc<Tokenizer>) {
     })
 }
 
+/// The configuration of an engine over [`model()`]: a pool of `pages` KV pages of `dtype`,
+/// scheduled by `scheduler`.
+pub fn engine_config(dtype: KvDtype, pages: usize, scheduler: SchedulerConfig) -> EngineConfig {
+    let kv = KvConfig::new(dtype);
+    let page_bytes = kv.layout(&model().0).unwrap().page_bytes();
+    EngineConfig {
+        kv,
+        kv_budget_bytes: pages * page_bytes,
+        scheduler,
+    }
+}
+
 /// The greedy tokens one engine over [`model()`] (its KV cache in `dtype`, 32 MiB of pages) gives
 /// each prompt in turn, `max_tokens` each: what a cluster must give. Later prompts reuse the
 /// pages of earlier ones, as a worker's prefix cache does.

@@ -203,6 +203,7 @@ pub async fn handoff_with(
             stopping: Some(stopping),
             logprobs,
             skip_special_tokens: None,
+            generated_token_ids: Vec::new(),
         })
         .await
         .unwrap()

@@ -7,6 +7,8 @@
 //! Prefix-cache changes are published on a broadcast channel as [`KvEventBatch`]es (see
 //! [`KvPublisher`](crate::kv_events::KvPublisher)).
 //!
+//! The thread's side is [`engine_thread`]; this module is the handle and the commands.
+//!
 //! Invariant: every request the engine knows has exactly one live entry in `senders` until it
 //! finishes, is prefilled (then its pages are *held* until [`EngineHandle::release`]), or is
 //! aborted.
@@ -17,15 +19,14 @@
 //! the membership at once rather than keep answering health checks for an engine that is gone.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread;
 
 use bytes::Bytes;
 use nibble_engine::calibrate::KSmoothing;
 use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{FinishReason, Reservation, SeqId};
-use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer, Usage};
+use nibble_engine::scheduler::{Reservation, SeqId};
+use nibble_engine::{Backend, Engine, EngineConfig, Event, Model, RequestError, Tokenizer};
 use nibble_kvcache::{CacheStats, PageId};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 
@@ -89,6 +90,8 @@ enum Command {
     Submit {
         id: SeqId,
         prompt: Vec<u32>,
+        /// A resumed request's output so far (empty for a new request).
+        resumed: Vec<u32>,
         params: SamplingParams,
         prefill_only: bool,
         events: mpsc::UnboundedSender<Event>,
@@ -123,6 +126,8 @@ enum Command {
     StartDecode {
         id: SeqId,
         first_token: u32,
+        /// A resumed request's output so far, which replaces `first_token` (empty otherwise).
+        resumed: Vec<u32>,
         params: SamplingParams,
         events: mpsc::UnboundedSender<Event>,
         reply: oneshot::Sender<std::result::Result<(), RequestError>>,
@@ -308,6 +313,7 @@ impl EngineHandle {
         &self,
         id: SeqId,
         prompt: Vec<u32>,
+        resumed: Vec<u32>,
         params: SamplingParams,
         prefill_only: bool,
     ) -> Result<EventStream> {
@@ -315,6 +321,7 @@ impl EngineHandle {
         self.call(|reply| Command::Submit {
             id,
             prompt,
+            resumed,
             params,
             prefill_only,
             events,
@@ -332,7 +339,21 @@ impl EngineHandle {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<EventStream> {
-        self.submit_request(id, prompt, params, false).await
+        self.submit_request(id, prompt, Vec::new(), params, false)
+            .await
+    }
+
+    /// Queues a request resumed after `output`, the tokens another worker generated and
+    /// streamed ([`Engine::submit_resumed`]); events as for [`submit`](Self::submit), from the
+    /// first token after them.
+    pub async fn submit_resumed(
+        &self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        self.submit_request(id, prompt, output, params, false).await
     }
 
     /// Queues a prefill-only request: the stream yields [`Event::Prefilled`] (or
@@ -343,7 +364,8 @@ impl EngineHandle {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<EventStream> {
-        self.submit_request(id, prompt, params, true).await
+        self.submit_request(id, prompt, Vec::new(), params, true)
+            .await
     }
 
     /// Reserves pages for a prompt whose K/V another worker will push.
@@ -411,10 +433,32 @@ impl EngineHandle {
         first_token: u32,
         params: SamplingParams,
     ) -> Result<EventStream> {
+        self.start(id, first_token, Vec::new(), params).await
+    }
+
+    /// Starts decoding a filled reservation of a request resumed after `output`
+    /// ([`Engine::resume_decode`]); events from the first token after it.
+    pub async fn resume_decode(
+        &self,
+        id: SeqId,
+        output: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
+        self.start(id, 0, output, params).await
+    }
+
+    async fn start(
+        &self,
+        id: SeqId,
+        first_token: u32,
+        resumed: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<EventStream> {
         let (events, stream) = mpsc::unbounded_channel();
         self.call(|reply| Command::StartDecode {
             id,
             first_token,
+            resumed,
             params,
             events,
             reply,
@@ -479,301 +523,5 @@ impl EngineHandle {
     }
 }
 
-/// The engine thread's state.
-struct Actor<B: Backend> {
-    engine: Engine<B>,
-    senders: HashMap<SeqId, mpsc::UnboundedSender<Event>>,
-    publisher: KvPublisher,
-    load: watch::Sender<LoadSnapshot>,
-    /// When `load` was last published.
-    load_at: Option<std::time::Instant>,
-}
-
-impl<B: Backend> Actor<B>
-where
-    B::Pages: 'static,
-    B::Staging: Stageable,
-{
-    fn new(engine: Engine<B>, publisher: KvPublisher, load: watch::Sender<LoadSnapshot>) -> Self {
-        Self {
-            engine,
-            senders: HashMap::new(),
-            publisher,
-            load,
-            load_at: None,
-        }
-    }
-
-    fn snapshot(&self) -> LoadSnapshot {
-        let s = self.engine.state();
-        LoadSnapshot {
-            free_pages: s.pool.free_pages(),
-            total_pages: s.pool.total_pages(),
-            cached_pages: s.cache.len(),
-            evictable_pages: s.cache.reclaimable(&s.pool),
-            running: s.running(),
-            waiting: s.waiting(),
-            prefill_backlog: s.prefill_backlog(),
-            held: s.held(),
-            cache: s.cache.stats(),
-        }
-    }
-
-    /// Publishes the load: always when idle (so an idle engine's published load is exact),
-    /// else at most every [`PUBLISH_LOAD_EVERY`].
-    fn publish_load(&mut self) {
-        let due = self
-            .load_at
-            .is_none_or(|at| at.elapsed() >= PUBLISH_LOAD_EVERY);
-        if due || !self.engine.has_work() {
-            self.load.send_replace(self.snapshot());
-            self.load_at = Some(std::time::Instant::now());
-        }
-    }
-
-    /// Serves commands until every handle is gone and no work is left; returns early, with the
-    /// reason, when a device failure leaves the engine unusable (its requests were failed, and
-    /// dropping the actor ends every other request's stream).
-    fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) -> Option<String> {
-        let mut open = true;
-        loop {
-            if !self.engine.has_work() {
-                if !open {
-                    break;
-                }
-                match commands.blocking_recv() {
-                    Some(command) => self.handle(command),
-                    None => break,
-                }
-            }
-            loop {
-                match commands.try_recv() {
-                    Ok(command) => self.handle(command),
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
-                }
-            }
-            self.reap_cancelled();
-            if self.engine.has_work() {
-                let events = self.engine.step();
-                self.route(events);
-                if let Some(failure) = self.engine.device_failure() {
-                    return Some(failure.to_string());
-                }
-            }
-            self.publisher.publish(self.engine.state());
-            self.publish_load();
-        }
-        None
-    }
-
-    fn handle(&mut self, command: Command) {
-        match command {
-            Command::Submit {
-                id,
-                prompt,
-                params,
-                prefill_only,
-                events,
-                reply,
-            } => {
-                let result = if prefill_only {
-                    self.engine.submit_prefill(id, prompt, params)
-                } else {
-                    self.engine.submit(id, prompt, params)
-                };
-                if result.is_ok() {
-                    self.senders.insert(id, events);
-                }
-                let _ = reply.send(result);
-            }
-            Command::Reserve { id, prompt, reply } => {
-                let _ = reply.send(self.engine.reserve(id, &prompt));
-            }
-            Command::Export { pages, reply } => {
-                let _ = reply.send(self.export(&pages));
-            }
-            Command::Import {
-                owner,
-                pages,
-                data,
-                reply,
-            } => {
-                let result = self.holds(owner).and_then(|()| self.import(&pages, &data));
-                let _ = reply.send(result);
-            }
-            Command::Gather { pages, reply } => {
-                let _ = reply.send(self.gather(&pages));
-            }
-            Command::Scatter {
-                owner,
-                pages,
-                staging,
-                check,
-                reply,
-            } => {
-                let result = self
-                    .holds(owner)
-                    .and_then(|()| self.scatter(&pages, staging, check));
-                let _ = reply.send(result);
-            }
-            Command::StartDecode {
-                id,
-                first_token,
-                params,
-                events,
-                reply,
-            } => match self.engine.start_decode(id, first_token, params) {
-                Ok(first) => {
-                    self.senders.insert(id, events);
-                    let _ = reply.send(Ok(()));
-                    self.route(first);
-                }
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                }
-            },
-            Command::Abort { id, reply } => {
-                let found = self.engine.abort(id);
-                if let Some(sender) = self.senders.remove(&id) {
-                    // Tell whoever still listens that the request ended here.
-                    let _ = sender.send(Event::Finished {
-                        id,
-                        reason: FinishReason::Aborted,
-                        text: String::new(),
-                        usage: Usage::default(),
-                        error: None,
-                    });
-                }
-                if let Some(reply) = reply {
-                    let _ = reply.send(found);
-                }
-            }
-            Command::Release { id, reply } => {
-                let released = self.engine.release(id);
-                if let Some(reply) = reply {
-                    let _ = reply.send(released);
-                }
-            }
-            Command::Load { reply } => {
-                let _ = reply.send(self.snapshot());
-            }
-            Command::KvSnapshot { reply } => {
-                self.publisher.publish(self.engine.state());
-                let _ = reply.send(self.publisher.snapshot());
-            }
-            #[cfg(feature = "testing")]
-            Command::Fail => panic!("injected engine failure"),
-        }
-    }
-
-    fn export(&self, pages: &[PageId]) -> Result<Vec<u8>> {
-        let page_bytes = self.engine.state().pool.layout().page_bytes();
-        let mut out = Vec::with_capacity(pages.len() * page_bytes);
-        let mut page = Vec::new();
-        for &id in pages {
-            page.clear();
-            self.engine.export_page(id, &mut page)?;
-            out.extend_from_slice(&page);
-        }
-        Ok(out)
-    }
-
-    /// Whether reservation `owner` still holds its pages: they were not freed (and perhaps
-    /// given to another request) by an Abort or the TTL since the write was asked for.
-    fn holds(&self, owner: SeqId) -> Result<()> {
-        match self.engine.state().tokens(owner) {
-            Some(_) => Ok(()),
-            None => Err(Error::UnknownReservation(owner.0)),
-        }
-    }
-
-    fn import(&mut self, pages: &[PageId], data: &[u8]) -> Result<()> {
-        let page_bytes = self.engine.state().pool.layout().page_bytes();
-        if data.len() != pages.len() * page_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "data must be {} pages of {page_bytes} bytes, got {} bytes",
-                pages.len(),
-                data.len()
-            )));
-        }
-        for (&id, bytes) in pages.iter().zip(data.chunks_exact(page_bytes)) {
-            self.engine.import_page(id, bytes)?;
-        }
-        Ok(())
-    }
-
-    fn gather(&mut self, pages: &[PageId]) -> Result<Staging> {
-        Ok(self.engine.stage_pages(pages)?.into_staging())
-    }
-
-    fn scatter(&mut self, pages: &[PageId], staging: Staging, check: StagingCheck) -> Result<()> {
-        let page_bytes = self.engine.state().pool.layout().page_bytes();
-        if staging.len() != pages.len() * page_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "staging must be {} pages of {page_bytes} bytes, got {} bytes",
-                pages.len(),
-                staging.len()
-            )));
-        }
-        match B::Staging::from_staging(staging) {
-            Ok(staged) => {
-                check(&self.engine.staged_host_bytes(&staged)?)?;
-                Ok(self.engine.unstage_pages(pages, &staged)?)
-            }
-            // Host bytes reach any engine page by page.
-            Err(Staging::Host(bytes)) => {
-                check(&bytes)?;
-                self.import(pages, &bytes)
-            }
-            Err(Staging::Device(_)) => Err(Error::Link(
-                "device pages arrived at an engine running on the CPU".into(),
-            )),
-        }
-    }
-
-    /// Aborts every request whose receiver is gone.
-    fn reap_cancelled(&mut self) {
-        let gone: Vec<SeqId> = self
-            .senders
-            .iter()
-            .filter(|(_, s)| s.is_closed())
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            self.senders.remove(&id);
-            self.engine.abort(id);
-            tracing::debug!(request = id.0, "receiver dropped: request aborted");
-        }
-    }
-
-    /// Sends each event to its request; a request that cannot be told is aborted (or, when
-    /// prefilled, released).
-    fn route(&mut self, events: Vec<Event>) {
-        for event in events {
-            let (id, last) = match &event {
-                Event::Token { id, .. } | Event::PromptLogprobs { id, .. } => (*id, false),
-                Event::Prefilled { id, .. } | Event::Finished { id, .. } => (*id, true),
-            };
-            let prefilled = matches!(event, Event::Prefilled { .. });
-            let delivered = match self.senders.get(&id) {
-                Some(sender) => sender.send(event).is_ok(),
-                None => false,
-            };
-            if last {
-                self.senders.remove(&id);
-            }
-            if !delivered {
-                self.senders.remove(&id);
-                if prefilled {
-                    self.engine.release(id);
-                } else {
-                    self.engine.abort(id);
-                }
-            }
-        }
-    }
-}
+mod engine_thread;
+use engine_thread::Actor;

@@ -140,9 +140,10 @@ impl From<Error> for tonic::Status {
                 SubmitError::Duplicate(_) => Status::already_exists(message),
                 SubmitError::Unknown(_) => Status::not_found(message),
                 SubmitError::TooLong(e) => nibble_proto::request::invalid_param(&e),
-                SubmitError::EmptyPrompt | SubmitError::TooLarge { .. } => {
-                    Status::invalid_argument(message)
-                }
+                SubmitError::EmptyPrompt
+                | SubmitError::TooLarge { .. }
+                | SubmitError::Finished(_)
+                | SubmitError::EmptyOutput(_) => Status::invalid_argument(message),
             },
             Error::Request(RequestError::Param(e)) => nibble_proto::request::invalid_param(&e),
             Error::Request(_)

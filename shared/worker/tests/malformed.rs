@@ -4,15 +4,10 @@
 
 mod support;
 
-use std::sync::Arc;
-
-use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use nibble_testkit::{model, raw, WorkerApi};
-use nibble_worker::EngineHandle;
-use support::Server;
+use nibble_testkit::{raw, WorkerApi};
+use support::{engine, Server};
 use tonic::Code;
 
 /// Bytes no protobuf message decodes from: a varint that never ends, and a string field whose
@@ -23,16 +18,12 @@ fn garbage() -> [Vec<u8>; 2] {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_messages_are_invalid_argument_on_every_worker_call() {
-    let (model, tokenizer) = model();
-    let kv = KvConfig::new(KvDtype::Nvfp4);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: 64 * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    let engine = EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap();
-    let d = Server::start(engine, v1::WorkerRole::Decode, "decode-0".into()).await;
+    let d = Server::start(
+        engine(KvDtype::Nvfp4),
+        v1::WorkerRole::Decode,
+        "decode-0".into(),
+    )
+    .await;
     let calls = [
         ("/nibble.v1.Worker/Reserve", "ReserveRequest"),
         ("/nibble.v1.Worker/Prefill", "PrefillRequest"),

@@ -14,22 +14,18 @@ use nibble_discovery::{
     Capacity, Discovery, EtcdConfig, EtcdDiscovery, KvKey, NcclEndpoint, Role, StaticRegistry,
     WorkerId, WorkerInfo, WorkerWatch,
 };
-use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_nccl::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_testkit::{handoff_over, model, EtcdServer, Handoff, WorkerApi};
 use nibble_worker::transfer::nccl::{NcclTimeouts, NcclTransport};
-use nibble_worker::EngineHandle;
-use support::Server;
+use support::{engine, Server, PAGES};
 use tonic::Code;
 
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
      fortune, must be in want of a wife.";
-const PAGES: usize = 64;
 
 fn prompt() -> Vec<u32> {
     model().1.encode(PROMPT, false).unwrap()
@@ -43,16 +39,7 @@ fn stopping() -> v1::StoppingCriteria {
 }
 
 async fn server(role: v1::WorkerRole, id: &str) -> Server {
-    let (model, tokenizer) = model();
-    let kv = KvConfig::new(KvDtype::Nvfp4);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: PAGES * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    let engine = EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap();
-    Server::start(engine, role, id.into()).await
+    Server::start(engine(KvDtype::Nvfp4), role, id.into()).await
 }
 
 /// Every key a session put and deleted, in order.

@@ -5,39 +5,23 @@
 
 mod support;
 
-use std::sync::Arc;
-
 use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{SchedulerConfig, SeqId};
-use nibble_engine::{EngineConfig, Event, KvConfig};
+use nibble_engine::scheduler::SeqId;
+use nibble_engine::Event;
 use nibble_kvfmt::{KvDtype, KvPart, WindowLayout};
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_testkit::{handoff_with, model, Handoff, WorkerApi};
-use nibble_worker::EngineHandle;
-use support::Server;
+use support::{engine, Server};
 use tonic::Code;
 
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
      fortune, must be in want of a wife. However little known the feelings";
-const PAGES: usize = 64;
 const NEW_TOKENS: u32 = 8;
 
 fn prompt() -> Vec<u32> {
     model().1.encode(PROMPT, false).unwrap()
-}
-
-fn engine(dtype: KvDtype) -> EngineHandle {
-    let (model, tokenizer) = model();
-    let kv = KvConfig::new(dtype);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: PAGES * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
 }
 
 async fn server(role: v1::WorkerRole, dtype: KvDtype) -> Server {

@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nibble_engine::sampling::SamplingParams;
-use nibble_engine::scheduler::{SchedulerConfig, SeqId};
-use nibble_engine::{EngineConfig, Event, KvConfig};
+use nibble_engine::scheduler::SeqId;
+use nibble_engine::Event;
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_testkit::{greedy, handoff, handoff_with, model, Handoff, WorkerApi};
-use nibble_worker::EngineHandle;
-use support::Server;
+use support::{engine, Server, PAGES};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -24,7 +23,6 @@ use tonic_health::pb::HealthCheckRequest;
 const PROMPT: &str =
     "It is a truth universally acknowledged, that a single man in possession of a good \
      fortune, must be in want of a wife. However little known the feelings";
-const PAGES: usize = 64;
 const NEW_TOKENS: u32 = 8;
 
 fn prompt() -> Vec<u32> {
@@ -43,18 +41,6 @@ fn stopping() -> v1::StoppingCriteria {
         max_tokens: Some(NEW_TOKENS),
         ..Default::default()
     }
-}
-
-fn engine(dtype: KvDtype) -> EngineHandle {
-    let (model, tokenizer) = model();
-    let kv = KvConfig::new(dtype);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: PAGES * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
 }
 
 /// The engine's own tokens for the prompt, through the actor: with a cold cache, then again

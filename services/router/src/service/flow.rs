@@ -1,22 +1,23 @@
-//! [`Flow`]: one dispatched request, from `Reserve` on its decode worker to the last token.
+//! [`Flow`]: one dispatched request, from `Reserve` on its decode worker to the last token;
+//! [`failover`] moves it to another decode worker when its own fails.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use nibble_discovery::{Role, WorkerInfo};
+use nibble_discovery::WorkerInfo;
 use nibble_proto::v1;
 use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::Shared;
 use crate::admission::Place;
-use crate::metrics::{self, Outcome};
-use crate::{Error, Prompt, Routed, WorkerSet};
+use crate::metrics::{self, Outcome, Resume};
+use crate::{Error, Prompt, Routed};
+
+mod failover;
 
 /// Prefill workers tried per request before the decode worker prefills it itself.
 const PREFILL_ATTEMPTS: usize = 3;
-/// Decode workers tried per request while none has sent a token.
-const DECODE_ATTEMPTS: usize = 3;
 /// How long a best-effort abort may take (its worker may be gone).
 const ABORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -40,12 +41,19 @@ pub struct Flow {
     generated: u64,
     /// Whether any chunk was sent (a scoring request's first ones carry no token).
     sent: bool,
+    /// The token ids sent, in order: what a decode worker resuming the request replays.
+    streamed: Vec<u32>,
+    /// Times the request was resumed on another decode worker after its own failed mid-stream.
+    resumes: u32,
 }
 
 /// Why a flow stopped early.
 enum Stop {
     Cancelled,
     Failed(Status),
+    /// Its decode stream broke (`Status`, for the log) after it had been resumed as many times
+    /// as `--max-resumes` allows.
+    Exhausted(Status),
 }
 
 impl From<Status> for Stop {
@@ -76,6 +84,20 @@ fn public(status: Status, id: &str) -> Status {
     Status::with_metadata(status.code(), message, status.metadata().clone())
 }
 
+/// What the client is told when its request's decode stream broke once more than it may be
+/// resumed: UNAVAILABLE, as the failure is the cluster's and a retry may succeed.
+fn exhausted(resumes: u32, id: &str) -> Status {
+    let times = match resumes {
+        1 => "once".to_string(),
+        2 => "twice".to_string(),
+        n => format!("{n} times"),
+    };
+    Status::unavailable(format!(
+        "the request's decode worker failed mid-stream after it had been resumed {times}, the \
+         most this router allows; retry it (request {id})"
+    ))
+}
+
 impl Flow {
     /// A routed request holding its running `place`, dispatched by [`Flow::run`].
     pub fn new(
@@ -100,6 +122,8 @@ impl Flow {
             last_token: None,
             generated: 0,
             sent: false,
+            streamed: Vec::new(),
+            resumes: 0,
         }
     }
 
@@ -120,6 +144,12 @@ impl Flow {
         let ttft_ms = self
             .first_token
             .map(|t| (t - self.arrived).as_secs_f64() * 1e3);
+        match &outcome {
+            _ if self.resumes == 0 => {}
+            Ok(()) => metrics::resume(Resume::Completed),
+            Err(Stop::Failed(_)) => metrics::resume(Resume::Failed),
+            Err(Stop::Cancelled | Stop::Exhausted(_)) => {}
+        }
         if outcome.is_ok() {
             let model = self.shared.config().served_model();
             metrics::request(model, Outcome::Finished, tonic::Code::Ok);
@@ -162,65 +192,22 @@ impl Flow {
                     let id = self.label.as_deref().unwrap_or(&self.req.request_id);
                     let _ = tx.send(Err(public(status, id))).await;
                 }
+                Stop::Exhausted(status) => {
+                    let model = self.shared.config().served_model();
+                    metrics::request(model, Outcome::Failed, status.code());
+                    tracing::warn!(%status, resumes = self.resumes, "decode failed mid-stream; resumes exhausted");
+                    let id = self.label.as_deref().unwrap_or(&self.req.request_id);
+                    let _ = tx.send(Err(exhausted(self.resumes, id))).await;
+                }
             }
         }
         self.shared.router().finish(self.routed.ticket);
     }
 
-    /// [`drive`](Self::drive), moved to another decode worker when the chosen one cannot be
-    /// reached before any token was sent: it is marked down (no request goes there until it
-    /// answers a load poll again) and the request is routed anew without it, at most
-    /// [`DECODE_ATTEMPTS`] times.
-    async fn drive_with_failover(
-        &mut self,
-        tx: &mpsc::Sender<Result<v1::GenerateResponse, Status>>,
-        prefill_address: &mut Option<String>,
-    ) -> Result<(), Stop> {
-        let mut failed = WorkerSet::EMPTY;
-        loop {
-            let status = match self.drive(tx, prefill_address).await {
-                Err(Stop::Failed(status)) => status,
-                other => return other,
-            };
-            let decode = &self.routed.decision.decode;
-            if self.sent || !unreachable(&status) || failed.len() + 1 >= DECODE_ATTEMPTS {
-                return Err(Stop::Failed(status));
-            }
-            let (slot, worker) = (decode.slot, Arc::clone(&decode.worker));
-            tracing::warn!(worker = %worker.id, %status, "decode worker unreachable; routing elsewhere");
-            metrics::count(metrics::DECODE_RETRIES_TOTAL, 1);
-            failed.insert(slot);
-            // Free whatever it (or a prefill worker) may still hold, if it is there at all.
-            self.abort_on(
-                std::iter::once(worker.addresses.grpc.clone()).chain(prefill_address.take()),
-            )
-            .await;
-            let mut router = self.shared.router();
-            router.set_reachable(Role::Decode, &worker.id, false);
-            router.finish(self.routed.ticket);
-            match router.route(&self.prompt, failed) {
-                Ok(routed) => self.routed = routed,
-                Err(e) => {
-                    // Nothing left to take it: the ticket is gone, keep `finish` a no-op.
-                    return Err(Stop::Failed(Status::unavailable(format!(
-                        "decode worker {} is unreachable ({status}) and {e}",
-                        worker.id
-                    ))));
-                }
-            }
-        }
-    }
-
     /// Aborts the request on every worker at `addresses` (best effort, briefly).
     async fn abort_on(&self, addresses: impl Iterator<Item = String>) {
-        let abort = v1::AbortRequest {
-            request_id: self.req.request_id.clone(),
-        };
         for address in addresses {
-            if let Ok(mut client) = self.shared.client(&address) {
-                let call = client.abort(abort.clone());
-                let _ = tokio::time::timeout(ABORT_TIMEOUT, call).await;
-            }
+            abort(&self.shared, &self.req.request_id, &address).await;
         }
     }
 
@@ -234,6 +221,18 @@ impl Flow {
         let mut decode = self.shared.client(&decode_worker.addresses.grpc)?;
         let request_id = self.req.request_id.clone();
         let max_tokens = self.req.stopping.as_ref().and_then(|s| s.max_tokens);
+        // After a chunk was sent this is a resumption: the new decode worker replays the tokens
+        // sent, and what the client already has (the prompt's log-probabilities) is not asked
+        // for again.
+        let resuming = self.sent;
+        let resumed = match resuming {
+            true => self.streamed.clone(),
+            false => Vec::new(),
+        };
+        let mut logprobs = self.req.logprobs;
+        if let Some(l) = logprobs.as_mut().filter(|_| resuming) {
+            l.prompt_logprobs = None;
+        }
         let mut reserved_cached = 0;
         let mut route = v1::Route {
             decode_worker: decode_worker.id.to_string(),
@@ -312,7 +311,8 @@ impl Flow {
                         Some(v1::Handoff {
                             reservation_id: reservation.reservation_id,
                             first_token: prefilled.first_token,
-                            first_logprob: prefilled.logprob,
+                            // A resumed decode starts from the tokens sent instead.
+                            first_logprob: prefilled.logprob.filter(|_| !resuming),
                         })
                     }
                     None => {
@@ -337,15 +337,22 @@ impl Flow {
                 handoff,
                 sampling: self.req.sampling.clone(),
                 stopping: self.req.stopping.clone(),
-                logprobs: self.req.logprobs,
+                logprobs,
                 skip_special_tokens: self.req.skip_special_tokens,
+                generated_token_ids: resumed,
             })
             .await?
             .into_inner();
         let label = self.label.clone().unwrap_or_else(|| request_id.clone());
+        let mut started = false;
         while let Some(chunk) = stream.message().await? {
             if !chunk.token_ids.is_empty() {
+                if resuming && !std::mem::replace(&mut started, true) {
+                    // The new decode worker has computed the prompt.
+                    self.shared.router().first_token(self.routed.ticket);
+                }
                 self.sent_tokens(chunk.token_ids.len());
+                self.streamed.extend_from_slice(&chunk.token_ids);
             }
             let usage = chunk.usage.map(|mut u| {
                 u.cached_tokens = u.cached_tokens.max(reserved_cached);
@@ -400,6 +407,17 @@ impl Flow {
     }
 }
 
+/// Aborts request `request_id` on the worker at `address` (best effort, at most
+/// [`ABORT_TIMEOUT`]).
+async fn abort(shared: &Shared, request_id: &str, address: &str) {
+    let abort = v1::AbortRequest {
+        request_id: request_id.to_string(),
+    };
+    if let Ok(mut client) = shared.client(address) {
+        let _ = tokio::time::timeout(ABORT_TIMEOUT, client.abort(abort)).await;
+    }
+}
+
 /// How pages move from `prefill` to `decode`: NCCL when both advertise it on different GPUs
 /// (the prefill worker still falls back to gRPC if NCCL fails), the gRPC stream otherwise.
 fn transfer_backend(prefill: &WorkerInfo, decode: &WorkerInfo) -> v1::TransferBackend {
@@ -407,20 +425,6 @@ fn transfer_backend(prefill: &WorkerInfo, decode: &WorkerInfo) -> v1::TransferBa
         v1::TransferBackend::Nccl
     } else {
         v1::TransferBackend::Grpc
-    }
-}
-
-/// Whether a decode worker's failure means it could not be reached (a refused or broken
-/// connection, a worker stopping), not that it refused the request. A connection that breaks
-/// under a call (the worker's process died) can surface as INTERNAL from the local HTTP/2 stack:
-/// such a status carries its transport error as its source, which a worker's own INTERNAL
-/// answer, decoded from the wire, never does.
-fn unreachable(status: &Status) -> bool {
-    use std::error::Error as _;
-    match status.code() {
-        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => true,
-        tonic::Code::Internal => status.source().is_some(),
-        _ => false,
     }
 }
 
@@ -440,20 +444,7 @@ mod transfer_tests {
     use nibble_discovery::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};
     use nibble_proto::v1::TransferBackend;
 
-    use super::{public, transfer_backend, unreachable};
-
-    #[test]
-    fn a_broken_connection_is_unreachable_and_a_workers_internal_error_is_not() {
-        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
-        let mut broken = tonic::Status::internal("h2 protocol error: connection reset");
-        broken.set_source(std::sync::Arc::new(io));
-        assert!(unreachable(&broken));
-        assert!(!unreachable(&tonic::Status::internal("the engine failed")));
-        assert!(unreachable(&tonic::Status::unavailable(
-            "tcp connect error"
-        )));
-        assert!(!unreachable(&tonic::Status::invalid_argument("bad")));
-    }
+    use super::{public, transfer_backend};
 
     #[test]
     fn server_faults_reach_clients_as_stable_sentences_with_the_id() {
@@ -476,6 +467,20 @@ mod transfer_tests {
             public(refused, "x").message(),
             "max_tokens must be at least 1, got 0"
         );
+    }
+
+    #[test]
+    fn a_request_out_of_resumes_is_told_so_with_its_id() {
+        let told = super::exhausted(1, "cmpl-9");
+        assert_eq!(told.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            told.message(),
+            "the request's decode worker failed mid-stream after it had been resumed once, the \
+             most this router allows; retry it (request cmpl-9)"
+        );
+        assert!(super::exhausted(0, "x")
+            .message()
+            .contains("resumed 0 times"));
     }
 
     fn worker(role: Role, gpu: Option<&str>) -> WorkerInfo {

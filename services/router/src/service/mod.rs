@@ -10,7 +10,8 @@
 //!   admit, route, dispatch;
 //! * [`flow`]: one dispatched request: `Reserve` on D → `Prefill` on P (which pushes pages to
 //!   D, retried on another P) → `Decode` on D, D's tokens streamed back, workers freed on any
-//!   early end.
+//!   early end; moved to another D when its D cannot be reached before its first token, and
+//!   resumed on another after the tokens it streamed when its D fails mid-stream.
 //!
 //! gRPC codes come from one place: the router core's errors through
 //! [`From<Error> for Status`](crate::Error), refusals from [`validate`].
@@ -37,6 +38,10 @@ pub use validate::ValidRequest;
 
 /// How often each worker's load is polled, by default.
 pub const DEFAULT_LOAD_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How many times a request whose decode worker fails mid-stream is resumed on another, by
+/// default (see [`ServiceConfig::max_resumes`]).
+pub const DEFAULT_MAX_RESUMES: u32 = 2;
 
 /// Prompt bytes allowed per token of context by default (see
 /// [`ServiceConfig::prompt_bytes_limit`]).
@@ -65,6 +70,9 @@ pub struct ServiceConfig {
     pub max_prompt_bytes: Option<usize>,
     /// gRPC connections open at once; more are closed as they arrive.
     pub grpc_max_connections: usize,
+    /// How many times one request whose decode stream breaks after it sent tokens (its worker
+    /// died or stopped) is resumed on another decode worker; 0 ends such a stream with an error.
+    pub max_resumes: u32,
     /// The bearer key every `Inference` call must carry (`None`: open). The HTTP API checks
     /// its own [`HttpConfig::api_key`](crate::HttpConfig), set from the same flag.
     pub api_key: Option<Secret>,
@@ -88,6 +96,7 @@ impl ServiceConfig {
             max_tokens_limit: nibble_engine::sampling::MAX_TOKENS_LIMIT,
             max_prompt_bytes: None,
             grpc_max_connections: nibble_proto::serving::DEFAULT_MAX_CONNECTIONS,
+            max_resumes: DEFAULT_MAX_RESUMES,
             api_key: None,
             security: Security::default(),
         }
@@ -126,6 +135,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("max_tokens_limit", &self.max_tokens_limit)
             .field("max_prompt_bytes", &self.max_prompt_bytes)
             .field("grpc_max_connections", &self.grpc_max_connections)
+            .field("max_resumes", &self.max_resumes)
             .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
             .field("security", &self.security)
             .finish_non_exhaustive()

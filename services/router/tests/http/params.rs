@@ -93,8 +93,10 @@ async fn n_choices_share_the_prompts_pages_and_best_of_ranks_them() {
     let http = cluster.http();
     // Long enough (> 256 + the 64-token window) that a prompt block can be reused.
     let long = PROMPT.repeat(12);
+    // Temperature 1.5: at 1.0 the repeated prompt's next words are all but certain, and three
+    // seeds draw the same four tokens.
     let body = |n: u32, seed: u64| {
-        json!({"prompt": long, "max_tokens": 4, "temperature": 1.0, "seed": seed,
+        json!({"prompt": long, "max_tokens": 4, "temperature": 1.5, "seed": seed,
                "ignore_eos": true, "n": n, "logprobs": 0})
     };
     let j = complete(http, body(3, 7)).await;

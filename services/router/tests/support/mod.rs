@@ -10,13 +10,12 @@ use std::time::Duration;
 
 use nibble_discovery::{Discovery, Role, StaticRegistry};
 use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_router::{HttpConfig, HttpListener, RouterConfig, ServiceConfig, Shared};
 use nibble_security::{Peers, Security};
-use nibble_testkit::{model, wait, RouterApi, WorkerApi};
+use nibble_testkit::{engine_config, model, wait, RouterApi, WorkerApi};
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -41,13 +40,7 @@ pub fn engine(dtype: KvDtype) -> EngineHandle {
 /// An engine over the shared model with its own scheduler settings.
 pub fn engine_with(dtype: KvDtype, scheduler: SchedulerConfig) -> EngineHandle {
     let (model, tokenizer) = model();
-    let kv = KvConfig::new(dtype);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: PAGES * page_bytes,
-        scheduler,
-    };
+    let config = engine_config(dtype, PAGES, scheduler);
     EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
 }
 

@@ -388,3 +388,20 @@ fn argmax_takes_the_first_largest_and_skips_nans() {
     assert_eq!(argmax(&[-1.0, f32::INFINITY, f32::INFINITY]), 1);
     assert_eq!(argmax(&[]), 0);
 }
+
+#[test]
+fn a_sampler_that_skips_draws_continues_the_seeded_stream() {
+    let params = SamplingParams {
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    let draw = |sampler: &mut Sampler, n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| sampler.sample(&mut logits(), &[]).token)
+            .collect()
+    };
+    let whole = draw(&mut Sampler::new(params.clone()), 40);
+    // Another engine drew the first 15 tokens; this one continues where it left off.
+    let resumed = draw(&mut Sampler::new(params).skip_draws(15), 25);
+    assert_eq!(resumed, whole[15..]);
+}

@@ -5,7 +5,9 @@
 //! its pages stay held for export until [`State::release_held`]. A decode worker
 //! [`reserve`](State::reserve)s pages for a prompt — reusing its own cached prefix, allocating the
 //! rest — receives the missing pages' bytes, and [`activate`](State::activate)s the sequence with
-//! the first token, after which it decodes like any other. Held sequences count against the pool
+//! the first token, after which it decodes like any other. A resumed request is activated with
+//! all the output it already has, which it then computes one token at a time through the decode
+//! path before it samples (see [`NewRequest::output`](super::NewRequest::output)). Held sequences count against the pool
 //! like running ones, and [`State::abort`] frees them.
 
 use nibble_kvcache::{hash_blocks, PageId, PageTable};
@@ -88,27 +90,35 @@ impl State {
                 prefix_hit: cached.len() * page_size,
                 prefill_only: false,
                 reuse_prefix: true,
+                replay: false,
             },
         );
         Ok(reservation)
     }
 
-    /// Starts decoding a reserved sequence whose pages now hold the whole prompt, from the
-    /// first token the prefill worker sampled. Returns the finish reason when that token already
-    /// ends it (a stop token, or `max_tokens` of 1); its pages are then released.
+    /// Starts decoding a reserved sequence whose pages now hold the whole prompt, from its
+    /// `output` so far: the first token the prefill worker sampled or, for a resumed request,
+    /// everything already generated (replayed through the decode path, see
+    /// [`NewRequest::output`](super::NewRequest::output)). Returns the finish reason when that
+    /// output already ends it (its last token a stop token, or `max_tokens` reached); its pages
+    /// are then released.
     pub fn activate(
         &mut self,
         id: SeqId,
-        first_token: u32,
+        output: &[u32],
         max_tokens: usize,
         stop_tokens: Vec<u32>,
     ) -> Result<Option<FinishReason>, SubmitError> {
+        let Some(&last) = output.last() else {
+            return Err(SubmitError::EmptyOutput(id));
+        };
         let mut seq = self.held.remove(&id).ok_or(SubmitError::Unknown(id))?;
         seq.computed = seq.prompt_len;
-        seq.tokens.push(first_token);
+        seq.tokens.extend_from_slice(output);
         seq.max_tokens = max_tokens;
         seq.stop_tokens = stop_tokens;
-        let finished = if seq.stop_tokens.contains(&first_token) {
+        seq.replay = output.len() > 1;
+        let finished = if seq.stop_tokens.contains(&last) {
             Some(FinishReason::Stop)
         } else if seq.generated() >= seq.max_tokens {
             Some(FinishReason::Length)

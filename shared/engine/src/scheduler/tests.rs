@@ -49,6 +49,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
         stop_tokens: vec![],
         prefill_only: false,
         reuse_prefix: true,
+        output: Vec::new(),
     }
 }
 
@@ -470,19 +471,19 @@ fn prefill_only_holds_pages_and_reservations_activate() {
         s.reserve(SeqId(2), &prompt),
         Err(SubmitError::Duplicate(SeqId(2)))
     );
-    assert_eq!(s.activate(SeqId(2), first, 3, vec![]), Ok(None));
+    assert_eq!(s.activate(SeqId(2), &[first], 3, vec![]), Ok(None));
     let out = drain(&mut s);
     let mut expected = vec![first];
     expected.extend(expected_output(&[prompt.clone(), vec![first]].concat(), 2));
     assert_eq!(out[&SeqId(2)], expected[1..]);
     assert_eq!(
-        s.activate(SeqId(3), 1, 3, vec![]),
+        s.activate(SeqId(3), &[1], 3, vec![]),
         Err(SubmitError::Unknown(SeqId(3)))
     );
     // A first token that is a stop token ends the request at once.
     s.reserve(SeqId(4), &prompt).unwrap();
     assert_eq!(
-        s.activate(SeqId(4), 9, 3, vec![9]),
+        s.activate(SeqId(4), &[9], 3, vec![9]),
         Ok(Some(FinishReason::Stop))
     );
     assert_no_leak(&mut s);
@@ -633,5 +634,78 @@ fn the_prefill_backlog_counts_prompt_tokens_still_to_compute() {
     .unwrap();
     assert_eq!(s.prefill_backlog(), 2 + 12);
     drain(&mut s);
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn a_resumed_request_replays_its_output_through_decode_and_continues_exactly() {
+    let prompt: Vec<u32> = (0..21).collect();
+    let undisturbed = expected_output(&prompt, 8);
+    // Locally: the prompt in blocks, then the 3 tokens already streamed one at a time.
+    let mut s = state(32, SchedulerConfig::default());
+    s.submit(NewRequest {
+        output: undisturbed[..3].to_vec(),
+        ..request(1, prompt.clone(), 8)
+    })
+    .unwrap();
+    let mut out = Vec::new();
+    while s.running() + s.waiting() > 0 {
+        let (batch, outcomes) = step(&mut s);
+        for item in batch
+            .items
+            .iter()
+            .filter(|i| i.positions.end > prompt.len())
+        {
+            assert_eq!(
+                (item.path, item.tokens.len()),
+                (Path::Decode, 1),
+                "{item:?}"
+            );
+            let replayed = item.positions.end < prompt.len() + 3;
+            assert_eq!(item.sample, !replayed, "{item:?}");
+        }
+        for (_, outcome) in outcomes {
+            match outcome {
+                Outcome::Token(t) | Outcome::Finished(Some(t), _) => out.push(t),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(out, undisturbed[3..]);
+    // Over a reservation (the prompt's pages from a prefill worker): the same.
+    s.reserve(SeqId(2), &prompt).unwrap();
+    assert_eq!(s.activate(SeqId(2), &undisturbed[..5], 8, vec![]), Ok(None));
+    assert_eq!(drain(&mut s)[&SeqId(2)], undisturbed[5..]);
+    // Output that already ends the request: refused, nothing held.
+    let done = NewRequest {
+        output: undisturbed.clone(),
+        ..request(3, prompt.clone(), 8)
+    };
+    assert_eq!(s.submit(done), Err(SubmitError::Finished(SeqId(3))));
+    s.reserve(SeqId(4), &prompt).unwrap();
+    assert_eq!(
+        s.activate(SeqId(4), &undisturbed, 8, vec![]),
+        Ok(Some(FinishReason::Length))
+    );
+    assert_no_leak(&mut s);
+}
+
+#[test]
+fn a_preempted_resumed_request_replays_its_output_again() {
+    // As `preemption_recomputes_and_gives_the_same_tokens`, the newest being a resumed request.
+    let mut s = state(5, SchedulerConfig::default());
+    let a: Vec<u32> = (0..7).collect();
+    let b: Vec<u32> = (50..57).collect();
+    let resumed = expected_output(&b, 8);
+    s.submit(request(1, a.clone(), 8)).unwrap();
+    s.submit(NewRequest {
+        output: resumed[..2].to_vec(),
+        ..request(2, b.clone(), 8)
+    })
+    .unwrap();
+    let out = drain(&mut s);
+    assert_eq!(out[&SeqId(1)], expected_output(&a, 8));
+    assert_eq!(out[&SeqId(2)], resumed[2..]);
+    assert!(s.preemptions() > 0, "the test must exercise preemption");
     assert_no_leak(&mut s);
 }

@@ -346,7 +346,7 @@ impl WorkerState {
         })
     }
 
-    async fn decode(self: &Arc<Self>, r: v1::DecodeRequest) -> Result<DecodeStream> {
+    async fn decode(self: &Arc<Self>, mut r: v1::DecodeRequest) -> Result<DecodeStream> {
         let room = self.room(r.token_ids.len());
         let mut params = request::sampling_params(
             r.sampling.as_ref(),
@@ -363,12 +363,21 @@ impl WorkerState {
             Some(_) => self.gate.resume(),
             None => self.admit(v1::WorkerRole::Decode)?,
         };
+        // A resumed request's output so far replaces the hand-off's first token.
+        let resumed = std::mem::take(&mut r.generated_token_ids);
+        // What the stream's end says of the last token, if the resumed output already ends it.
+        let mut last_token = resumed.last().copied();
+        let resuming = !resumed.is_empty();
         let (id, events) = match &r.handoff {
             Some(h) => {
                 self.reservations
                     .take_complete(h.reservation_id, &r.request_id)?;
                 let id = SeqId(h.reservation_id);
-                match self.engine.start_decode(id, h.first_token, params).await {
+                let started = match resuming {
+                    false => self.engine.start_decode(id, h.first_token, params).await,
+                    true => self.engine.resume_decode(id, resumed, params).await,
+                };
+                match started {
                     Ok(events) => (id, events),
                     Err(e) => {
                         self.forget(&r.request_id, id);
@@ -379,7 +388,15 @@ impl WorkerState {
             }
             None => {
                 let id = self.track(&r.request_id)?;
-                match self.engine.submit(id, r.token_ids, params).await {
+                let submitted = match resuming {
+                    false => self.engine.submit(id, r.token_ids, params).await,
+                    true => {
+                        (self.engine)
+                            .submit_resumed(id, r.token_ids, resumed, params)
+                            .await
+                    }
+                };
+                match submitted {
                     Ok(events) => (id, events),
                     Err(e) => {
                         self.forget(&r.request_id, id);
@@ -399,11 +416,12 @@ impl WorkerState {
             outcome: None,
             _pass: pass,
         };
-        let mut last_token = None;
         // The engine starts a handed-off decode from its first token without log-probabilities;
         // the prefill worker computed them (the alternatives too) and they travel in the
         // hand-off.
-        let mut first_logprob = r.handoff.as_ref().and_then(|h| h.first_logprob.clone());
+        let mut first_logprob = (r.handoff.as_ref())
+            .filter(|_| !resuming)
+            .and_then(|h| h.first_logprob.clone());
         let ended = Arc::new(AtomicBool::new(false));
         let seen_end = Arc::clone(&ended);
         let stream = UnboundedReceiverStream::new(events).map(move |event| {

@@ -1,14 +1,29 @@
-//! What the worker's test binaries share: a worker served on loopback, driven through
-//! [`nibble_testkit::WorkerApi`] (the model, the hand-off and the waits are the testkit's).
+//! What the worker's test binaries share: an engine over the test model and a worker served on
+//! loopback, driven through [`nibble_testkit::WorkerApi`] (the model, the hand-off and the waits
+//! are the testkit's).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use nibble_engine::scheduler::SchedulerConfig;
+use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
-use nibble_testkit::WorkerApi;
+use nibble_testkit::{engine_config, model, WorkerApi};
 use nibble_worker::{EngineHandle, WorkerIdentity, WorkerState};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+
+/// Pages in the pool of an [`engine`].
+#[allow(dead_code)] // tests/metrics.rs loads its own model
+pub const PAGES: usize = 64;
+
+/// An engine over the test model with a pool of [`PAGES`] pages of `dtype`.
+#[allow(dead_code)] // tests/metrics.rs loads its own model
+pub fn engine(dtype: KvDtype) -> EngineHandle {
+    let (model, tokenizer) = model();
+    let config = engine_config(dtype, PAGES, SchedulerConfig::default());
+    EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
+}
 
 /// A worker served on 127.0.0.1:0 until dropped.
 pub struct Server {
