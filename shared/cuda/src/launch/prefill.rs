@@ -109,6 +109,26 @@ fn wgmma_smem(work_index: usize, head_dim: u32) -> u32 {
     stages + raw + 1024 + 64
 }
 
+/// Compiles `cu/prefill_hopper.cu` for sm_90a and loads its kernels, each allowed the shared
+/// memory its blocks take.
+fn load_hopper(ctx: &Arc<CudaContext>) -> Result<Hopper> {
+    let compiled = nvrtc::compile_hopper()?;
+    let module = ctx.load_module(compiled.ptx)?;
+    let f = |work_index: usize, d: u32| -> Result<CudaFunction> {
+        let work = ["fp8", "bf16"][work_index];
+        let f = module.load_function(&format!("prefill_hopper_{work}_d{d}"))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            wgmma_smem(work_index, d) as i32,
+        )?;
+        Ok(f)
+    };
+    Ok(Hopper {
+        attention: [[f(0, 64)?, f(0, 128)?], [f(1, 64)?, f(1, 128)?]],
+        combine: module.load_function("prefill_combine")?,
+    })
+}
+
 impl PrefillKernels {
     /// The `mma.sync` kernels from the compiled `prefill` module (`function`), and on compute
     /// capability 9.0 the sm_90a kernels, compiled here; then the choice of
@@ -125,23 +145,16 @@ impl PrefillKernels {
                 function("prefill_bf16_d128")?,
             ],
         ];
-        // sm_90a code runs on compute capability 9.0 alone.
+        // sm_90a code runs on compute capability 9.0 alone. A driver that cannot load it leaves
+        // prefill on mma.sync, with a warning, rather than the device unusable.
         let wgmma = if capability == (9, 0) {
-            let compiled = nvrtc::compile_hopper()?;
-            let module = ctx.load_module(compiled.ptx)?;
-            let f = |work_index: usize, d: u32| -> Result<CudaFunction> {
-                let work = ["fp8", "bf16"][work_index];
-                let f = module.load_function(&format!("prefill_hopper_{work}_d{d}"))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    wgmma_smem(work_index, d) as i32,
-                )?;
-                Ok(f)
-            };
-            Some(Hopper {
-                attention: [[f(0, 64)?, f(0, 128)?], [f(1, 64)?, f(1, 128)?]],
-                combine: module.load_function("prefill_combine")?,
-            })
+            match load_hopper(ctx) {
+                Ok(hopper) => Some(hopper),
+                Err(e) => {
+                    tracing::warn!("the wgmma prefill kernel did not load ({e}); prefill attention runs on mma.sync");
+                    None
+                }
+            }
         } else {
             None
         };
