@@ -179,7 +179,9 @@ impl PrefillKernels {
     fn choose(&mut self, kernel: PrefillKernel) -> Result<()> {
         if kernel == PrefillKernel::Wgmma && self.wgmma.is_none() {
             return Err(Error::Unsupported(
-                "the wgmma prefill kernel (it needs compute capability 9.0)".into(),
+                "the wgmma prefill kernel (it needs compute capability 9.0 and a driver that \
+                 loads sm_90a code)"
+                    .into(),
             ));
         }
         self.chosen = kernel;
