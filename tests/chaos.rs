@@ -474,9 +474,17 @@ async fn random_faults_leak_nothing_hang_nothing_and_change_no_token() {
         tally: Tally::default(),
     };
     let mut settling = false;
+    let mut reported = 0;
     while chaos.tally.operations < target {
-        let role_changed = chaos.batch(settling).await;
-        settling = role_changed;
+        settling = chaos.batch(settling).await;
+        if chaos.tally.operations >= reported + 100 {
+            reported = chaos.tally.operations;
+            eprintln!(
+                "chaos: {reported} operations, {:.0} s; faults {:?}",
+                started.elapsed().as_secs_f64(),
+                chaos.tally.faults
+            );
+        }
     }
     chaos.recover().await;
     let tally = &chaos.tally;
