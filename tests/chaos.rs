@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 use calls::{Api, Call, Outcome, Solo};
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, KvKey};
 use nibble_planner::{Decision, Desired, Reason, Role};
+use nibble_proto::v1;
+use nibble_proto::v1::worker_client::WorkerClient;
 use nibble_testkit::model_path;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -67,10 +69,8 @@ const PROMPTS: [(usize, usize); 10] = [
 /// A worker of the cluster as the test tracks it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Slot {
-    /// Its role when it (re)starts.
+    /// Its role when it (re)starts; role changes may have moved it since.
     starts_as: Role,
-    /// Its role now, as the last decision it was given says.
-    role: Role,
     /// Times it has been started.
     generation: usize,
 }
@@ -177,11 +177,32 @@ impl Chaos {
             .collect()
     }
 
-    fn live_of(&self, role: Role) -> Vec<usize> {
-        let live = self.live();
-        live.into_iter()
-            .filter(|&i| self.slots[i].role == role)
-            .collect()
+    /// The live workers' roles, as each one's `Info` says (a decision may not have been
+    /// applied: a worker reads decisions only while etcd answers).
+    async fn roles(&self) -> Vec<(usize, Role)> {
+        let mut roles = Vec::new();
+        for i in self.live() {
+            let address = format!("http://{}", proc_of(&self.cluster, i).address);
+            let info = match WorkerClient::connect(address).await {
+                Ok(mut client) => client.info(v1::InfoRequest {}).await,
+                Err(e) => self.fail(&format!("connect to worker {i}: {e}")),
+            };
+            let role = match info.map(|i| i.into_inner().role()) {
+                Ok(v1::WorkerRole::Prefill) => Role::Prefill,
+                Ok(_) => Role::Decode,
+                Err(status) => self.fail(&format!("Info of worker {i}: {status:?}")),
+            };
+            roles.push((i, role));
+        }
+        roles
+    }
+
+    async fn live_of(&self, role: Role) -> usize {
+        self.roles()
+            .await
+            .iter()
+            .filter(|(_, r)| *r == role)
+            .count()
     }
 
     /// Fails the test with the seed and every process's log.
@@ -274,7 +295,6 @@ impl Chaos {
     async fn restart(&mut self, i: usize) {
         let slot = &mut self.slots[i];
         slot.generation += 1;
-        slot.role = slot.starts_as;
         let role = role_name(slot.starts_as);
         let name = format!("{role}-{i}.{}", slot.generation);
         let args = self.cluster.worker_args(role);
@@ -296,20 +316,19 @@ impl Chaos {
     /// Writes a planner decision that moves slot `i`'s worker to the other role, unless that
     /// would leave no decode worker, in which case the decision moves nothing.
     async fn change_role(&mut self, i: usize) {
-        let to = match self.slots[i].role {
-            Role::Decode if self.live_of(Role::Decode).len() < 2 => Role::Decode,
-            Role::Decode => Role::Prefill,
-            Role::Prefill => Role::Decode,
-        };
-        self.slots[i].role = to;
+        let mut roles = self.roles().await;
+        let decodes = roles.iter().filter(|(_, r)| *r == Role::Decode).count();
+        if let Some((_, role)) = roles.iter_mut().find(|(w, _)| *w == i) {
+            *role = match *role {
+                Role::Decode if decodes < 2 => Role::Decode,
+                Role::Decode => Role::Prefill,
+                Role::Prefill => Role::Decode,
+            };
+        }
         self.decision += 1;
-        let roles = self
-            .live()
+        let roles = roles
             .into_iter()
-            .map(|w| {
-                let id = Cluster::worker_id(proc_of(&self.cluster, w));
-                (id, self.slots[w].role)
-            })
+            .map(|(w, role)| (Cluster::worker_id(proc_of(&self.cluster, w)), role))
             .collect();
         let decision = Decision {
             id: self.decision,
@@ -360,7 +379,7 @@ impl Chaos {
             self.apply(fault).await;
         }
         // A decode worker up when the batch ends: requests of a quiet batch must all succeed.
-        let decode_up = !self.live_of(Role::Decode).is_empty();
+        let decode_up = self.live_of(Role::Decode).await > 0;
         let quiet = fault.is_none() && !settling && decode_up;
         for (call, task) in calls.iter().zip(tasks) {
             self.tally.operations += 1;
@@ -406,9 +425,22 @@ impl Chaos {
         for i in self.dead() {
             self.apply(Fault::Restart(i)).await;
         }
-        let prefills = self.live_of(Role::Prefill).len();
-        let decodes = self.live_of(Role::Decode).len();
-        self.cluster.wait_for_workers(prefills, decodes).await;
+        // The router tracks every worker in the role it has now, once any move has settled.
+        let settled = Duration::from_secs(60);
+        let start = Instant::now();
+        let mut roles = self.roles().await;
+        while start.elapsed() < settled {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = self.roles().await;
+            if now == roles {
+                break;
+            }
+            roles = now;
+        }
+        let prefills = roles.iter().filter(|(_, r)| *r == Role::Prefill).count();
+        self.cluster
+            .wait_for_workers(prefills, roles.len() - prefills)
+            .await;
         let address = self.cluster.router.address.clone();
         let http = self.cluster.router.http.expect("the router's HTTP API");
         for (prompt, solo) in self.solo.iter().enumerate() {
@@ -454,7 +486,6 @@ async fn random_faults_leak_nothing_hang_nothing_and_change_no_token() {
     }
     let slot = |role| Slot {
         starts_as: role,
-        role,
         generation: 0,
     };
     let slots = std::iter::repeat_n(slot(Role::Prefill), cluster.prefills.len())
