@@ -11,31 +11,14 @@
 
 mod support;
 
-use std::sync::Arc;
-
-use nibble_engine::scheduler::SchedulerConfig;
-use nibble_engine::{EngineConfig, KvConfig};
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
 use nibble_testkit::{greedy, handoff, model, Handoff, WorkerApi};
-use nibble_worker::EngineHandle;
-use support::Server;
+use support::{engine, Server};
 use tonic::Code;
 
 /// Two whole pages of 16 tokens.
 const PROMPT_TOKENS: usize = 32;
-
-fn engine(dtype: KvDtype) -> EngineHandle {
-    let (model, tokenizer) = model();
-    let kv = KvConfig::new(dtype);
-    let page_bytes = kv.layout(model).unwrap().page_bytes();
-    let config = EngineConfig {
-        kv,
-        kv_budget_bytes: 64 * page_bytes,
-        scheduler: SchedulerConfig::default(),
-    };
-    EngineHandle::spawn(model.clone(), Arc::clone(tokenizer), config).unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_holding_the_whole_prompt_is_sent_no_page() {
