@@ -145,13 +145,6 @@ fn proc_of(cluster: &Cluster, i: usize) -> &Proc {
     }
 }
 
-fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-    }
-}
-
 /// The chaos: the cluster, what the test knows of it, and the random source.
 struct Chaos {
     cluster: Cluster,
@@ -295,7 +288,7 @@ impl Chaos {
     async fn restart(&mut self, i: usize) {
         let slot = &mut self.slots[i];
         slot.generation += 1;
-        let role = role_name(slot.starts_as);
+        let role = slot.starts_as.name();
         let name = format!("{role}-{i}.{}", slot.generation);
         let args = self.cluster.worker_args(role);
         let dir = self.cluster.log_dir().to_path_buf();
@@ -319,11 +312,9 @@ impl Chaos {
         let mut roles = self.roles().await;
         let decodes = roles.iter().filter(|(_, r)| *r == Role::Decode).count();
         if let Some((_, role)) = roles.iter_mut().find(|(w, _)| *w == i) {
-            *role = match *role {
-                Role::Decode if decodes < 2 => Role::Decode,
-                Role::Decode => Role::Prefill,
-                Role::Prefill => Role::Decode,
-            };
+            if *role == Role::Prefill || decodes >= 2 {
+                *role = role.other();
+            }
         }
         self.decision += 1;
         let roles = roles
