@@ -209,33 +209,7 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("temporary directory");
         let etcd = EtcdServer::start();
         let model = model_path().display().to_string();
-        let worker_args = |role: &str| -> Vec<String> {
-            [
-                role,
-                "--model",
-                &model,
-                "--listen",
-                "127.0.0.1:0",
-                "--etcd-endpoints",
-                &etcd.endpoint(),
-                "--kv-dtype",
-                spec.kv_dtype,
-                "--kv-budget-mib",
-                &spec.kv_budget_mib.to_string(),
-                "--threads",
-                "1",
-                "--capacity-interval-ms",
-                "200",
-                "--planner-poll-ms",
-                "200",
-                // A retried prefill of a long prompt on a busy 2-core machine can outlast the
-                // 30 s default before it pushes its pages.
-                "--reservation-ttl-ms",
-                "180000",
-            ]
-            .map(String::from)
-            .to_vec()
-        };
+        let worker_args = |role: &str| worker_args(&spec, &etcd.endpoint(), role);
         let prefills = (0..spec.prefills)
             .map(|i| {
                 let args = worker_args("prefill");
@@ -287,6 +261,19 @@ impl Cluster {
         let port = proc.address.rsplit(':').next().expect("host:port");
         let role = proc.name.split('-').next().expect("role-index");
         format!("{role}-{port}")
+    }
+
+    /// The flags a worker of `role` (`prefill` or `decode`) of this cluster starts with, to
+    /// start one again after it was killed.
+    #[allow(dead_code)] // tests/chaos.rs
+    pub fn worker_args(&self, role: &str) -> Vec<String> {
+        worker_args(&self.spec, &self.etcd.endpoint(), role)
+    }
+
+    /// Where the processes' logs are kept.
+    #[allow(dead_code)] // tests/chaos.rs
+    pub fn log_dir(&self) -> &Path {
+        self._dir.path()
     }
 
     /// Every process's log, for failure messages.
@@ -355,38 +342,70 @@ impl Cluster {
         loads
     }
 
-    /// Waits until every live worker runs nothing and holds no page for a request: each page
-    /// is free or only in the prefix cache (evictable). Fails after 20 s.
+    /// Waits until every live worker runs nothing, holds no reservation and no page for a
+    /// request: each page is free or only in the prefix cache (evictable). Fails after 20 s.
+    #[allow(dead_code)] // tests/cluster.rs, tests/planner.rs
     pub async fn assert_pages_back(&self) {
-        let held = wait::until(
-            Duration::from_secs(20),
-            Duration::from_millis(100),
-            || async {
-                let busy: Vec<_> = self
-                    .loads()
-                    .await
-                    .into_iter()
-                    .filter(|(_, l)| {
-                        l.running_requests != 0
-                            || l.waiting_requests != 0
-                            || l.free_pages + l.evictable_pages != l.total_pages
-                    })
-                    .collect();
-                if busy.is_empty() {
-                    Ok(())
-                } else {
-                    Err(busy)
-                }
-            },
-        )
-        .await;
-        if let Err(busy) = held {
+        if let Err(busy) = self.pages_back(Duration::from_secs(20)).await {
             panic!("pages still held: {busy:?}; logs:\n{}", self.logs());
         }
     }
+
+    /// [`Self::assert_pages_back`]'s wait, up to `limit`; the workers still holding something.
+    pub async fn pages_back(&self, limit: Duration) -> Result<(), Vec<(String, v1::LoadResponse)>> {
+        wait::until(limit, Duration::from_millis(100), || async {
+            let busy: Vec<_> = self
+                .loads()
+                .await
+                .into_iter()
+                .filter(|(_, l)| {
+                    l.running_requests != 0
+                        || l.waiting_requests != 0
+                        || l.pending_reservations != 0
+                        || l.free_pages + l.evictable_pages != l.total_pages
+                })
+                .collect();
+            match busy.is_empty() {
+                true => Ok(()),
+                false => Err(busy),
+            }
+        })
+        .await
+    }
+}
+
+/// The flags of a worker of `role` in a cluster of `spec` whose etcd is at `etcd`.
+fn worker_args(spec: &Spec, etcd: &str, role: &str) -> Vec<String> {
+    let model = model_path().display().to_string();
+    [
+        role,
+        "--model",
+        &model,
+        "--listen",
+        "127.0.0.1:0",
+        "--etcd-endpoints",
+        etcd,
+        "--kv-dtype",
+        spec.kv_dtype,
+        "--kv-budget-mib",
+        &spec.kv_budget_mib.to_string(),
+        "--threads",
+        "1",
+        "--capacity-interval-ms",
+        "200",
+        "--planner-poll-ms",
+        "200",
+        // A retried prefill of a long prompt on a busy 2-core machine can outlast the
+        // 30 s default before it pushes its pages.
+        "--reservation-ttl-ms",
+        "180000",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// A greedy request for `prompt` (text), `max_tokens` long.
+#[allow(dead_code)] // tests/cluster.rs, tests/planner.rs
 pub fn greedy(prompt: &str, max_tokens: u32) -> v1::GenerateRequest {
     v1::GenerateRequest {
         prompt: Some(v1::generate_request::Prompt::Text(prompt.into())),

@@ -164,7 +164,14 @@ impl From<Error> for tonic::Status {
                 Status::unavailable(message)
             }
             Error::Aborted(_) => Status::aborted(message),
-            // The peer's classification stands (a fingerprint refusal stays FAILED_PRECONDITION).
+            // A reservation the decode worker no longer holds ran out of time (its TTL passed
+            // while the prompt waited to be prefilled; or it was released): the request took
+            // too long, which is no fault of its client's and which the router tells as such.
+            Error::Push { status, .. } if status.code() == tonic::Code::NotFound => {
+                Status::deadline_exceeded(message)
+            }
+            // Otherwise the peer's classification stands (a fingerprint refusal stays
+            // FAILED_PRECONDITION).
             Error::Push { status, .. } => Status::new(status.code(), message),
             Error::Connect { .. }
             | Error::EngineStopped

@@ -74,14 +74,22 @@ impl From<Error> for Stop {
 /// transport error, a worker's internals) went to the log, where the id finds it.
 fn public(status: Status, id: &str) -> Status {
     use tonic::Code;
-    let said = match status.code() {
-        Code::Unavailable => "a worker serving the request stopped answering; retry it",
-        Code::DeadlineExceeded => "a worker took too long to serve the request",
-        Code::Internal | Code::Unknown | Code::DataLoss => "the cluster failed the request",
+    // UNKNOWN is how tonic reports a stream whose connection broke (a worker killed
+    // mid-stream): to the client, a worker that stopped answering.
+    let (code, said) = match status.code() {
+        Code::Unavailable | Code::Unknown => (
+            Code::Unavailable,
+            "a worker serving the request stopped answering; retry it",
+        ),
+        Code::DeadlineExceeded => (
+            Code::DeadlineExceeded,
+            "a worker took too long to serve the request",
+        ),
+        Code::Internal | Code::DataLoss => (status.code(), "the cluster failed the request"),
         _ => return status,
     };
     let message = format!("{said} (request {id})");
-    Status::with_metadata(status.code(), message, status.metadata().clone())
+    Status::with_metadata(code, message, status.metadata().clone())
 }
 
 /// What the client is told when its request's decode stream broke once more than it may be
@@ -455,6 +463,16 @@ mod transfer_tests {
         assert_eq!(
             told.message(),
             "a worker serving the request stopped answering; retry it (request cmpl-7)"
+        );
+        // A stream broken under the router (tonic says UNKNOWN): the worker stopped answering.
+        let broken = public(
+            tonic::Status::unknown("h2 protocol error: error reading a body"),
+            "x",
+        );
+        assert_eq!(broken.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            broken.message(),
+            "a worker serving the request stopped answering; retry it (request x)"
         );
         let internal = public(tonic::Status::internal("hyper::Error(Io, ..)"), "x");
         assert_eq!(

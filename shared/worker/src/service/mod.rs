@@ -324,16 +324,27 @@ impl WorkerState {
                         pages.len()
                     )));
                 }
-                let summary = self.push(&r.request_id, target, &pages[first..]).await?;
-                metrics::transfer(role, Direction::Sent, summary.pages as u64, summary.bytes);
-                metrics::transfer_duration(role, Direction::Sent, summary.duration);
-                metrics::transfer_backend(role, Direction::Sent, summary.backend);
-                Some(v1::TransferSummary {
-                    pages: summary.pages as u32,
-                    bytes: summary.bytes,
-                    duration_us: summary.duration.as_micros() as u64,
-                    backend: summary.backend as i32,
-                })
+                if first == end {
+                    // The decode worker holds every page already (a prompt of whole pages it
+                    // has cached, and no recent window to fill): it awaits nothing, and a push
+                    // of no page would be refused.
+                    tracing::debug!(
+                        reservation = target.reservation_id,
+                        "the decode worker holds the whole prompt: nothing to push"
+                    );
+                    Some(v1::TransferSummary::default())
+                } else {
+                    let summary = self.push(&r.request_id, target, &pages[first..]).await?;
+                    metrics::transfer(role, Direction::Sent, summary.pages as u64, summary.bytes);
+                    metrics::transfer_duration(role, Direction::Sent, summary.duration);
+                    metrics::transfer_backend(role, Direction::Sent, summary.backend);
+                    Some(v1::TransferSummary {
+                        pages: summary.pages as u32,
+                        bytes: summary.bytes,
+                        duration_us: summary.duration.as_micros() as u64,
+                        backend: summary.backend as i32,
+                    })
+                }
             }
             None => None,
         };
