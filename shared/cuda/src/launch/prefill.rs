@@ -74,6 +74,8 @@ type Table = [[CudaFunction; 2]; 2];
 struct Hopper {
     attention: Table,
     combine: CudaFunction,
+    /// The partial-output argument of a launch of one split, which never touches it.
+    unused: CudaSlice<f32>,
 }
 
 /// The loaded prefill kernels and the one that runs.
@@ -126,6 +128,7 @@ fn load_hopper(ctx: &Arc<CudaContext>) -> Result<Hopper> {
     Ok(Hopper {
         attention: [[f(0, 64)?, f(0, 128)?], [f(1, 64)?, f(1, 128)?]],
         combine: module.load_function("prefill_combine")?,
+        unused: ctx.default_stream().alloc_zeros(1)?,
     })
 }
 
@@ -296,16 +299,16 @@ impl Kernels {
     ) -> Result<()> {
         let (n, q_heads, d) = (batch.n, batch.q_heads, batch.head_dim);
         let splits = wgmma_splits(n, batch.start, q_heads, self.sms);
-        // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); one split
-        // writes `out` and never touches it
-        let part_len = if splits > 1 {
-            splits as usize * n * q_heads * (d + 2)
+        // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); a launch of
+        // one split writes `out` and takes `hopper.unused` in their place
+        let part = if splits > 1 {
+            let len = splits as usize * n * q_heads * (d + 2);
+            // SAFETY: every element prefill_combine reads is written first: each split writes
+            // every row's partial output and (max, sum), also a split that saw no key.
+            Some(unsafe { self.stream.alloc::<f32>(len) }?)
         } else {
-            1
+            None
         };
-        // SAFETY: every element the kernels read is written first: each split writes every row's
-        // partial output and (max, sum), also a split that saw no key.
-        let mut part = unsafe { self.stream.alloc::<f32>(part_len) }?;
         let cfg = LaunchConfig {
             grid_dim: ((n as u32).div_ceil(WGMMA_ROWS), q_heads as u32, splits),
             block_dim: (WGMMA_THREADS, 1, 1),
@@ -316,12 +319,12 @@ impl Kernels {
             .arg(batch.k)
             .arg(batch.v)
             .arg(&mut *out)
-            .arg(&mut part)
+            .arg(part.as_ref().unwrap_or(&hopper.unused))
             .arg(&args);
         // SAFETY: matches prefill_hopper_*'s signature; q, out and the workspace were checked,
         // `part` holds `splits` splits' outputs when there are several.
         unsafe { b.launch(cfg) }?;
-        if splits > 1 {
+        if let Some(part) = part {
             let (n32, qh32, d32) = (n as u32, q_heads as u32, d as u32);
             let cfg = LaunchConfig {
                 grid_dim: (n32, qh32.div_ceil(4), 1),
