@@ -230,7 +230,8 @@ impl Up {
         let stdout = child.stdout.take().unwrap();
         let (mut grpc, mut metrics) = (String::new(), String::new());
         use std::io::BufRead;
-        for line in std::io::BufReader::new(stdout).lines() {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        for line in lines.by_ref() {
             let line = line.unwrap();
             if let Some(address) = line.strip_prefix("nibble-router listening on ") {
                 grpc = address.to_string();
@@ -243,6 +244,9 @@ impl Up {
             }
         }
         assert!(!grpc.is_empty(), "nibble up did not start");
+        // nibble up prints its OpenAI hint after the ready line: keep reading, or that write
+        // finds the pipe closed and nibble up exits before the test reaches it.
+        std::thread::spawn(move || lines.for_each(drop));
         Self {
             child,
             grpc,
