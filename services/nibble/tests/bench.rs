@@ -204,6 +204,49 @@ fn a_load_of_phases_over_http_is_attributed_to_workers_and_timed_by_phase() {
     assert!(w >= 640 && h >= 400, "shift: {w}x{h}");
 }
 
+#[test]
+fn a_synthetic_model_is_served_by_the_whole_cluster() {
+    // `synthetic:<shape>` stands in for a checkpoint in every process: the workers draw the same
+    // random weights, the router and the load generator use the synthetic tokenizer.
+    let out = tempfile::tempdir().unwrap();
+    let suite = out.path().join("synthetic.toml");
+    std::fs::write(
+        &suite,
+        r#"
+        requests = 3
+        warmup = 0
+        concurrency = [2]
+        workload = { kind = "fixed", input = 300, output = 5 }
+        [[cluster]]
+        name = "pd"
+        args = ["--threads", "1", "--local-prefill-threshold", "0"]
+        "#,
+    )
+    .unwrap();
+    let results = out.path().join("results");
+    let run = bench(&[
+        "--model",
+        "synthetic:tiny-llama@3",
+        "--suite",
+        suite.to_str().unwrap(),
+        "--out",
+        results.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    let records: Vec<Value> = std::fs::read_to_string(results.join("requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 3);
+    for r in &records {
+        assert!(r.get("error").is_none(), "{r}");
+        assert_eq!(r["prompt_tokens"], 300, "{r}");
+        assert_eq!(r["completion_tokens"], 5, "{r}");
+        assert_eq!(r["disaggregated"], true, "{r}");
+    }
+}
+
 /// A `nibble up` of one core per worker on free ports; killed when dropped.
 struct Up {
     child: Child,

@@ -57,6 +57,6 @@ pub use hf::HfModelDir;
 pub use kv::{ContiguousKv, KvBatch, KvStore, NewTokens, PagedBatch, PerSequence, StepTokens};
 pub use model::{Logits, Model, SeqInput, Workspace};
 pub use session::{KvConfig, PagedSession};
-pub use source::ModelSource;
+pub use source::{ModelSource, SyntheticModel};
 pub use tokenizer::Tokenizer;
 pub use weights::{LayerWeights, LoadProgress, Weights};

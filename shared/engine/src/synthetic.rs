@@ -19,7 +19,7 @@ use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::tokenizer::{Tokenizer, TokenizerParts};
-use crate::weights::{LayerWeights, Weights};
+use crate::weights::{LayerWeights, LoadProgress, Weights};
 
 /// Llama-3-8B's shape: 32 layers, hidden 4096, 32 query heads over 8 KV heads of 128 dims, FFN
 /// 14336, vocabulary 128256, RoPE theta 500000 (half-split pairing, as its Hugging Face weights),
@@ -65,8 +65,19 @@ pub fn random_model<B: Backend>(
     config: ModelConfig,
     seed: u64,
 ) -> Result<Model<B>> {
+    random_model_observed(backend, config, seed, &|_, _| {})
+}
+
+/// [`random_model`], telling `progress(done, total)` as the blocks are drawn (a progress bar's
+/// feed, as for a checkpoint's [`LoadProgress`]).
+pub fn random_model_observed<B: Backend>(
+    backend: Arc<B>,
+    config: ModelConfig,
+    seed: u64,
+    progress: LoadProgress<'_>,
+) -> Result<Model<B>> {
     config.validate()?;
-    let weights = random_weights(&*backend, &config, seed)?;
+    let weights = draw_weights(&*backend, &config, seed, progress)?;
     Model::new(backend, config, weights)
 }
 
@@ -79,7 +90,18 @@ pub fn random_weights<B: Backend>(
     config: &ModelConfig,
     seed: u64,
 ) -> Result<Weights<B>> {
+    draw_weights(backend, config, seed, &|_, _| {})
+}
+
+/// [`random_weights`] with progress: one step per block, one for the embedding and LM head.
+fn draw_weights<B: Backend>(
+    backend: &B,
+    config: &ModelConfig,
+    seed: u64,
+    progress: LoadProgress<'_>,
+) -> Result<Weights<B>> {
     config.validate()?;
+    let total = config.num_layers + 1;
     let (h, q, kv, f) = (
         config.hidden_size,
         config.q_dim(),
@@ -132,6 +154,7 @@ pub fn random_weights<B: Backend>(
             w_up,
             w_down,
         });
+        progress(layers.len(), total);
     }
     let embed = draw(config.vocab_size, h, fan_in(h))?;
     let lm_head = if config.tie_word_embeddings {
@@ -139,12 +162,14 @@ pub fn random_weights<B: Backend>(
     } else {
         Some(draw(config.vocab_size, h, fan_in(h))?)
     };
-    Ok(Weights {
+    let weights = Weights {
         embed,
         layers,
         final_norm: ones(h)?,
         lm_head,
-    })
+    };
+    progress(total, total);
+    Ok(weights)
 }
 
 /// Values per independently seeded chunk (parallel generation, same values on any thread count).

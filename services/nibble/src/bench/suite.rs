@@ -404,6 +404,26 @@ mod tests {
     }
 
     #[test]
+    fn every_suite_in_the_repository_reads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/suites");
+        let mut read = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let suite = Suite::read(&path, &args());
+                assert!(
+                    suite.is_ok(),
+                    "{}: {}",
+                    path.display(),
+                    suite.err().unwrap()
+                );
+                read += 1;
+            }
+        }
+        assert!(read >= 9, "{read} suites in {}", dir.display());
+    }
+
+    #[test]
     fn a_suite_overrides_the_plan_and_clusters_their_loads() {
         let suite = read(
             r#"
