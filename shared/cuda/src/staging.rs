@@ -18,11 +18,16 @@ pub struct DeviceStaging {
 }
 
 impl DeviceStaging {
-    /// A new buffer of `capacity` bytes (at least one), not zeroed, holding nothing yet.
+    /// A new buffer of `capacity` bytes (at least one), not zeroed, holding nothing yet,
+    /// usable on any stream once this returns.
     pub fn alloc(stream: &Arc<CudaStream>, capacity: usize) -> Result<Self> {
         // SAFETY: the bytes are uninitialized; `len` is 0 until a gather or a receive wrote
         // `..len`, and nothing reads past `len`.
         let buf = unsafe { stream.alloc::<u8>(capacity.max(1)) }?;
+        // A stream-ordered allocation is ordered only on `stream`, and cudarc records no event
+        // for it: wait for it here, so the engine's and NCCL's streams may use it at once.
+        // Allocations are rare (a pool miss), so the wait costs little.
+        stream.synchronize()?;
         Ok(Self { buf, len: 0 })
     }
 
