@@ -583,3 +583,56 @@ async fn a_prefill_worker_that_leaves_has_its_receiving_pair_dropped() {
     pair.deregister(Role::Prefill).await;
     until("D dropped the pair", || pair.d_nccl().live_links() == 0).await;
 }
+
+/// A decode worker that accepts connections and never answers: the set-up fails within twice
+/// its deadline instead of holding the pair's turn (and every request waiting for it) forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_up_with_a_peer_that_never_answers_ends_at_its_deadline() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = silent.local_addr().unwrap().to_string();
+    let held = tokio::spawn(async move {
+        let mut sockets = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            sockets.push(socket);
+        }
+    });
+    let timeout = Duration::from_millis(300);
+    let nccl = Arc::new(NcclTransport::new(
+        Arc::new(MemoryLinks::new()),
+        Arc::new(StaticRegistry::new().session()),
+        "prefill-0".into(),
+        nibble_discovery::NcclEndpoint {
+            host: "test".into(),
+            gpu: "GPU-a".into(),
+        },
+        NcclTimeouts {
+            timeout,
+            retry_after: Duration::from_secs(60),
+        },
+    ));
+    let started = Instant::now();
+    let err = nccl
+        .connect_ahead("decode-0", &address, &Peers::default())
+        .await
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        err.to_string().contains("did not answer NcclConnect"),
+        "{err}"
+    );
+    let totals = nccl.connect_totals();
+    assert_eq!((totals.ahead, totals.failed), (1, 1));
+    assert!(!nccl.has_link_to("decode-0"));
+    assert!(
+        !nccl
+            .connect_ahead("decode-0", &address, &Peers::default())
+            .await
+            .unwrap(),
+        "within the retry delay nothing is tried"
+    );
+    held.abort();
+}

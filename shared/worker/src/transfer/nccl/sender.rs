@@ -211,21 +211,6 @@ impl NcclTransport {
             .map_err(fail("connect"))?;
         }
         let generation = pair.generation;
-        let mut client = KvTransferClient::new(
-            peers.with_token(
-                peers
-                    .endpoint(&target.address)
-                    .map_err(|e| fail("refused")(e.into()))?
-                    .connect()
-                    .await
-                    .map_err(|source| {
-                        fail("refused")(Error::Connect {
-                            address: target.address.clone(),
-                            source,
-                        })
-                    })?,
-            ),
-        );
         let request = v1::NcclPagesRequest {
             sender_id: self.worker_id.clone(),
             generation,
@@ -235,14 +220,38 @@ impl NcclTransport {
             kv_format_fingerprint: engine.info().fingerprint,
             request_id: request_id.to_string(),
         };
-        let mut stream = match client.nccl_pages(request).await {
-            Ok(response) => response.into_inner(),
-            Err(status) => {
+        // Bounded: a decode worker that never answers must not hold the pair's turn.
+        let answered = tokio::time::timeout(self.control_deadline(), async {
+            let channel = peers
+                .endpoint(&target.address)?
+                .connect()
+                .await
+                .map_err(|source| Error::Connect {
+                    address: target.address.clone(),
+                    source,
+                })?;
+            let mut client = KvTransferClient::new(peers.with_token(channel));
+            Ok::<_, Error>(client.nccl_pages(request).await)
+        })
+        .await;
+        let mut stream = match answered {
+            Ok(Ok(Ok(response))) => response.into_inner(),
+            Ok(Ok(Err(status))) => {
                 if !request_level(status.code()) {
                     // D lost the pair (or never had it): set up again next time.
                     entry.take_link(&mut pair);
                 }
                 return Err(fail("refused")(push_error(&target.address, status)));
+            }
+            Ok(Err(e)) => return Err(fail("refused")(e)),
+            Err(_) => {
+                // D may yet post the receive: the link is no longer in step.
+                entry.take_link(&mut pair);
+                return Err(fail("refused")(Error::Link(format!(
+                    "{} did not answer NcclPages within {:?}",
+                    target.address,
+                    self.control_deadline()
+                ))));
             }
         };
         match self.next_stage(&mut stream, &target.address).await {
@@ -394,6 +403,7 @@ impl NcclTransport {
             let (links, cancel) = (Arc::clone(&self.links), Arc::clone(&cancel));
             tokio::task::spawn_blocking(move || links.join(&id, Rank::Sender, timeout, &cancel))
         };
+        let deadline = self.control_deadline();
         let connected = async {
             let channel =
                 peers
@@ -413,8 +423,15 @@ impl NcclTransport {
                 })
                 .await
                 .map_err(|status| push_error(address, status))
-        }
-        .await;
+        };
+        // Bounded: a decode worker that never answers must not hold the pair's turn.
+        let connected = tokio::time::timeout(deadline, connected)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Link(format!(
+                    "{address} did not answer NcclConnect within {deadline:?}"
+                )))
+            });
         if connected.is_err() {
             cancel.store(true, Ordering::Relaxed); // D will not join: stop waiting for it
         }
@@ -435,6 +452,13 @@ impl NcclTransport {
             // D's answer says why (the id never appeared, it has no NCCL, ...).
             (Err(_), Err(e)) => Err(e),
         }
+    }
+
+    /// How long a control call (NcclConnect, NcclPages up to its headers) may take: the
+    /// receiver's own waits (the id and the join, or a receive ahead of it) are bounded by the
+    /// transfer deadline, so twice that means it is not answering.
+    fn control_deadline(&self) -> Duration {
+        self.timeouts.timeout.saturating_mul(2)
     }
 
     /// The next progress message, within the deadline.
