@@ -339,23 +339,27 @@ async fn a_pool_bound_of_zero_keeps_nothing_idle() {
     pair.pages_back().await;
 }
 
-/// Links that record the bytes of each send and receive, sends taking `delay` (a slow wire).
+/// Links that record the bytes of each send and receive; sends wait until `gate` opens (at
+/// most 10 s: a wire that stalls until the test saw what it waits for).
 struct Recording {
     hub: MemoryLinks,
-    delay: Duration,
+    gate: Arc<AtomicBool>,
     log: Arc<Mutex<Vec<(Rank, usize)>>>,
 }
 
 struct RecordingLink {
     link: Box<dyn Link>,
     rank: Rank,
-    delay: Duration,
+    gate: Arc<AtomicBool>,
     log: Arc<Mutex<Vec<(Rank, usize)>>>,
 }
 
 impl Link for RecordingLink {
     fn send(&mut self, data: &Staging, timeout: Duration) -> nibble_nccl::Result<()> {
-        std::thread::sleep(self.delay);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.gate.load(Ordering::Relaxed) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         self.log.lock().unwrap().push((self.rank, data.len()));
         self.link.send(data, timeout)
     }
@@ -388,7 +392,7 @@ impl LinkFactory for Recording {
         Ok(Box::new(RecordingLink {
             link: self.hub.join(id, rank, timeout, cancel)?,
             rank,
-            delay: self.delay,
+            gate: Arc::clone(&self.gate),
             log: Arc::clone(&self.log),
         }))
     }
@@ -397,18 +401,19 @@ impl LinkFactory for Recording {
 /// Three hand-offs of one pair at once (as many reservations as the test pool holds), two in
 /// flight at a time: each lands in its own
 /// reservation (their prompts differ, so a transfer matched with another's reservation would
-/// decode other tokens), sends and receives pair up in order, and while one sends the next has
-/// already gathered (two staging buffers, no more).
+/// decode other tokens), sends and receives pair up in order, and while the first send stalls
+/// the next transfer gathers (a second staging buffer) and the third waits (no third buffer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_transfers_of_a_pair_in_flight_arrive_in_order() {
     let prompts: Vec<Vec<u32>> = (1..=3).map(prompt).collect();
     let expected = grpc_tokens(&prompts).await;
     let hub = MemoryLinks::new();
     let log = Arc::new(Mutex::new(Vec::new()));
-    let links = |delay| -> Arc<dyn LinkFactory> {
+    let gate = Arc::new(AtomicBool::new(false));
+    let links = || -> Arc<dyn LinkFactory> {
         Arc::new(Recording {
             hub: hub.clone(),
-            delay,
+            gate: Arc::clone(&gate),
             log: Arc::clone(&log),
         })
     };
@@ -416,17 +421,19 @@ async fn several_transfers_of_a_pair_in_flight_arrive_in_order() {
         max_in_flight: 2,
         ..NcclLimits::default()
     };
-    let pair = Pair::start(
-        links(Duration::from_millis(150)),
-        links(Duration::ZERO),
-        limits,
-    )
-    .await;
+    let pair = Pair::start(links(), links(), limits).await;
     pair.register(Role::Decode).await;
     until("the pair is up", || pair.p_nccl().has_link_to("decode-0")).await;
 
     let h = |i: usize| pair.handoff(["r0", "r1", "r2"][i], &prompts[i]);
-    let done = tokio::join!(h(0), h(1), h(2));
+    let open = async {
+        until("a second transfer gathered while the first sends", || {
+            pair.p_nccl().staging().allocations == 2
+        })
+        .await;
+        gate.store(true, Ordering::Relaxed);
+    };
+    let done = tokio::join!(h(0), h(1), h(2), open);
     let done = [done.0, done.1, done.2];
     for (i, h) in done.iter().enumerate() {
         assert_eq!(h.transfer.backend, v1::TransferBackend::Nccl as i32, "r{i}");
