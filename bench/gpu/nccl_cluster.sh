@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Two GPUs, real processes: etcd, a prefill worker on GPU 0, a decode worker on GPU 1 (both
 # --device cuda, NVFP4 KV), a router that disaggregates every prompt (--local-prefill-threshold 0);
-# three long prompts through the router (greedy), then each worker's transfer counters. Run on a 2-GPU
+# three long prompts through the router (greedy), then each worker's transfer counters and NCCL
+# pair set-ups (trigger="ahead": set up when the decode worker registered; trigger="request": a
+# request paid for it, which should not happen) and staging-pool gauges. Run on a 2-GPU
 # machine: NIBBLE=path/to/nibble ETCD=path/to/etcd MODEL=model.gguf OUT=dir bash nccl_cluster.sh
 set -u
 NIBBLE=${NIBBLE:-target/release/nibble}
@@ -36,7 +38,7 @@ for i in 1 2 3; do
 done > "$OUT/generate.txt" 2>&1
 for p in 9101 9102; do
     python3 -c "import urllib.request,sys; print(urllib.request.urlopen('http://127.0.0.1:$p/metrics').read().decode())" \
-        | grep -E "transfer|fallback" > "$OUT/metrics-$p.txt"
+        | grep -E "transfer|fallback|nccl" > "$OUT/metrics-$p.txt"
 done
 kill -INT $PIDS 2>/dev/null
 sleep 3

@@ -34,6 +34,7 @@ mod launch;
 mod launcher;
 pub mod libs;
 pub mod nvrtc;
+mod staging;
 
 pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrecision};
 /// The device context a backend runs on (NCCL communicators and staging buffers of the same
@@ -46,6 +47,7 @@ pub use launch::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
     PrefillBatch, PrefillKernel, WindowRows,
 };
+pub use staging::DeviceStaging;
 
 /// The element codecs and page addressing every kernel shares, prepended to each source.
 pub(crate) const PRELUDE: &str = include_str!("cu/common.cuh");

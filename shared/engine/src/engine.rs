@@ -703,10 +703,10 @@ impl<B: Backend> Engine<B> {
         Ok(self.state.reserve(id, prompt)?)
     }
 
-    /// Pages `ids` in one staging buffer in the backend's memory, for a device link (GPU to
-    /// GPU) to send.
-    pub fn stage_pages(&self, ids: &[PageId]) -> Result<B::Staging> {
-        self.model.backend().stage_pages(&self.pages, ids)
+    /// Pages `ids` into a (reused) staging buffer in the backend's memory, for a device link
+    /// (GPU to GPU) to send.
+    pub fn stage_pages(&self, ids: &[PageId], into: &mut B::Staging) -> Result<()> {
+        self.model.backend().stage_pages(&self.pages, ids, into)
     }
 
     /// Writes a received staging buffer into the reserved pages `ids`.

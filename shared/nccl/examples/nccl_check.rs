@@ -9,11 +9,16 @@
 //!
 //! Across GPUs 0 and 1 (needs two): rank 0 (the prefill side, GPU 0) and rank 1 (the decode side,
 //! GPU 1) join one communicator from a unique id, each on its own thread; P gathers a request's
-//! scattered pages (256, then 1024 pages) and sends them, D receives them and scatters them into
-//! different page ids; every byte of D's pool is compared (targets equal P's sources, the rest
-//! zero). Reports the NCCL receive rate (GB/s: CUDA events around the receive on rank 1's stream,
-//! both ranks released together before each repeat; median and best of the repeats) and the
-//! end-to-end rate of the checked transfer with gather and scatter (host clock, slower side).
+//! scattered pages (64, 256, then 1024 pages) and sends them, D receives them and scatters them
+//! into different page ids; every byte of D's pool is compared (targets equal P's sources, the
+//! rest zero). Reports the NCCL receive rate (GB/s: CUDA events around the receive on rank 1's
+//! stream, both ranks released together before each repeat; median and best of the repeats) and
+//! the end-to-end rate of a transfer with gather and scatter (host clock, slower side): with
+//! staging buffers allocated and zeroed for it, and with pooled staging as workers move pages
+//! (`StagingPool`, uninitialized buffers of a size class, sending and receiving only the
+//! transfer's bytes): the first pooled transfer allocates, the second reuses that buffer and is
+//! the one timed; the pool must allocate once per size, and D's pool is compared after the
+//! pooled transfers alone wrote it.
 //!
 //! Exits 0 only when the two-GPU transfer ran and every check passed. With one GPU it runs the
 //! single-GPU checks, says the two-GPU transfer was NOT tested, and exits 1; without a GPU, NVRTC
@@ -27,8 +32,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice};
-use nibble_cuda::{Kernels, PageGeom};
+use nibble_cuda::{DeviceStaging, Kernels, PageGeom};
 use nibble_kvfmt::{KvDtype, PageLayout};
+use nibble_nccl::staging::{Staging, StagingPool};
 use nibble_nccl::{self as nccl, Communicator, UniqueId};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 
@@ -40,7 +46,7 @@ const PAGE: usize = 16;
 /// Pages in each pool.
 const POOL_PAGES: usize = 1536;
 /// Pages a request moves.
-const SIZES: [usize; 2] = [256, 1024];
+const SIZES: [usize; 3] = [64, 256, 1024];
 const WARMUP: usize = 2;
 const REPEATS: usize = 10;
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -289,8 +295,27 @@ impl Meet {
 struct Timing {
     /// NCCL send/receive alone, each repeat.
     link: Vec<Duration>,
-    /// Gather + send (P) or receive + scatter (D), the checked transfer.
+    /// Gather + send (P) or receive + scatter (D) through staging allocated for it.
     end_to_end: Duration,
+    /// The same through a warm staging pool.
+    pooled: Duration,
+}
+
+/// A pool of device staging buffers allocated on `stream`, as a worker keeps them.
+fn staging_pool(stream: &Arc<cudarc::driver::CudaStream>) -> Arc<StagingPool> {
+    let stream = Arc::clone(stream);
+    Arc::new(StagingPool::new(
+        Arc::new(move |bytes| Ok(Staging::Device(DeviceStaging::alloc(&stream, bytes)?))),
+        8 << 30,
+    ))
+}
+
+/// The device buffer of a pooled staging buffer.
+fn device(staging: &mut Staging) -> Result<&mut DeviceStaging> {
+    match staging {
+        Staging::Device(d) => Ok(d),
+        Staging::Host(_) => bail!("a device pool lent a host buffer"),
+    }
 }
 
 fn two_gpus() -> Result<()> {
@@ -333,13 +358,16 @@ fn two_gpus() -> Result<()> {
         link.sort();
         let median = link[link.len() / 2];
         let e2e = d_time.end_to_end.max(p_time.end_to_end);
+        let pooled = d_time.pooled.max(p_time.pooled);
         println!(
             "{n} pages ({:.1} MB nvfp4): NCCL receive {:.1} GB/s (median of {REPEATS}, best \
-             {:.1}), gather+send+receive+scatter {:.1} GB/s; every byte equal",
+             {:.1}), gather+send+receive+scatter {:.1} GB/s with fresh staging, {:.1} GB/s \
+             with pooled staging; every byte equal",
             bytes / 1e6,
             bytes / median.as_secs_f64() / 1e9,
             bytes / link[0].as_secs_f64() / 1e9,
             bytes / e2e.as_secs_f64() / 1e9,
+            bytes / pooled.as_secs_f64() / 1e9,
         );
     }
     Ok(())
@@ -358,6 +386,7 @@ fn prefill_side(
         let size = layout()?.page_bytes();
         let (pool, host) = random_pool(&kernels, 2)?;
         let mut comm = Communicator::init(kernels.context(), &id, 0, 2, TIMEOUT)?;
+        let staging_pool = staging_pool(kernels.stream());
         let mut rng = StdRng::seed_from_u64(11);
         let mut timings = Vec::new();
         for n in SIZES {
@@ -385,9 +414,28 @@ fn prefill_side(
             kernels.gather_pages(&mut fresh, &pool, &from, size)?;
             comm.send(&fresh, 1, TIMEOUT)?;
             comm.wait(TIMEOUT)?;
+            let end_to_end = t.elapsed();
+            let allocated = staging_pool.stats().allocations;
+            let mut pooled = Duration::ZERO;
+            for _ in 0..2 {
+                barrier.wait()?;
+                let t = Instant::now();
+                let mut staging = staging_pool.take(n * size)?;
+                let buf = device(staging.get_mut()?)?;
+                buf.set_len(n * size)?;
+                kernels.gather_pages(buf.buffer_mut(), &pool, &from, size)?;
+                comm.send_bytes(buf.buffer(), buf.len(), 1, TIMEOUT)?;
+                comm.wait(TIMEOUT)?;
+                pooled = t.elapsed();
+            }
+            ensure!(
+                staging_pool.stats().allocations == allocated + 1,
+                "rank 0: the second pooled transfer of {n} pages allocated again"
+            );
             timings.push(Timing {
                 link,
-                end_to_end: t.elapsed(),
+                end_to_end,
+                pooled,
             });
         }
         Ok((host, timings))
@@ -407,6 +455,7 @@ fn decode_side(
     let stream = kernels.stream().clone();
     let mut pool = stream.alloc_zeros::<u8>(POOL_PAGES * size)?;
     let mut comm = Communicator::init(kernels.context(), &id, 1, 2, TIMEOUT)?;
+    let staging_pool = staging_pool(comm.stream());
     let mut results = Vec::new();
     for n in SIZES {
         let (from, to) = ids.recv().context("rank 0 failed")?;
@@ -432,12 +481,36 @@ fn decode_side(
         kernels.scatter_pages(&mut pool, &fresh, &to, size)?;
         stream.synchronize()?;
         let end_to_end = t.elapsed();
+        // Only the pooled transfers write the pool that is compared.
+        stream.memset_zeros(&mut pool)?;
+        let allocated = staging_pool.stats().allocations;
+        let mut pooled = Duration::ZERO;
+        for _ in 0..2 {
+            barrier.wait()?;
+            let t = Instant::now();
+            let mut staging = staging_pool.take(n * size)?;
+            let buf = device(staging.get_mut()?)?;
+            buf.set_len(n * size)?;
+            comm.recv_bytes(buf.buffer_mut(), n * size, 0, TIMEOUT)?;
+            comm.wait(TIMEOUT)?;
+            kernels.scatter_pages(&mut pool, buf.buffer(), &to, size)?;
+            stream.synchronize()?;
+            pooled = t.elapsed();
+        }
+        ensure!(
+            staging_pool.stats().allocations == allocated + 1,
+            "rank 1: the second pooled transfer of {n} pages allocated again"
+        );
         results.push((
             n,
             from,
             to,
             stream.clone_dtoh(&pool)?,
-            Timing { link, end_to_end },
+            Timing {
+                link,
+                end_to_end,
+                pooled,
+            },
         ));
     }
     Ok(results)

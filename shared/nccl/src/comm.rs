@@ -119,13 +119,36 @@ impl Communicator {
 
     /// Enqueues sending all of `data` to `peer`; [`wait`](Self::wait) for it to finish.
     pub fn send(&mut self, data: &CudaSlice<u8>, peer: usize, timeout: Duration) -> Result<()> {
-        self.exchange(&[(data, peer)], &mut [], timeout)
+        self.send_bytes(data, data.len(), peer, timeout)
+    }
+
+    /// Enqueues sending the first `bytes` bytes of `data` (a pooled buffer may be larger).
+    pub fn send_bytes(
+        &mut self,
+        data: &CudaSlice<u8>,
+        bytes: usize,
+        peer: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.exchange_parts(&[(data, bytes, peer)], &mut [], timeout)
     }
 
     /// Enqueues receiving `buf.len()` bytes from `peer` into `buf`; [`wait`](Self::wait) for
     /// them to land.
     pub fn recv(&mut self, buf: &mut CudaSlice<u8>, peer: usize, timeout: Duration) -> Result<()> {
-        self.exchange(&[], &mut [(buf, peer)], timeout)
+        let bytes = buf.len();
+        self.recv_bytes(buf, bytes, peer, timeout)
+    }
+
+    /// Enqueues receiving `bytes` bytes into the start of `buf`.
+    pub fn recv_bytes(
+        &mut self,
+        buf: &mut CudaSlice<u8>,
+        bytes: usize,
+        peer: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.exchange_parts(&[], &mut [(buf, bytes, peer)], timeout)
     }
 
     /// Enqueues sends and receives as one NCCL group (`ncclGroupStart`/`ncclGroupEnd`): with one
@@ -137,14 +160,40 @@ impl Communicator {
         recvs: &mut [(&mut CudaSlice<u8>, usize)],
         timeout: Duration,
     ) -> Result<()> {
+        let sends: Vec<_> = sends.iter().map(|&(d, p)| (d, d.len(), p)).collect();
+        let mut recvs: Vec<_> = recvs
+            .iter_mut()
+            .map(|(b, p)| {
+                let len = b.len();
+                (&mut **b, len, *p)
+            })
+            .collect();
+        self.exchange_parts(&sends, &mut recvs, timeout)
+    }
+
+    /// [`exchange`](Self::exchange) of `(buffer, bytes, peer)`: the first `bytes` of each
+    /// buffer.
+    fn exchange_parts(
+        &mut self,
+        sends: &[(&CudaSlice<u8>, usize, usize)],
+        recvs: &mut [(&mut CudaSlice<u8>, usize, usize)],
+        timeout: Duration,
+    ) -> Result<()> {
         self.check_usable()?;
-        let peers = sends.iter().map(|(_, p)| *p);
-        for peer in peers.chain(recvs.iter().map(|(_, p)| *p)) {
+        let parts = sends.iter().map(|(b, n, p)| (b.len(), *n, *p));
+        for (len, bytes, peer) in parts.chain(recvs.iter().map(|(b, n, p)| (b.len(), *n, *p))) {
             if peer >= self.nranks {
                 return Err(Error::Unsupported(format!(
                     "NCCL peer {peer} of a {}-rank communicator",
                     self.nranks
                 )));
+            }
+            if bytes > len {
+                return Err(Error::Shape {
+                    what: "bytes to move within the buffer",
+                    expected: len,
+                    actual: bytes,
+                });
             }
         }
         let deadline = Instant::now() + timeout;
@@ -160,15 +209,15 @@ impl Communicator {
             return Err(self.fail("ncclGroupStart", code));
         }
         let mut first_error = None;
-        for &(data, peer) in sends {
+        for &(data, bytes, peer) in sends {
             let (ptr, guard) = data.device_ptr(&stream);
             guards.push(guard);
-            // SAFETY: `ptr` addresses `data.len()` device bytes that stay allocated until the
+            // SAFETY: `ptr` addresses `bytes <= data.len()` device bytes that stay allocated until the
             // completion wait (the caller's contract, see the module header).
             let code = unsafe {
                 (api.send)(
                     ptr as *const c_void,
-                    data.len(),
+                    bytes,
                     NCCL_UINT8,
                     peer as i32,
                     comm,
@@ -179,8 +228,8 @@ impl Communicator {
                 first_error = Some(("ncclSend", code));
             }
         }
-        for (buf, peer) in recvs.iter_mut() {
-            let len = buf.len();
+        for (buf, len, peer) in recvs.iter_mut() {
+            let len = *len;
             let (ptr, guard) = buf.device_ptr_mut(&stream);
             guards.push(guard);
             // SAFETY: as for the sends; NCCL writes at most `len` bytes.

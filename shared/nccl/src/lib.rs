@@ -2,8 +2,8 @@
 //! communicators, rank 0 the prefill worker that sends, rank 1 the decode worker that receives,
 //! and the send/receive of device buffers that moves a request's pages from one GPU to another),
 //! and the device-link seam over it ([`link`]: [`link::LinkFactory`] and [`link::Link`], NCCL's
-//! [`link::NcclLinks`] and the in-process [`link::MemoryLinks`], the [`link::Staging`] buffers
-//! they move).
+//! [`link::NcclLinks`] and the in-process [`link::MemoryLinks`]), and the [`staging::Staging`]
+//! buffers they move, kept for reuse by a [`staging::StagingPool`].
 //!
 //! * [`available`] / [`version`]: whether the library loads (the worker advertises NCCL only
 //!   then).
@@ -11,7 +11,7 @@
 //!   through the coordination store.
 //! * [`Communicator`]: a non-blocking communicator on its own stream; every wait has a deadline.
 //!
-//! Pages reach a communicator through a contiguous *staging* buffer: the sender gathers a
+//! Pages reach a communicator through a contiguous *staging* buffer (pooled, never zeroed): the sender gathers a
 //! request's scattered pages into one buffer with [`nibble_cuda::Kernels::gather_pages`] and sends it
 //! whole, the receiver receives one buffer and scatters it into its own page ids with
 //! [`nibble_cuda::Kernels::scatter_pages`]. Each page is one contiguous range of the pool (every layer's
@@ -21,6 +21,7 @@ mod comm;
 mod error;
 mod ffi;
 pub mod link;
+pub mod staging;
 
 pub use comm::Communicator;
 pub use error::{Error, Result};

@@ -1,7 +1,9 @@
 //! The device link under an NCCL page transfer, behind a trait with an in-process twin.
 //!
-//! A [`LinkFactory`] makes unique ids (rank 0, the prefill worker) and joins two-rank links
-//! (both sides); a [`Link`] sends or receives one [`Staging`] buffer at a time. [`NcclLinks`] is
+//! A [`LinkFactory`] makes unique ids (rank 0, the prefill worker), joins two-rank links (both
+//! sides) and allocates the [`Staging`] buffers its links move ([`LinkFactory::allocator`], for a
+//! [`StagingPool`](crate::staging::StagingPool)); a [`Link`] sends or receives one buffer at a
+//! time, borrowing it, so that the caller gives it back to its pool afterwards. [`NcclLinks`] is
 //! NCCL on the worker's GPU; [`MemoryLinks`] moves host bytes between links of one process, so
 //! the whole protocol (id exchange, control messages, fallback, page accounting) runs in CI
 //! without a GPU. Both block, so callers run them on blocking threads; every call has a
@@ -12,62 +14,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::staging::{host_allocator, Allocate};
+pub use crate::staging::{Stageable, Staging};
 use crate::{Communicator, Error, Result, UniqueId};
-use cudarc::driver::{CudaContext, CudaSlice};
-
-/// A request's pages, contiguous, in the order of the transfer: in device memory on a CUDA
-/// worker, in host memory on a CPU worker.
-pub enum Staging {
-    Host(Vec<u8>),
-    Device(CudaSlice<u8>),
-}
-
-/// A backend's staging buffer (`Backend::Staging`) as the links carry it: host bytes for the
-/// CPU backend, a device buffer for the CUDA backend.
-pub trait Stageable: Send + Sized + 'static {
-    fn into_staging(self) -> Staging;
-    /// The backend's buffer from a received one; the other kind comes back as it was.
-    fn from_staging(staging: Staging) -> std::result::Result<Self, Staging>;
-}
-
-impl Stageable for Vec<u8> {
-    fn into_staging(self) -> Staging {
-        Staging::Host(self)
-    }
-
-    fn from_staging(staging: Staging) -> std::result::Result<Self, Staging> {
-        match staging {
-            Staging::Host(bytes) => Ok(bytes),
-            other => Err(other),
-        }
-    }
-}
-
-impl Stageable for CudaSlice<u8> {
-    fn into_staging(self) -> Staging {
-        Staging::Device(self)
-    }
-
-    fn from_staging(staging: Staging) -> std::result::Result<Self, Staging> {
-        match staging {
-            Staging::Device(buf) => Ok(buf),
-            other => Err(other),
-        }
-    }
-}
-
-impl Staging {
-    pub fn len(&self) -> usize {
-        match self {
-            Staging::Host(v) => v.len(),
-            Staging::Device(d) => d.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+use cudarc::driver::{CudaContext, CudaStream};
+use nibble_cuda::DeviceStaging;
 
 /// Which end of a pair a worker is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,28 +53,38 @@ pub trait LinkFactory: Send + Sync {
         timeout: Duration,
         cancel: &AtomicBool,
     ) -> Result<Box<dyn Link>>;
+    /// Allocates the staging buffers this factory's links move (host bytes unless overridden).
+    fn allocator(&self) -> Allocate {
+        host_allocator()
+    }
 }
 
 /// One end of a two-rank link. Operations of one pair must be issued in the same order on both
-/// ends (the transfer protocol runs one transfer per pair at a time).
+/// ends (the transfer protocol sends one transfer of a pair at a time, in order).
 pub trait Link: Send {
-    /// Sends `data` to the peer and waits until it has gone, at most `timeout`. `data` is
-    /// dropped only after the send finished or the link was aborted.
-    fn send(&mut self, data: Staging, timeout: Duration) -> Result<()>;
-    /// Receives exactly `bytes` bytes from the peer, at most `timeout`.
-    fn recv(&mut self, bytes: usize, timeout: Duration) -> Result<Staging>;
+    /// Sends `data`'s bytes (its length) to the peer and waits until they have gone, at most
+    /// `timeout`. When it returns, the link no longer uses `data` (it finished, or failed and
+    /// was aborted), so `data` may be reused or freed.
+    fn send(&mut self, data: &Staging, timeout: Duration) -> Result<()>;
+    /// Receives exactly `bytes` bytes from the peer into `into` (its capacity holds them; its
+    /// length becomes `bytes`), at most `timeout`. As for `send`, the link no longer uses `into`
+    /// when it returns.
+    fn recv(&mut self, into: &mut Staging, bytes: usize, timeout: Duration) -> Result<()>;
 }
 
-/// NCCL on one GPU: the worker's CUDA context.
+/// NCCL on one GPU: the worker's CUDA context, and a stream staging buffers are allocated on.
 pub struct NcclLinks {
     ctx: Arc<CudaContext>,
+    staging: Arc<CudaStream>,
 }
 
 impl NcclLinks {
     /// NCCL links on `ctx`'s device; fails when NCCL does not load.
     pub fn new(ctx: Arc<CudaContext>) -> Result<Self> {
         crate::version()?;
-        Ok(Self { ctx })
+        ctx.bind_to_thread()?;
+        let staging = ctx.new_stream()?;
+        Ok(Self { ctx, staging })
     }
 
     /// The UUID of the device, as NCCL endpoints advertise it.
@@ -162,6 +123,16 @@ impl LinkFactory for NcclLinks {
             peer: rank.peer(),
         }))
     }
+
+    /// Device buffers, uninitialized (every transfer writes its bytes before they are read);
+    /// cudarc's event tracking orders each reuse after the last one, on whatever stream.
+    fn allocator(&self) -> Allocate {
+        let stream = Arc::clone(&self.staging);
+        Arc::new(move |bytes| {
+            stream.context().bind_to_thread()?;
+            Ok(Staging::Device(DeviceStaging::alloc(&stream, bytes)?))
+        })
+    }
 }
 
 /// One NCCL communicator; `None` once broken (it was aborted then).
@@ -188,37 +159,34 @@ impl NcclLink {
 }
 
 impl Link for NcclLink {
-    fn send(&mut self, data: Staging, timeout: Duration) -> Result<()> {
-        let Staging::Device(buf) = &data else {
+    fn send(&mut self, data: &Staging, timeout: Duration) -> Result<()> {
+        let Staging::Device(buf) = data else {
             return Err(Error::Link(
                 "NCCL sends device memory, got host bytes".into(),
             ));
         };
         let peer = self.peer;
         self.guarded(|comm| {
-            comm.send(buf, peer, timeout)?;
+            comm.send_bytes(buf.buffer(), buf.len(), peer, timeout)?;
             comm.wait(timeout)?;
             Ok(())
         })
-        // `data` drops here: after completion, or after the abort.
+        // On failure the communicator was aborted before returning: NCCL no longer reads `data`.
     }
 
-    fn recv(&mut self, bytes: usize, timeout: Duration) -> Result<Staging> {
+    fn recv(&mut self, into: &mut Staging, bytes: usize, timeout: Duration) -> Result<()> {
+        let Staging::Device(buf) = into else {
+            return Err(Error::Link(
+                "NCCL receives into device memory, got a host buffer".into(),
+            ));
+        };
+        buf.set_len(bytes)?;
         let peer = self.peer;
-        let comm = self.comm()?;
-        let mut buf = comm.stream().alloc_zeros::<u8>(bytes)?;
-        let received = comm
-            .recv(&mut buf, peer, timeout)
-            .and_then(|()| comm.wait(timeout));
-        match received {
-            Ok(()) => Ok(Staging::Device(buf)),
-            Err(e) => {
-                // Abort first: NCCL may still be writing into `buf`, freed after this.
-                drop(self.comm.take());
-                drop(buf);
-                Err(e)
-            }
-        }
+        // On failure the communicator is aborted before returning: NCCL no longer writes `buf`.
+        self.guarded(|comm| {
+            comm.recv_bytes(buf.buffer_mut(), bytes, peer, timeout)?;
+            comm.wait(timeout)
+        })
     }
 }
 
@@ -347,22 +315,30 @@ impl MemoryLink {
 }
 
 impl Link for MemoryLink {
-    fn send(&mut self, data: Staging, _timeout: Duration) -> Result<()> {
+    fn send(&mut self, data: &Staging, _timeout: Duration) -> Result<()> {
         self.check()?;
         let Staging::Host(bytes) = data else {
             return Err(Error::Link("memory links carry host bytes".into()));
         };
-        if self.tx.send(bytes).is_err() {
+        // The channel carries a copy (the twin's wire); the caller keeps its buffer.
+        if self.tx.send(bytes.clone()).is_err() {
             self.broken = true;
             return Err(Error::Link("the peer's end is gone".into()));
         }
         Ok(())
     }
 
-    fn recv(&mut self, bytes: usize, timeout: Duration) -> Result<Staging> {
+    fn recv(&mut self, into: &mut Staging, bytes: usize, timeout: Duration) -> Result<()> {
         self.check()?;
+        let Staging::Host(buf) = into else {
+            return Err(Error::Link("memory links carry host bytes".into()));
+        };
         match self.rx.recv_timeout(timeout) {
-            Ok(data) if data.len() == bytes => Ok(Staging::Host(data)),
+            Ok(data) if data.len() == bytes => {
+                buf.clear();
+                buf.extend_from_slice(&data);
+                Ok(())
+            }
             Ok(data) => {
                 self.broken = true;
                 Err(Error::Link(format!(
@@ -396,7 +372,9 @@ mod tests {
                 let mut link = hub
                     .join(&id, Rank::Receiver, Duration::from_secs(5), &cancel)
                     .unwrap();
-                match link.recv(3, Duration::from_secs(5)).unwrap() {
+                let mut into = Staging::Host(Vec::with_capacity(3));
+                link.recv(&mut into, 3, Duration::from_secs(5)).unwrap();
+                match into {
                     Staging::Host(b) => b,
                     Staging::Device(_) => unreachable!(),
                 }
@@ -406,7 +384,7 @@ mod tests {
             .join(&id, Rank::Sender, Duration::from_secs(5), &never)
             .unwrap();
         sender
-            .send(Staging::Host(vec![1, 2, 3]), Duration::from_secs(1))
+            .send(&Staging::Host(vec![1, 2, 3]), Duration::from_secs(1))
             .unwrap();
         assert_eq!(receiver.join().unwrap(), vec![1, 2, 3]);
         assert!(

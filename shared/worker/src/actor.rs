@@ -114,14 +114,15 @@ enum Command {
     },
     Gather {
         pages: Vec<PageId>,
-        reply: oneshot::Sender<Result<Staging>>,
+        into: Staging,
+        reply: oneshot::Sender<(Staging, Result<()>)>,
     },
     Scatter {
         owner: SeqId,
         pages: Vec<PageId>,
         staging: Staging,
         check: StagingCheck,
-        reply: oneshot::Sender<Result<()>>,
+        reply: oneshot::Sender<(Staging, Result<()>)>,
     },
     StartDecode {
         id: SeqId,
@@ -398,31 +399,48 @@ impl EngineHandle {
         .await?
     }
 
-    /// `pages`, concatenated into one staging buffer for a device link: in device memory (on the
-    /// engine's stream, after every kernel that wrote them) on a CUDA engine, the exported bytes
-    /// on a CPU engine.
-    pub async fn gather_staging(&self, pages: Vec<PageId>) -> Result<Staging> {
-        self.call(|reply| Command::Gather { pages, reply }).await?
+    /// `pages`, concatenated into the staging buffer `into` (a pooled buffer whose capacity
+    /// holds them) for a device link: in device memory (on the engine's stream, after every
+    /// kernel that wrote them) on a CUDA engine, the exported bytes on a CPU engine. The buffer
+    /// comes back whatever happened (for its pool), unless the engine stopped.
+    pub async fn gather_staging(
+        &self,
+        pages: Vec<PageId>,
+        into: Staging,
+    ) -> (Option<Staging>, Result<()>) {
+        let called = self
+            .call(|reply| Command::Gather { pages, into, reply })
+            .await;
+        match called {
+            Ok((staging, result)) => (Some(staging), result),
+            Err(e) => (None, Err(e)),
+        }
     }
 
     /// Writes a staging buffer (`pages.len()` pages) into reserved pages, the inverse of
     /// [`gather_staging`](Self::gather_staging), once `check` passed on its bytes (a device
-    /// buffer is copied to the host for it); nothing is written if it fails.
+    /// buffer is copied to the host for it); nothing is written if it fails. The buffer comes
+    /// back as from `gather_staging`.
     pub async fn scatter_staging(
         &self,
         owner: SeqId,
         pages: Vec<PageId>,
         staging: Staging,
         check: StagingCheck,
-    ) -> Result<()> {
-        self.call(|reply| Command::Scatter {
-            owner,
-            pages,
-            staging,
-            check,
-            reply,
-        })
-        .await?
+    ) -> (Option<Staging>, Result<()>) {
+        let called = self
+            .call(|reply| Command::Scatter {
+                owner,
+                pages,
+                staging,
+                check,
+                reply,
+            })
+            .await;
+        match called {
+            Ok((staging, result)) => (Some(staging), result),
+            Err(e) => (None, Err(e)),
+        }
     }
 
     /// Starts decoding a filled reservation from the first token; events as for

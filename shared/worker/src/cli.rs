@@ -24,7 +24,9 @@ use crate::config::{
 };
 use crate::error::{Error, Result};
 use crate::service::{WorkerIdentity, WorkerState};
-use crate::transfer::nccl::{offer_nccl, NcclTimeouts, NcclTransport, TransferMode};
+use crate::transfer::nccl::{
+    offer_nccl, NcclLimits, NcclTimeouts, NcclTransport, PairFilter, TransferMode,
+};
 use crate::AbortOnDrop;
 use nibble_nccl::link::NcclLinks;
 
@@ -177,6 +179,14 @@ pub struct TransferArgs {
     /// pair is torn down and the request moves over gRPC.
     #[arg(long, env = "NIBBLE_NCCL_TIMEOUT_MS", default_value_t = 10_000)]
     pub nccl_timeout_ms: u64,
+    /// Idle NCCL staging buffers kept for reuse, in MiB (device memory on a GPU, both
+    /// directions together); a buffer given back past it is freed.
+    #[arg(long, env = "NIBBLE_NCCL_STAGING_POOL_MB", default_value_t = 2048)]
+    pub nccl_staging_pool_mb: u64,
+    /// NCCL transfers of one prefill/decode pair under way at once (one sends while the next
+    /// gathers and the one before is scattered); more wait before they gather.
+    #[arg(long, env = "NIBBLE_NCCL_MAX_IN_FLIGHT", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub nccl_max_in_flight: u32,
     /// This machine's name in the NCCL endpoint this worker advertises (default: the hostname).
     #[arg(long, env = "NIBBLE_HOST_ID")]
     pub host_id: Option<String>,
@@ -187,6 +197,8 @@ impl Default for TransferArgs {
         Self {
             kv_transfer: TransferMode::Auto,
             nccl_timeout_ms: 10_000,
+            nccl_staging_pool_mb: 2048,
+            nccl_max_in_flight: 4,
             host_id: None,
         }
     }
@@ -219,7 +231,7 @@ fn configure_nccl(
     let host = args.host_id.clone().unwrap_or_else(hostname);
     let (version, path) = nibble_nccl::version()?;
     tracing::info!(%version, path = %path.display(), %host, %gpu, "offering NCCL page transfer");
-    state.set_nccl(Arc::new(NcclTransport::new(
+    state.set_nccl(Arc::new(NcclTransport::with_limits(
         Arc::new(links),
         Arc::clone(discovery),
         state.identity().worker_id.clone(),
@@ -227,6 +239,10 @@ fn configure_nccl(
         NcclTimeouts {
             timeout: Duration::from_millis(args.nccl_timeout_ms.max(1)),
             ..NcclTimeouts::default()
+        },
+        NcclLimits {
+            staging_pool_bytes: (args.nccl_staging_pool_mb as usize).saturating_mul(1 << 20),
+            max_in_flight: args.nccl_max_in_flight as usize,
         },
     )))
 }
@@ -435,6 +451,20 @@ pub async fn run_on(
             Some((membership, AbortOnDrop(refresh), follow))
         }
     };
+    // NCCL pairs are set up as decode workers appear, not on a request's path.
+    let pairing = match state.nccl() {
+        Some(nccl) => Some(AbortOnDrop(nccl.spawn_pairing(
+            state.security().peers()?,
+            PairFilter {
+                fingerprint: state.engine().info().fingerprint,
+                is_sender: {
+                    let state = Arc::clone(&state);
+                    Arc::new(move || state.role() == v1::WorkerRole::Prefill)
+                },
+            },
+        ))),
+        None => None,
+    };
     println!("nibble-{role} listening on {address}");
     // Stopping: leave the membership first, so routers stop sending new requests while open
     // ones drain.
@@ -461,6 +491,7 @@ pub async fn run_on(
         shutdown,
     )
     .await;
+    drop(pairing);
     if let Some(nccl) = state.nccl() {
         nccl.shutdown().await;
     }

@@ -48,6 +48,20 @@ pub const KV_TRANSFER_FALLBACKS_TOTAL: &str = "nibble_worker_kv_transfer_fallbac
 pub const KV_TRANSFERS_REFUSED_TOTAL: &str = "nibble_worker_kv_transfers_refused_total";
 /// Gauge: NCCL pairs with a live communicator (both roles).
 pub const NCCL_LINKS: &str = "nibble_worker_nccl_links";
+/// Counter: NCCL pair set-ups a prefill worker started, labelled `trigger` (`ahead`: a decode
+/// worker's registration was seen; `request`: a transfer found its pair down) and `outcome`
+/// (`ok` or `failed`). Requests pay the set-up only in `request`'s.
+pub const NCCL_CONNECTS_TOTAL: &str = "nibble_worker_nccl_connects_total";
+/// Histogram: time to set an NCCL pair up (id, both joins), labelled `trigger` and `outcome`.
+pub const NCCL_CONNECT_DURATION_SECONDS: &str = "nibble_worker_nccl_connect_duration_seconds";
+/// Gauge: bytes of idle NCCL staging buffers kept for reuse (at most
+/// `--nccl-staging-pool-mb`).
+pub const NCCL_STAGING_IDLE_BYTES: &str = "nibble_worker_nccl_staging_idle_bytes";
+/// Gauge: bytes of NCCL staging buffers in use by transfers now.
+pub const NCCL_STAGING_LENT_BYTES: &str = "nibble_worker_nccl_staging_lent_bytes";
+/// Counter: NCCL staging buffers allocated (a transfer that reuses one allocates nothing;
+/// steady growth means the pool bound is too small for the traffic).
+pub const NCCL_STAGING_ALLOCATIONS_TOTAL: &str = "nibble_worker_nccl_staging_allocations_total";
 /// Gauge: pages in the KV page pool.
 pub const KV_PAGES_TOTAL: &str = "nibble_worker_kv_pages_total";
 /// Gauge: pages no request and no cached block holds.
@@ -131,6 +145,29 @@ pub fn describe() {
         "Page pushes refused for what they sent (their reservation released), by reason."
     );
     describe_gauge!(NCCL_LINKS, "NCCL pairs with a live communicator.");
+    describe_counter!(
+        NCCL_CONNECTS_TOTAL,
+        "NCCL pair set-ups started, by trigger (ahead of traffic or on a request) and outcome."
+    );
+    describe_histogram!(
+        NCCL_CONNECT_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time to set an NCCL pair up, by trigger and outcome."
+    );
+    describe_gauge!(
+        NCCL_STAGING_IDLE_BYTES,
+        Unit::Bytes,
+        "Bytes of idle NCCL staging buffers kept for reuse."
+    );
+    describe_gauge!(
+        NCCL_STAGING_LENT_BYTES,
+        Unit::Bytes,
+        "Bytes of NCCL staging buffers in use by transfers."
+    );
+    describe_counter!(
+        NCCL_STAGING_ALLOCATIONS_TOTAL,
+        "NCCL staging buffers allocated (reuses allocate nothing)."
+    );
     describe_gauge!(KV_PAGES_TOTAL, "Pages in the KV page pool.");
     describe_gauge!(
         KV_PAGES_FREE,
@@ -174,7 +211,7 @@ pub(crate) fn role_label(state: &WorkerState) -> &'static str {
 }
 
 /// The gauges a worker sets per `role` and `worker` at every scrape.
-const ROLE_GAUGES: [&str; 10] = [
+const ROLE_GAUGES: [&str; 12] = [
     KV_PAGES_TOTAL,
     KV_PAGES_FREE,
     KV_PAGES_CACHED,
@@ -185,6 +222,8 @@ const ROLE_GAUGES: [&str; 10] = [
     QUEUED_PREFILL_TOKENS,
     PENDING_RESERVATIONS,
     NCCL_LINKS,
+    NCCL_STAGING_IDLE_BYTES,
+    NCCL_STAGING_LENT_BYTES,
 ];
 
 /// Zeroes `worker`'s gauges labelled with the `role` it has left: a series cannot be removed
@@ -255,6 +294,18 @@ pub(crate) fn transfer_backend(
     .increment(1);
 }
 
+/// Counts and times one NCCL pair set-up (the sender's, so `role` is `prefill`).
+pub(crate) fn nccl_connect(trigger: &'static str, ok: bool, took: Duration) {
+    let outcome = if ok { "ok" } else { "failed" };
+    let labels = [
+        ("role", "prefill"),
+        ("trigger", trigger),
+        ("outcome", outcome),
+    ];
+    metrics::counter!(NCCL_CONNECTS_TOTAL, &labels).increment(1);
+    metrics::histogram!(NCCL_CONNECT_DURATION_SECONDS, &labels).record(took.as_secs_f64());
+}
+
 /// Counts one fall back from NCCL to gRPC.
 pub(crate) fn fallback(role: &'static str, reason: &'static str) {
     metrics::counter!(KV_TRANSFER_FALLBACKS_TOTAL, "role" => role, "reason" => reason).increment(1);
@@ -297,6 +348,9 @@ impl Collect for WorkerState {
             gauge(QUEUED_PREFILL_TOKENS, load.prefill_backlog);
             gauge(PENDING_RESERVATIONS, self.pending_reservations());
             gauge(NCCL_LINKS, self.nccl().map_or(0, |n| n.live_links()));
+            let staging = self.nccl().map(|n| n.staging()).unwrap_or_default();
+            gauge(NCCL_STAGING_IDLE_BYTES, staging.idle_bytes);
+            gauge(NCCL_STAGING_LENT_BYTES, staging.lent_bytes);
             let cache = load.cache;
             let counter = |name: &'static str, value: u64| {
                 metrics::counter!(name, "role" => role, "worker" => worker.clone()).absolute(value);
@@ -305,6 +359,7 @@ impl Collect for WorkerState {
             counter(PREFIX_CACHE_QUERIES_TOTAL, cache.query_blocks * page_size);
             counter(PREFIX_CACHE_HITS_TOTAL, cache.hit_blocks * page_size);
             counter(PREFIX_CACHE_EVICTIONS_TOTAL, cache.evicted_blocks);
+            counter(NCCL_STAGING_ALLOCATIONS_TOTAL, staging.allocations);
         })
     }
 }

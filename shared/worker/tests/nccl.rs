@@ -337,10 +337,10 @@ struct BreakingLinks(MemoryLinks);
 struct BrokenOnSend;
 
 impl Link for BrokenOnSend {
-    fn send(&mut self, _: Staging, _: Duration) -> nibble_nccl::Result<()> {
+    fn send(&mut self, _: &Staging, _: Duration) -> nibble_nccl::Result<()> {
         Err(nibble_nccl::Error::Link("injected failure".into()))
     }
-    fn recv(&mut self, _: usize, _: Duration) -> nibble_nccl::Result<Staging> {
+    fn recv(&mut self, _: &mut Staging, _: usize, _: Duration) -> nibble_nccl::Result<()> {
         Err(nibble_nccl::Error::Link("injected failure".into()))
     }
 }
@@ -552,15 +552,21 @@ struct Corrupting {
 }
 
 impl Link for Corrupting {
-    fn send(&mut self, staging: Staging, timeout: Duration) -> nibble_nccl::Result<()> {
-        let staging = match self.corrupt.load(Ordering::Relaxed) {
-            true => Staging::Host(vec![0xFF; staging.len()]),
-            false => staging,
-        };
-        self.link.send(staging, timeout)
+    fn send(&mut self, staging: &Staging, timeout: Duration) -> nibble_nccl::Result<()> {
+        match self.corrupt.load(Ordering::Relaxed) {
+            true => self
+                .link
+                .send(&Staging::Host(vec![0xFF; staging.len()]), timeout),
+            false => self.link.send(staging, timeout),
+        }
     }
-    fn recv(&mut self, bytes: usize, timeout: Duration) -> nibble_nccl::Result<Staging> {
-        self.link.recv(bytes, timeout)
+    fn recv(
+        &mut self,
+        into: &mut Staging,
+        bytes: usize,
+        timeout: Duration,
+    ) -> nibble_nccl::Result<()> {
+        self.link.recv(into, bytes, timeout)
     }
 }
 

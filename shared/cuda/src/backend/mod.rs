@@ -30,13 +30,13 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use nibble_engine::backend::{AttentionArgs, Backend, PageEncoding, PagedSeq, RopeArgs};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult};
 use nibble_kvcache::{PageId, PagePool, PoolPlan};
 
-use crate::{nvrtc, Error, Kernels, Result};
+use crate::{nvrtc, DeviceStaging, Error, Kernels, Result};
 
 mod attention;
 mod decode;
@@ -474,10 +474,15 @@ impl Backend for CudaBackend {
         self.write_page_bytes(pages, pool, page, bytes)
     }
 
-    type Staging = CudaSlice<u8>;
+    type Staging = DeviceStaging;
 
-    fn stage_pages(&self, pages: &CudaPages, ids: &[PageId]) -> EngineResult<CudaSlice<u8>> {
-        self.gather_pages(pages, ids)
+    fn stage_pages(
+        &self,
+        pages: &CudaPages,
+        ids: &[PageId],
+        into: &mut DeviceStaging,
+    ) -> EngineResult<()> {
+        self.gather_pages(pages, ids, into)
             .map_err(|e| classified("staging pages", e))
     }
 
@@ -486,24 +491,24 @@ impl Backend for CudaBackend {
         pages: &mut CudaPages,
         pool: &PagePool,
         ids: &[PageId],
-        staging: &CudaSlice<u8>,
+        staging: &DeviceStaging,
     ) -> EngineResult<()> {
         self.scatter_pages(pages, pool, ids, staging)
             .map_err(|e| classified("writing staged pages", e))
     }
 
-    fn staging_bytes(&self, staging: &CudaSlice<u8>) -> usize {
+    fn staging_bytes(&self, staging: &DeviceStaging) -> usize {
         staging.len()
     }
 
     fn staged_host_bytes<'a>(
         &self,
-        staging: &'a CudaSlice<u8>,
+        staging: &'a DeviceStaging,
     ) -> EngineResult<std::borrow::Cow<'a, [u8]>> {
         self.bind();
         let host = self
             .stream()
-            .clone_dtoh(staging)
+            .clone_dtoh(&staging.view())
             .map_err(|e| device_err("copying staged pages to the host", e))?;
         Ok(std::borrow::Cow::Owned(host))
     }

@@ -1,7 +1,7 @@
 //! [`CudaPages`]: the paged KV cache in device memory, with exactly the bytes of
 //! `nibble_kvfmt::PageLayout` (so the CPU backend reads what this one writes, and the other way
 //! round): creating it (`new_pages`), one page to and from the host (`read_page`, `write_page`)
-//! and whole pages to and from a staging buffer on the device ([`CudaBackend::gather_pages`],
+//! and whole pages to and from a (pooled) staging buffer on the device ([`CudaBackend::gather_pages`],
 //! [`CudaBackend::scatter_pages`], the NCCL transfer path).
 
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use nibble_kvfmt::{PageLayout, ScaleRule, WindowLayout};
 
 use super::decode::DecodeInputs;
 use super::{engine_err, CudaBackend, CudaTensor};
-use crate::{DecodeWorkspace, Error, PageGeom, Result};
+use crate::{DecodeWorkspace, DeviceStaging, Error, PageGeom, Result};
 
 /// Page bytes in device memory plus the work-dtype workspace and the decode partials.
 pub struct CudaPages {
@@ -147,31 +147,44 @@ impl CudaBackend {
         self.kernels.context()
     }
 
-    /// Copies `ids` (in order) into a new staging buffer, on this backend's stream: ordered after
-    /// every kernel that wrote those pages. Users on other streams wait for the copy through
-    /// cudarc's event tracking.
-    pub fn gather_pages(&self, pages: &CudaPages, ids: &[PageId]) -> Result<CudaSlice<u8>> {
+    /// Copies `ids` (in order) into `into` (a pooled buffer, not zeroed: its capacity must hold
+    /// them) and sets its length, on this backend's stream: ordered after every kernel that
+    /// wrote those pages, and after the last use of `into` on any stream (cudarc's event
+    /// tracking). Users on other streams wait for the copy the same way.
+    pub fn gather_pages(
+        &self,
+        pages: &CudaPages,
+        ids: &[PageId],
+        into: &mut DeviceStaging,
+    ) -> Result<()> {
         self.bind();
         let size = pages.layout.page_bytes();
-        let mut staging = self.stream().alloc_zeros::<u8>((ids.len() * size).max(1))?;
+        into.set_len(ids.len() * size)?;
         if ids.is_empty() {
-            return Ok(staging);
+            return Ok(());
         }
         let ids: Vec<u32> = ids.iter().map(|p| p.0).collect();
         self.kernels
-            .gather_pages(&mut staging, &pages.bytes, &ids, size)?;
-        Ok(staging)
+            .gather_pages(into.buffer_mut(), &pages.bytes, &ids, size)
     }
 
-    /// Writes `staging` (exactly `ids.len()` pages) into the allocated pages `ids`, on this
+    /// Writes `staging` (exactly `ids.len()` pages long) into the allocated pages `ids`, on this
     /// backend's stream (so later attention kernels see the bytes).
     pub fn scatter_pages(
         &self,
         pages: &mut CudaPages,
         pool: &PagePool,
         ids: &[PageId],
-        staging: &CudaSlice<u8>,
+        staging: &DeviceStaging,
     ) -> Result<()> {
+        let size = pages.layout.page_bytes();
+        if staging.len() != ids.len() * size {
+            return Err(Error::Shape {
+                what: "staging bytes (the pages written)",
+                expected: ids.len() * size,
+                actual: staging.len(),
+            });
+        }
         for &page in ids {
             match pool.refcount(page) {
                 Ok(n) if n > 0 => {}
@@ -187,8 +200,7 @@ impl CudaBackend {
         }
         self.bind();
         let ids: Vec<u32> = ids.iter().map(|p| p.0).collect();
-        let size = pages.layout.page_bytes();
         self.kernels
-            .scatter_pages(&mut pages.bytes, staging, &ids, size)
+            .scatter_pages(&mut pages.bytes, staging.buffer(), &ids, size)
     }
 }

@@ -7,7 +7,7 @@ use super::args::NewKv;
 use crate::{Error, PageGeom, Result};
 
 /// Checks a page copy: pages of a multiple of 16 bytes, a pool of whole pages, every id one of
-/// its pages, and a staging buffer of exactly the listed pages.
+/// its pages, and a staging buffer of at least the listed pages (a pooled buffer may be larger).
 pub(super) fn check_page_copy(
     staging: usize,
     pool: usize,
@@ -19,7 +19,14 @@ pub(super) fn check_page_copy(
             "page copies need pages of a multiple of 16 bytes, not {page_bytes}"
         )));
     }
-    check("staging bytes", page_ids.len() * page_bytes, staging)?;
+    let needed = page_ids.len() * page_bytes;
+    if staging < needed {
+        return Err(Error::Shape {
+            what: "staging bytes (at least the pages copied)",
+            expected: needed,
+            actual: staging,
+        });
+    }
     let pages = pool / page_bytes;
     if let Some(bad) = page_ids.iter().find(|p| **p as usize >= pages) {
         return Err(Error::Shape {
@@ -104,10 +111,14 @@ mod tests {
     #[test]
     fn page_copies_are_checked_before_launch() {
         assert!(
-            check_page_copy(64, 128, &[1, 0, 7], 16).is_err(),
+            check_page_copy(32, 128, &[1, 0, 7], 16).is_err(),
             "id 7 of 8 pages is fine, staging is short"
         );
         assert!(check_page_copy(48, 128, &[1, 0, 7], 16).is_ok());
+        assert!(
+            check_page_copy(64, 128, &[1, 0, 7], 16).is_ok(),
+            "a larger pooled buffer holds the pages in its first bytes"
+        );
         assert!(
             check_page_copy(48, 128, &[1, 0, 8], 16).is_err(),
             "page 8 is past the pool"

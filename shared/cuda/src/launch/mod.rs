@@ -379,8 +379,9 @@ impl Kernels {
     }
 
     /// Copies whole pages `page_ids` of `pool` (pages of `page_bytes`) into `staging`, in list
-    /// order: `staging[i] = page page_ids[i]`. `staging` must hold exactly those pages, and every
-    /// id must be a page of the pool (checked here, before anything is launched).
+    /// order: `staging[i] = page page_ids[i]`. `staging` must hold at least those pages (a
+    /// pooled buffer may be larger; bytes past them are left alone), and every id must be a page
+    /// of the pool (checked here, before anything is launched).
     pub fn gather_pages(
         &self,
         staging: &mut CudaSlice<u8>,
@@ -392,7 +393,8 @@ impl Kernels {
         self.copy_pages(&self.pages_gather, staging, pool, page_ids, page_bytes)
     }
 
-    /// The inverse of [`gather_pages`](Self::gather_pages): `page page_ids[i] = staging[i]`.
+    /// The inverse of [`gather_pages`](Self::gather_pages): `page page_ids[i] = staging[i]`,
+    /// reading the first `page_ids.len()` pages of `staging`.
     pub fn scatter_pages(
         &self,
         pool: &mut CudaSlice<u8>,

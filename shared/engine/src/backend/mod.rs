@@ -302,10 +302,17 @@ pub trait Backend: Send + Sync + 'static {
     /// the CPU, a device buffer on a GPU): what a device link (NCCL) sends and receives.
     type Staging: Send + 'static;
 
-    /// Copies pages `ids` (data and scales) into one new staging buffer, in that order.
-    fn stage_pages(&self, pages: &Self::Pages, ids: &[PageId]) -> Result<Self::Staging>;
+    /// Copies pages `ids` (data and scales) into the staging buffer `into`, in that order, and
+    /// sets its length to theirs. `into` is reused from transfer to transfer: its capacity
+    /// holds them (the caller sized it), its old bytes are overwritten, never cleared first.
+    fn stage_pages(
+        &self,
+        pages: &Self::Pages,
+        ids: &[PageId],
+        into: &mut Self::Staging,
+    ) -> Result<()>;
 
-    /// Writes `staging` (exactly `ids.len()` pages) into the allocated pages `ids`; refuses a
+    /// Writes `staging` (its length exactly `ids.len()` pages) into the allocated pages `ids`; refuses a
     /// page the allocator does not show allocated.
     fn unstage_pages(
         &self,
@@ -315,7 +322,7 @@ pub trait Backend: Send + Sync + 'static {
         staging: &Self::Staging,
     ) -> Result<()>;
 
-    /// The bytes a staging buffer holds.
+    /// The bytes a staging buffer holds (its length, not its capacity).
     fn staging_bytes(&self, staging: &Self::Staging) -> usize;
 
     /// A staging buffer's contents on the host: borrowed where it lives there, copied from a

@@ -145,8 +145,8 @@ where
                 let result = self.holds(owner).and_then(|()| self.import(&pages, &data));
                 let _ = reply.send(result);
             }
-            Command::Gather { pages, reply } => {
-                let _ = reply.send(self.gather(&pages));
+            Command::Gather { pages, into, reply } => {
+                let _ = reply.send(self.gather(&pages, into));
             }
             Command::Scatter {
                 owner,
@@ -155,9 +155,10 @@ where
                 check,
                 reply,
             } => {
-                let result = self
-                    .holds(owner)
-                    .and_then(|()| self.scatter(&pages, staging, check));
+                let result = match self.holds(owner) {
+                    Ok(()) => self.scatter(&pages, staging, check),
+                    Err(e) => (staging, Err(e)),
+                };
                 let _ = reply.send(result);
             }
             Command::StartDecode {
@@ -244,32 +245,60 @@ where
         Ok(())
     }
 
-    fn gather(&mut self, pages: &[PageId]) -> Result<Staging> {
-        Ok(self.engine.stage_pages(pages)?.into_staging())
+    /// Gathers `pages` into `into`; the buffer comes back either way.
+    fn gather(&mut self, pages: &[PageId], into: Staging) -> (Staging, Result<()>) {
+        match B::Staging::from_staging(into) {
+            Ok(mut staged) => {
+                let result = self.engine.stage_pages(pages, &mut staged);
+                (staged.into_staging(), result.map_err(Into::into))
+            }
+            Err(other) => {
+                let error = Error::Link(format!(
+                    "a {} staging buffer does not fit this engine's pages",
+                    kind(&other)
+                ));
+                (other, Err(error))
+            }
+        }
     }
 
-    fn scatter(&mut self, pages: &[PageId], staging: Staging, check: StagingCheck) -> Result<()> {
+    /// Checks and writes `staging` into `pages`; the buffer comes back either way.
+    fn scatter(
+        &mut self,
+        pages: &[PageId],
+        staging: Staging,
+        check: StagingCheck,
+    ) -> (Staging, Result<()>) {
         let page_bytes = self.engine.state().pool.layout().page_bytes();
         if staging.len() != pages.len() * page_bytes {
-            return Err(Error::InvalidArgument(format!(
+            let error = Error::InvalidArgument(format!(
                 "staging must be {} pages of {page_bytes} bytes, got {} bytes",
                 pages.len(),
                 staging.len()
-            )));
+            ));
+            return (staging, Err(error));
         }
         match B::Staging::from_staging(staging) {
             Ok(staged) => {
-                check(&self.engine.staged_host_bytes(&staged)?)?;
-                Ok(self.engine.unstage_pages(pages, &staged)?)
+                let result = self
+                    .engine
+                    .staged_host_bytes(&staged)
+                    .map_err(Error::from)
+                    .and_then(|bytes| check(&bytes))
+                    .and_then(|()| Ok(self.engine.unstage_pages(pages, &staged)?));
+                (staged.into_staging(), result)
             }
             // Host bytes reach any engine page by page.
             Err(Staging::Host(bytes)) => {
-                check(&bytes)?;
-                self.import(pages, &bytes)
+                let result = check(&bytes).and_then(|()| self.import(pages, &bytes));
+                (Staging::Host(bytes), result)
             }
-            Err(Staging::Device(_)) => Err(Error::Link(
-                "device pages arrived at an engine running on the CPU".into(),
-            )),
+            Err(device @ Staging::Device(_)) => (
+                device,
+                Err(Error::Link(
+                    "device pages arrived at an engine running on the CPU".into(),
+                )),
+            ),
         }
     }
 
@@ -334,5 +363,13 @@ where
                 }
             }
         }
+    }
+}
+
+/// `host` or `device`, for errors.
+fn kind(staging: &Staging) -> &'static str {
+    match staging {
+        Staging::Host(_) => "host",
+        Staging::Device(_) => "device",
     }
 }

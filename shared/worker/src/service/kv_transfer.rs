@@ -243,7 +243,7 @@ impl WorkerState {
                     return;
                 }
                 let received = async {
-                    let staging = nccl.recv(&r.sender_id, &mut pair, bytes).await?;
+                    let mut staging = nccl.recv(&r.sender_id, &mut pair, bytes).await?;
                     // The next transfer of the pair may start.
                     drop(pair);
                     // The engine checks the pages (on a host copy of a device buffer) before
@@ -252,10 +252,16 @@ impl WorkerState {
                     let (targets, check) = (claim.targets.clone(), claim.clone());
                     let check = Box::new(move |data: &[u8]| check.check(data, page_bytes));
                     let owner = SeqId(reservation);
-                    state
+                    let buffer = staging.take_out()?;
+                    let (buffer, scattered) = state
                         .engine
-                        .scatter_staging(owner, targets, staging, check)
-                        .await?;
+                        .scatter_staging(owner, targets, buffer, check)
+                        .await;
+                    if let Some(buffer) = buffer {
+                        // Back to the pool when `staging` drops.
+                        staging.restore(buffer);
+                    }
+                    scattered?;
                     state.reservations.fill(reservation, &claim)
                 }
                 .await;

@@ -429,12 +429,12 @@ impl Backend for CpuBackend {
 
     type Staging = Vec<u8>;
 
-    fn stage_pages(&self, pages: &CpuPages, ids: &[PageId]) -> Result<Vec<u8>> {
-        let mut out = Vec::new();
+    fn stage_pages(&self, pages: &CpuPages, ids: &[PageId], into: &mut Vec<u8>) -> Result<()> {
+        into.clear();
         for &id in ids {
-            out.extend_from_slice(pages.store().page(id)?);
+            into.extend_from_slice(pages.store().page(id)?);
         }
-        Ok(out)
+        Ok(())
     }
 
     fn staged_host_bytes<'a>(&self, staging: &'a Vec<u8>) -> Result<std::borrow::Cow<'a, [u8]>> {
