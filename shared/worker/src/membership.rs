@@ -154,7 +154,9 @@ impl Membership {
                 total_pages: load.total_pages as u64,
             };
             let mut info = self.info.lock().await;
-            if capacity == info.capacity {
+            // Unchanged: nothing to write, unless an update failed since the last one that
+            // succeeded; then writing it again tells when etcd is back.
+            if capacity == info.capacity && !outage.failing() {
                 continue;
             }
             match self
