@@ -10,7 +10,9 @@ half slow (a request's headers begun, then one more header byte every `--trickle
 Once they are open, `/health` (each on a new connection) and short greedy completions are
 timed. With `--past-idle` the script then waits past the router's idle timeout
 (`--idle-timeout`, passed to the router) and counts which connections the router closed. The process's open-file limit is
-raised to its hard limit first; a connection refused at the cap is answered 503 and closed.
+raised to its hard limit first. At its cap the router closes the connection idle longest for a
+new one (a connection refused because every one under the cap is being answered gets 503), and
+it closes a slow connection whose headers take longer than its header timeout (10 s).
 """
 
 import argparse

@@ -56,6 +56,11 @@ pub const RESUMES_TOTAL: &str = "nibble_router_resumes_total";
 pub const UNREACHABLE_WORKERS: &str = "nibble_router_unreachable_workers";
 /// Counter: routing decisions, labelled `reason`.
 pub const DECISIONS_TOTAL: &str = "nibble_router_decisions_total";
+/// Counter: HTTP connections the router closed or turned away for a limit, labelled `reason`
+/// ([`ConnectionClosed::as_str`]): `refused` (the cap was reached and every connection under it
+/// was serving a request), `evicted` (closed, idle or unfinished, to make room for a new one),
+/// `header_timeout`, `body_timeout` and `idle_timeout`.
+pub const HTTP_CONNECTIONS_CLOSED_TOTAL: &str = "nibble_router_http_connections_closed_total";
 /// Histogram: time to make one routing decision (the router's own overhead per request).
 pub const DECISION_DURATION_SECONDS: &str = "nibble_router_decision_duration_seconds";
 /// Counter: prompt tokens routed.
@@ -135,6 +140,41 @@ pub(crate) fn resume(outcome: Resume) {
     metrics::counter!(RESUMES_TOTAL, "outcome" => outcome.as_str()).increment(1);
 }
 
+/// Why the HTTP API closed (or refused) a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionClosed {
+    Refused,
+    Evicted,
+    HeaderTimeout,
+    BodyTimeout,
+    IdleTimeout,
+}
+
+impl ConnectionClosed {
+    pub const ALL: [ConnectionClosed; 5] = [
+        ConnectionClosed::Refused,
+        ConnectionClosed::Evicted,
+        ConnectionClosed::HeaderTimeout,
+        ConnectionClosed::BodyTimeout,
+        ConnectionClosed::IdleTimeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectionClosed::Refused => "refused",
+            ConnectionClosed::Evicted => "evicted",
+            ConnectionClosed::HeaderTimeout => "header_timeout",
+            ConnectionClosed::BodyTimeout => "body_timeout",
+            ConnectionClosed::IdleTimeout => "idle_timeout",
+        }
+    }
+}
+
+/// Counts one HTTP connection closed (or refused) for `why`.
+pub(crate) fn connection_closed(why: ConnectionClosed) {
+    metrics::counter!(HTTP_CONNECTIONS_CLOSED_TOTAL, "reason" => why.as_str()).increment(1);
+}
+
 impl Outcome {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -209,6 +249,13 @@ pub fn describe(model: &str) {
         RESUMES_TOTAL,
         "Requests whose decode worker failed mid-stream, by what became of them."
     );
+    describe_counter!(
+        HTTP_CONNECTIONS_CLOSED_TOTAL,
+        "HTTP connections closed or refused for a limit, by reason."
+    );
+    for why in ConnectionClosed::ALL {
+        metrics::counter!(HTTP_CONNECTIONS_CLOSED_TOTAL, "reason" => why.as_str()).absolute(0);
+    }
     describe_counter!(DECISIONS_TOTAL, "Routing decisions by reason.");
     describe_histogram!(
         DECISION_DURATION_SECONDS,

@@ -873,64 +873,6 @@ mod logprobs {
     }
 }
 
-/// Connections that stall (headers that stop arriving, nothing sent at all) are closed after the
-/// idle timeout, and past the connection cap a new one is refused with 503 at once; the API
-/// answers again as soon as the stalled ones are gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stalled_connections_are_closed_and_capped() {
-    use nibble_router::http::limits::ConnectionLimits;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    let registry = StaticRegistry::new();
-    let limits = ConnectionLimits {
-        max_connections: 3,
-        idle_timeout: Duration::from_secs(1),
-    };
-    let router = RouterServer::start(
-        &registry,
-        16,
-        HttpConfig {
-            limits,
-            ..HttpConfig::default()
-        },
-        |_| {},
-    )
-    .await;
-    let http = router.http_address();
-    let closed_within = |secs| async move {
-        let mut conn = tokio::net::TcpStream::connect(http).await.unwrap();
-        conn.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-            .await
-            .unwrap();
-        let mut buf = [0u8; 256];
-        let read = tokio::time::timeout(Duration::from_secs(secs), conn.read(&mut buf)).await;
-        matches!(read, Ok(Ok(0)) | Ok(Err(_)))
-    };
-    assert!(closed_within(5).await, "half-sent headers are cut off");
-
-    // Three silent connections fill the cap; a fourth is refused at once.
-    let mut silent = Vec::new();
-    for _ in 0..3 {
-        silent.push(tokio::net::TcpStream::connect(http).await.unwrap());
-    }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut extra = tokio::net::TcpStream::connect(http).await.unwrap();
-    let mut answer = vec![0u8; 512];
-    let n = tokio::time::timeout(Duration::from_secs(2), extra.read(&mut answer))
-        .await
-        .expect("a refusal, not a wait")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer[..n]);
-    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
-    assert!(answer.contains("too many open connections"), "{answer}");
-
-    // Once the idle ones are closed, the API answers again.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let health = get(http, "/health").await;
-    assert_eq!(health.status, 200);
-    drop(silent);
-}
-
 /// `/tokenize` and `/detokenize` round-trip a prompt through the served model's tokenizer, as
 /// vLLM's endpoints do, and refuse what they cannot do by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

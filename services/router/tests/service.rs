@@ -427,3 +427,105 @@ async fn requests_survive_dead_workers_that_are_still_registered() {
     assert_eq!(done.usage.unwrap().prompt_tokens as usize, prompt().len());
     d1.pages_back().await;
 }
+
+/// A decode worker's `KvTransfer` stand-in that refuses every push as a decode worker refuses
+/// pages that fail its checks.
+struct RefusingPages;
+
+#[tonic::async_trait]
+impl v1::kv_transfer_server::KvTransfer for RefusingPages {
+    async fn push_pages(
+        &self,
+        request: tonic::Request<tonic::Streaming<v1::PushPagesRequest>>,
+    ) -> Result<tonic::Response<v1::PushPagesResponse>, tonic::Status> {
+        let _first = request.into_inner().message().await;
+        Err(tonic::Status::invalid_argument(
+            "page 0 of the reservation: NVFP4 block scale 0xff at byte 1536 (layer 0 K, head 0, \
+             token 0) is NaN: scales are 0x00..=0x7e",
+        ))
+    }
+
+    async fn nccl_connect(
+        &self,
+        _: tonic::Request<v1::NcclConnectRequest>,
+    ) -> Result<tonic::Response<v1::NcclConnectResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("no NCCL here"))
+    }
+
+    type NcclPagesStream = tokio_stream::Empty<Result<v1::NcclPagesProgress, tonic::Status>>;
+
+    async fn nccl_pages(
+        &self,
+        _: tonic::Request<v1::NcclPagesRequest>,
+    ) -> Result<tonic::Response<Self::NcclPagesStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("no NCCL here"))
+    }
+}
+
+/// Pages a decode worker refused (issue 18: the client got 400 naming the decode worker's
+/// address and tonic's wording) reach the client as the cluster's fault, a stable sentence with
+/// its request's id, over gRPC and HTTP alike; nothing of the request is left on the workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_pages_reach_clients_as_a_stable_error_without_internal_addresses() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let refusing = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(v1::kv_transfer_server::KvTransferServer::new(RefusingPages))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let dtype = KvDtype::Nvfp4;
+    let registry = StaticRegistry::new();
+    let p = Worker::start(&registry, Role::Prefill, "p0", dtype).await;
+    let security = nibble_security::Security::default();
+    let engine = support::engine(dtype);
+    let d = Worker::start_advertising(
+        &registry,
+        Role::Decode,
+        "d0",
+        engine,
+        security,
+        Some(refusing.clone()),
+    )
+    .await;
+    let page_size = p.state.engine().info().page_size as u32;
+    let router = RouterServer::start(&registry, page_size, HttpConfig::default(), |_| {}).await;
+    router.wait_for_workers(1, 1).await;
+
+    let mut client = router.client().await;
+    let err = generate(&mut client, greedy_request("mine"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Internal, "{err:?}");
+    assert_eq!(
+        err.message(),
+        "the cluster failed the request (request mine)"
+    );
+
+    let body = serde_json::json!({"model": MODEL, "prompt": PROMPT, "max_tokens": NEW_TOKENS});
+    let http =
+        nibble_testkit::http_client::post_json(router.http_address(), "/v1/completions", &body)
+            .await;
+    assert_eq!(http.status, 500, "{}", http.text());
+    let id = http
+        .header("x-request-id")
+        .expect("the request id")
+        .to_string();
+    assert_eq!(
+        http.json()["error"]["message"],
+        format!("the cluster failed the request (request {id})")
+    );
+    for told in [err.message().to_string(), http.text()] {
+        for internal in [
+            refusing.as_str(),
+            "127.0.0.1",
+            "status:",
+            "InvalidArgument",
+            "push",
+        ] {
+            assert!(!told.contains(internal), "{internal:?} in {told}");
+        }
+    }
+    p.pages_back().await;
+    d.pages_back().await;
+}

@@ -15,6 +15,7 @@
 mod error;
 mod etcd;
 mod keys;
+mod outage;
 mod static_registry;
 mod task;
 mod watch;
@@ -27,6 +28,7 @@ use async_trait::async_trait;
 pub use error::{Error, Result};
 pub use etcd::{unreachable_hint, EtcdConfig, EtcdDiscovery};
 pub use keys::{KvKey, DEFAULT_ROOT};
+pub use outage::{Failure, OutageLog, Recovered, OUTAGE_LOG_PERIOD};
 pub use static_registry::{StaticDiscovery, StaticRegistry};
 pub use watch::{WorkerEvent, WorkerWatch};
 pub use worker::{Addresses, Capacity, NcclEndpoint, Role, WorkerId, WorkerInfo};

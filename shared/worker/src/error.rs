@@ -164,23 +164,31 @@ impl From<Error> for tonic::Status {
                 Status::unavailable(message)
             }
             Error::Aborted(_) => Status::aborted(message),
-            // A reservation the decode worker no longer holds ran out of time (its TTL passed
-            // while the prompt waited to be prefilled; or it was released): the request took
-            // too long, which is no fault of its client's and which the router tells as such.
-            Error::Push { status, .. } if status.code() == tonic::Code::NotFound => {
-                Status::deadline_exceeded(message)
-            }
-            // Otherwise the peer's classification stands (a fingerprint refusal stays
-            // FAILED_PRECONDITION).
-            Error::Push { status, .. } => Status::new(status.code(), message),
+            // What a decode worker said of this worker's push is never the caller's mistake:
+            // the caller sent a valid request, and the pages (or the link) are the cluster's.
+            // The message names the decode worker's address for the operator; the router tells
+            // its client only a stable sentence for the code (`public` in its flow).
+            Error::Push { status, .. } => match status.code() {
+                // A reservation the decode worker no longer holds ran out of time (its TTL
+                // passed while the prompt waited to be prefilled; or it was released): the
+                // request took too long, which the router tells as such.
+                tonic::Code::NotFound => Status::deadline_exceeded(message),
+                // The decode worker refused the pages (they failed its checks) and released the
+                // reservation: they are corrupt, and sending them again cannot succeed.
+                tonic::Code::InvalidArgument => Status::data_loss(message),
+                // The decode worker is gone or slow: another may serve the request.
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+                    Status::unavailable(message)
+                }
+                tonic::Code::DeadlineExceeded => Status::deadline_exceeded(message),
+                // A fingerprint refusal, a missing token: the cluster is misconfigured.
+                _ => Status::internal(message),
+            },
             Error::Connect { .. }
             | Error::EngineStopped
             | Error::WrongRole { .. }
             | Error::LeavingRole { .. }
             | Error::Failed(nibble_engine::Failure::Device(_)) => Status::unavailable(message),
-            Error::Security(nibble_security::Error::Address { .. }) => {
-                Status::invalid_argument(message)
-            }
             Error::Engine(_)
             | Error::Cuda(_)
             | Error::DeviceStart(_)

@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nibble_discovery::{Addresses, Capacity, Discovery, Role, WorkerId, WorkerInfo};
+use nibble_discovery::{Addresses, Capacity, Discovery, OutageLog, Role, WorkerId, WorkerInfo};
 use nibble_proto::v1;
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
@@ -142,6 +142,8 @@ impl Membership {
     async fn refresh_capacity(&self, interval: Duration) {
         let mut ticks = tokio::time::interval(interval);
         ticks.tick().await;
+        // While etcd is down every tick fails: logged once, then twice a minute at most.
+        let mut outage = OutageLog::new("updating the registered capacity in etcd");
         loop {
             ticks.tick().await;
             let Ok(load) = self.state.engine().published_load() else {
@@ -152,7 +154,9 @@ impl Membership {
                 total_pages: load.total_pages as u64,
             };
             let mut info = self.info.lock().await;
-            if capacity == info.capacity {
+            // Unchanged: nothing to write, unless an update failed since the last one that
+            // succeeded; then writing it again tells when etcd is back.
+            if capacity == info.capacity && !outage.failing() {
                 continue;
             }
             match self
@@ -160,8 +164,11 @@ impl Membership {
                 .update_capacity(info.role, &info.id, capacity)
                 .await
             {
-                Ok(()) => info.capacity = capacity,
-                Err(e) => tracing::warn!(error = %e, "capacity update failed"),
+                Ok(()) => {
+                    info.capacity = capacity;
+                    outage.recover();
+                }
+                Err(e) => outage.fail(&e),
             }
         }
     }

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nibble_discovery::{Discovery, KvKey, Role};
+use nibble_discovery::{Discovery, KvKey, OutageLog, Role};
 use nibble_planner::{Ack, Decision};
 
 use crate::membership::Membership;
@@ -20,24 +20,21 @@ use crate::membership::Membership;
 pub async fn follow(membership: Arc<Membership>, poll: Duration) {
     let decision_key = KvKey::new(nibble_planner::wire::DECISION_KEY).expect("a valid key");
     let mut seen = Seen::default();
-    let mut unreadable = false;
+    let mut unreadable = OutageLog::new("reading the planner's decision (keeping this role)");
     let mut ticks = tokio::time::interval(poll);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
         let discovery = membership.discovery();
-        let bytes = match discovery.get(&decision_key).await {
-            Ok(Some(bytes)) => bytes,
-            Ok(None) => continue,
-            Err(err) => {
-                // Fail static: keep the role; say so once per outage.
-                if !std::mem::replace(&mut unreadable, true) {
-                    tracing::warn!(%err, "cannot read the planner's decision; keeping this role");
-                }
-                continue;
-            }
+        let read = discovery.get(&decision_key).await;
+        // Fail static: keep the role; say so once, then twice a minute at most.
+        match &read {
+            Ok(_) => unreadable.recover(),
+            Err(err) => unreadable.fail(err),
+        }
+        let Ok(Some(bytes)) = read else {
+            continue;
         };
-        unreadable = false;
         if let Some(decision) = new_decision(discovery.as_ref(), &bytes, &mut seen).await {
             apply(&membership, &decision).await;
         }

@@ -645,7 +645,9 @@ async fn pages_that_fail_their_checks_over_nccl_are_refused() {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    // Refused pages are the cluster's fault, not the router's request's: DATA_LOSS, naming the
+    // refusal for the router's log.
+    assert_eq!(err.code(), Code::DataLoss, "{err}");
     assert!(
         err.message()
             .contains("page 0 of the reservation: NVFP4 block scale 0xff"),

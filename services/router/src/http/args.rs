@@ -4,7 +4,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::limits::{ConnectionLimits, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
+use super::limits::{
+    fds, ConnectionLimits, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
+};
 use super::{HttpConfig, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS};
 use crate::HttpListener;
 
@@ -24,13 +26,24 @@ pub struct HttpArgs {
     /// Largest HTTP request body, in bytes (413 above).
     #[arg(long, env = "NIBBLE_HTTP_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub http_max_body_bytes: usize,
-    /// HTTP connections open at once; more get 503 and are closed.
-    #[arg(long, env = "NIBBLE_HTTP_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
-    pub http_max_connections: usize,
-    /// Seconds an HTTP connection may move no byte (headers or a body that stop arriving, an
-    /// idle keep-alive) before it is closed; a request being answered is never idle.
+    /// HTTP connections open at once. At the cap, a new connection closes the one idle longest
+    /// among those not being answered; only when all are being answered is it refused (503).
+    /// Default: half the process's open-file limit (raised to its hard limit at start-up),
+    /// between 256 and 65536.
+    #[arg(long, env = "NIBBLE_HTTP_MAX_CONNECTIONS")]
+    pub http_max_connections: Option<usize>,
+    /// Seconds an HTTP connection may move no byte while none of its requests is being answered
+    /// (an idle keep-alive, a connection that sends nothing) before it is closed.
     #[arg(long, env = "NIBBLE_HTTP_IDLE_TIMEOUT_SECS", default_value_t = DEFAULT_IDLE_TIMEOUT.as_secs())]
     pub http_idle_timeout_secs: u64,
+    /// Seconds a request's headers may take from their first byte; past it the connection is
+    /// closed, however steadily the bytes come.
+    #[arg(long, env = "NIBBLE_HTTP_HEADER_TIMEOUT_SECS", default_value_t = DEFAULT_HEADER_TIMEOUT.as_secs())]
+    pub http_header_timeout_secs: u64,
+    /// Seconds a request's whole body may take after its headers; past it the request gets 408
+    /// and the connection is closed.
+    #[arg(long, env = "NIBBLE_HTTP_BODY_TIMEOUT_SECS", default_value_t = DEFAULT_BODY_TIMEOUT.as_secs())]
+    pub http_body_timeout_secs: u64,
     /// Largest `n` (choices per prompt) and `best_of` of an HTTP request (400 above).
     #[arg(long, env = "NIBBLE_MAX_N", default_value_t = DEFAULT_MAX_N)]
     pub max_n: u32,
@@ -46,8 +59,13 @@ impl HttpArgs {
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
             max_body_bytes: self.http_max_body_bytes,
             limits: ConnectionLimits {
-                max_connections: self.http_max_connections.max(1),
+                max_connections: self
+                    .http_max_connections
+                    .unwrap_or_else(|| fds::default_max_connections(fds::open_file_limit()))
+                    .max(1),
                 idle_timeout: Duration::from_secs(self.http_idle_timeout_secs.max(1)),
+                header_timeout: Duration::from_secs(self.http_header_timeout_secs.max(1)),
+                body_timeout: Duration::from_secs(self.http_body_timeout_secs.max(1)),
             },
             // The binary sets it: whether metrics are on is not an HTTP flag.
             metrics: None,
@@ -57,11 +75,13 @@ impl HttpArgs {
     }
 
     /// Binds the API's listener, unless `--no-http` (an address in use is an error naming
-    /// `--http-listen`).
+    /// `--http-listen`), after raising the process's open-file limit to its hard limit (the
+    /// default connection cap follows it).
     pub async fn bind(&self) -> std::io::Result<Option<HttpListener>> {
         if self.no_http {
             return Ok(None);
         }
+        fds::raise_open_file_limit();
         let listener = nibble_telemetry::listen::bind("--http-listen", self.http_listen).await?;
         Ok(Some(HttpListener {
             listener,
@@ -86,7 +106,14 @@ mod tests {
         let cli = Cli::try_parse_from(["x"]).unwrap();
         assert_eq!(cli.http.http_listen.to_string(), "127.0.0.1:8000");
         assert!(!cli.http.no_http);
-        assert_eq!(cli.http.config().api_key, None);
+        let config = cli.http.config();
+        assert_eq!(config.api_key, None);
+        assert_eq!(
+            config.limits.max_connections,
+            fds::default_max_connections(fds::open_file_limit())
+        );
+        assert_eq!(config.limits.header_timeout, DEFAULT_HEADER_TIMEOUT);
+        assert_eq!(config.limits.body_timeout, DEFAULT_BODY_TIMEOUT);
         let cli = Cli::try_parse_from([
             "x",
             "--http-listen",
@@ -97,6 +124,12 @@ mod tests {
             "10",
             "--max-n",
             "4",
+            "--http-max-connections",
+            "64",
+            "--http-header-timeout-secs",
+            "3",
+            "--http-body-timeout-secs",
+            "5",
         ])
         .unwrap();
         assert_eq!(cli.http.http_listen.port(), 9000);
@@ -104,6 +137,9 @@ mod tests {
         assert_eq!(config.api_key.as_deref(), Some("k"));
         assert_eq!(config.max_body_bytes, 10);
         assert_eq!((config.max_n, config.max_prompts), (4, DEFAULT_MAX_PROMPTS));
+        assert_eq!(config.limits.max_connections, 64);
+        assert_eq!(config.limits.header_timeout, Duration::from_secs(3));
+        assert_eq!(config.limits.body_timeout, Duration::from_secs(5));
         assert!(Cli::try_parse_from(["x", "--http-listen", "nowhere"]).is_err());
     }
 }

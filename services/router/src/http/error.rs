@@ -125,6 +125,22 @@ impl ApiError {
         }
     }
 
+    /// 408: the request's body did not arrive whole within `timeout` of its headers.
+    pub fn body_timeout(timeout: std::time::Duration) -> Self {
+        Self {
+            code: Some("request_timeout"),
+            ..Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {} s of its headers; the connection \
+                     is closed",
+                    timeout.as_secs_f64()
+                ),
+            )
+        }
+    }
+
     /// 500: a fault of the server, not of the request.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

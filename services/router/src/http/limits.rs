@@ -1,57 +1,78 @@
-//! Connection limits of the HTTP API: [`Limited`], an axum [`Listener`] over another that
-//! caps the connections open at once and closes a connection that moves no byte, either way,
-//! for its idle timeout.
+//! Connection limits of the HTTP API: [`Limited`], an axum [`Listener`] over another, holds its
+//! connections to [`ConnectionLimits`], and [`request::guard`], the outermost middleware, holds
+//! each request to its body deadline.
 //!
-//! The idle timeout covers what a slow or hostile client does with a connection it holds: a
-//! request's headers that stop arriving, a body declared and never sent, a keep-alive left open.
-//! A streamed answer keeps its connection busy (tokens, and SSE keep-alive comments every 15 s),
-//! so it is never cut while it runs. Past the cap a new connection gets `503` with `Connection:
-//! close` and is closed; the refusals are logged at most once per second with their count.
+//! * **A cap that idle clients cannot fill.** At most `max_connections` are open at once. At the
+//!   cap, a new connection closes the one, among those not being answered, that has moved no
+//!   byte for the longest (an idle keep-alive, a connection that never sent a whole request), as
+//!   nginx reclaims keep-alive connections when it runs out: whoever holds connections without
+//!   using them cannot lock out probes or real clients. Only when every connection under the cap
+//!   is being answered is a new one refused, `503` with `Connection: close`. Evictions and
+//!   refusals are logged at most once per period, with their counts.
+//! * **Deadlines** ([`conn`]): a request's headers must arrive within `header_timeout` of their
+//!   first byte; a connection that moves no byte for `idle_timeout` while none of its requests is
+//!   being answered is closed; and a request's whole body must arrive within `body_timeout` of
+//!   its headers ([`request`]), else `408` and the connection is closed. A request being
+//!   answered (a non-streamed answer being generated, a stream of tokens) is never cut.
+//!
+//! Every close and refusal is counted in [`crate::metrics::HTTP_CONNECTIONS_CLOSED_TOTAL`].
 
-use std::future::Future;
+mod conn;
+pub mod fds;
+pub mod request;
+
+use std::collections::HashMap;
 use std::io;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::connect_info::{ConnectInfo, Connected};
-use axum::extract::Request;
-use axum::middleware::Next;
-use axum::response::Response;
+use axum::extract::connect_info::Connected;
 use axum::serve::{IncomingStream, Listener};
 use nibble_proto::serving::RefusalLog;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::{Instant, Sleep};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+pub use conn::{ConnectionUse, Guarded};
+
+use crate::metrics::{self, ConnectionClosed};
 
 /// The limits of one listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
-    /// Connections open at once; more are refused.
+    /// Connections open at once; past it, the longest-idle connection not being answered is
+    /// closed, and only when there is none is the new one refused.
     pub max_connections: usize,
-    /// How long a connection may move no byte before it is closed.
+    /// How long a connection may move no byte, while no request of it is answered.
     pub idle_timeout: Duration,
+    /// How long a request's headers may take, from their first byte to their last.
+    pub header_timeout: Duration,
+    /// How long a request's body may take, from its headers to its last byte.
+    pub body_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
-            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections: fds::DEFAULT_MAX_CONNECTIONS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
         }
     }
 }
 
-/// Connections open at once, by default.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// How long a connection may stay silent, by default.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a request's headers may take, by default.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request's body may take, by default (4 MiB at 140 KB/s).
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a connection past the cap is told: a 503 in OpenAI's error shape.
 fn refusal() -> Vec<u8> {
-    let body = r#"{"error":{"message":"too many open connections","type":"server_error","param":null,"code":"service_unavailable"}}"#;
+    let body = r#"{"error":{"message":"too many open connections, all of them being answered; retry shortly","type":"server_error","param":null,"code":"service_unavailable"}}"#;
     format!(
         "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: application/json\r\n\
          Retry-After: 1\r\nContent-Length: {}\r\n\r\n{body}",
@@ -63,8 +84,8 @@ fn refusal() -> Vec<u8> {
 /// A listener that holds its connections to [`ConnectionLimits`].
 pub struct Limited<L> {
     inner: L,
-    permits: Arc<Semaphore>,
-    idle: Duration,
+    open: Arc<Open>,
+    limits: ConnectionLimits,
     refusals: Arc<RefusalLog>,
 }
 
@@ -72,8 +93,8 @@ impl<L> Limited<L> {
     pub fn new(inner: L, limits: ConnectionLimits) -> Self {
         Self {
             inner,
-            permits: Arc::new(Semaphore::new(limits.max_connections.max(1))),
-            idle: limits.idle_timeout,
+            open: Arc::new(Open::new(limits.max_connections.max(1))),
+            limits,
             refusals: Arc::new(RefusalLog::new("HTTP")),
         }
     }
@@ -90,10 +111,11 @@ where
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         loop {
             let (io, addr) = self.inner.accept().await;
-            match Arc::clone(&self.permits).try_acquire_owned() {
-                Ok(permit) => return (Guarded::new(io, permit, self.idle), addr),
-                Err(_) => {
+            match self.open.admit() {
+                Some(place) => return (Guarded::new(io, place, self.limits), addr),
+                None => {
                     self.refusals.note();
+                    metrics::connection_closed(ConnectionClosed::Refused);
                     let mut io = io;
                     tokio::spawn(async move {
                         let refuse = async {
@@ -112,163 +134,188 @@ where
     }
 }
 
-/// How many of a connection's requests are being handled, shared by the connection and its
-/// handlers ([`hold_open`]).
-#[derive(Debug, Clone, Default)]
-pub struct ConnectionUse(Arc<AtomicUsize>);
-
 impl<L> Connected<IncomingStream<'_, Limited<L>>> for ConnectionUse
 where
     L: Listener,
     L::Io: Unpin,
 {
     fn connect_info(stream: IncomingStream<'_, Limited<L>>) -> Self {
-        stream.io().busy.clone()
+        stream.io().usage()
     }
 }
 
-/// Marks the connection busy while a request is handled, so a long non-streamed answer is not
-/// taken for an idle connection.
-pub async fn hold_open(request: Request, next: Next) -> Response {
-    let _busy = request
-        .extensions()
-        .get::<ConnectInfo<ConnectionUse>>()
-        .map(|c| Busy::new(&c.0));
-    next.run(request).await
+/// The connections open on one listener, for the cap and for eviction.
+struct Open {
+    max: usize,
+    /// When the listener started: activity times are milliseconds since.
+    epoch: Instant,
+    next_id: AtomicU64,
+    connections: Mutex<HashMap<u64, Entry>>,
+    evictions: PeriodicLog,
 }
 
-/// One request being handled on a connection, until dropped (answered or abandoned).
-struct Busy(Arc<AtomicUsize>);
-
-impl Busy {
-    fn new(conn: &ConnectionUse) -> Self {
-        conn.0.fetch_add(1, Ordering::Relaxed);
-        Self(Arc::clone(&conn.0))
-    }
+/// One open connection as the listener sees it.
+struct Entry {
+    usage: ConnectionUse,
+    /// Closes the connection (its [`Guarded`] ends with an error when this is sent or dropped).
+    evict: oneshot::Sender<()>,
 }
 
-impl Drop for Busy {
+/// A connection's place under the cap, given back when its [`Guarded`] is dropped.
+pub struct Place {
+    open: Arc<Open>,
+    id: u64,
+    usage: ConnectionUse,
+    evicted: oneshot::Receiver<()>,
+}
+
+impl Drop for Place {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.open.lock().remove(&self.id);
     }
 }
 
-/// A connection holding its place under the cap, closed when it moves no byte for `idle`
-/// while no request of it is being handled.
-///
-/// Each read or write that moves bytes only notes the time; the timer is moved (once per idle
-/// period at most) when it fires early, so the hot path of a streamed answer costs a clock read.
-pub struct Guarded<IO> {
-    io: IO,
-    _permit: OwnedSemaphorePermit,
-    idle: Duration,
-    deadline: Pin<Box<Sleep>>,
-    /// When bytes last moved (or a request of it was last seen being handled).
-    last: Instant,
-    busy: ConnectionUse,
-}
-
-impl<IO> Guarded<IO> {
-    fn new(io: IO, permit: OwnedSemaphorePermit, idle: Duration) -> Self {
+impl Open {
+    fn new(max: usize) -> Self {
         Self {
-            io,
-            _permit: permit,
-            idle,
-            deadline: Box::pin(tokio::time::sleep(idle)),
-            last: Instant::now(),
-            busy: ConnectionUse::default(),
+            max,
+            epoch: Instant::now(),
+            next_id: AtomicU64::new(0),
+            connections: Mutex::new(HashMap::new()),
+            evictions: PeriodicLog::new(Duration::from_secs(10)),
         }
     }
 
-    /// Pending, unless the connection has been idle too long. A request being handled (a
-    /// non-streamed answer being generated) moves no byte but is not idle.
-    fn check_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
-        if self.busy.0.load(Ordering::Relaxed) > 0 {
-            self.last = Instant::now();
-        }
-        while self.deadline.as_mut().poll(cx).is_ready() {
-            let due = self.last + self.idle;
-            if due <= Instant::now() {
-                return Poll::Ready(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the connection was idle too long",
-                ));
-            }
-            // Bytes moved since the timer was set: wait out the rest of the period.
-            self.deadline.as_mut().reset(due);
-        }
-        Poll::Pending
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        self.connections.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A write's result, noting progress; a pending write counts towards the idle timeout.
-    fn wrote(
-        &mut self,
-        cx: &mut Context<'_>,
-        polled: Poll<io::Result<usize>>,
-    ) -> Poll<io::Result<usize>> {
-        match polled {
-            Poll::Ready(Ok(n)) => {
-                if n > 0 {
-                    self.last = Instant::now();
-                }
-                Poll::Ready(Ok(n))
+    /// A place for a new connection: a free one, or the place of the connection that has been
+    /// silent longest among those not being answered, which is closed. `None` when every
+    /// connection under the cap is being answered.
+    fn admit(self: &Arc<Self>) -> Option<Place> {
+        let usage = ConnectionUse::new(self.epoch);
+        let mut open = self.lock();
+        if open.len() >= self.max {
+            let victim = open
+                .iter()
+                .filter(|(_, e)| e.usage.evictable())
+                .min_by_key(|(id, e)| (e.usage.last_active(), **id))
+                .map(|(id, _)| *id)?;
+            if let Some(entry) = open.remove(&victim) {
+                let _ = entry.evict.send(());
             }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => self.check_idle(cx).map(Err),
+            drop(open);
+            metrics::connection_closed(ConnectionClosed::Evicted);
+            self.evictions.note(|total| {
+                tracing::info!(
+                    listener = "HTTP",
+                    evicted_total = total,
+                    max_connections = self.max,
+                    "connection limit reached: closing the connections idle longest for new ones"
+                )
+            });
+            open = self.lock();
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (evict, evicted) = oneshot::channel();
+        open.insert(
+            id,
+            Entry {
+                usage: usage.clone(),
+                evict,
+            },
+        );
+        Some(Place {
+            open: Arc::clone(self),
+            id,
+            usage,
+            evicted,
+        })
+    }
+}
+
+/// Counts events and logs them at most once per `period` (the first one at once), so that a
+/// flood of connections cannot flood the log.
+struct PeriodicLog {
+    period: Duration,
+    count: AtomicU64,
+    last: Mutex<Option<std::time::Instant>>,
+}
+
+impl PeriodicLog {
+    fn new(period: Duration) -> Self {
+        Self {
+            period,
+            count: AtomicU64::new(0),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// One more event; `log` is called with the total when a line is due.
+    fn note(&self, log: impl FnOnce(u64)) {
+        let total = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|at| at.elapsed() >= self.period) {
+            *last = Some(std::time::Instant::now());
+            log(total);
         }
     }
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for Guarded<IO> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        match Pin::new(&mut this.io).poll_read(cx, buf) {
-            Poll::Ready(result) => {
-                if buf.filled().len() > before {
-                    this.last = Instant::now();
-                }
-                Poll::Ready(result)
-            }
-            Poll::Pending => this.check_idle(cx).map(Err),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_cap_evicts_the_longest_silent_connection_not_being_answered() {
+        let open = Arc::new(Open::new(3));
+        let mut first = open.admit().unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut second = open.admit().unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut third = open.admit().unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        // The first moved bytes since: the second is now the one silent longest.
+        first.usage.touch();
+        let mut fourth = open.admit().expect("a place made by eviction");
+        assert!(
+            second.evicted.try_recv().is_ok(),
+            "the longest silent is closed"
+        );
+        assert!(first.evicted.try_recv().is_err());
+        assert_eq!(open.lock().len(), 3);
+        // A connection being answered is never closed for another, however silent.
+        let answering = third.usage.start_request().working();
+        let _fifth = open.admit().expect("the first or the fourth is evictable");
+        assert!(third.evicted.try_recv().is_err(), "the answering one stays");
+        assert!(first.evicted.try_recv().is_ok() || fourth.evicted.try_recv().is_ok());
+        // A request whose body is still arriving is not being answered yet: evictable.
+        drop(answering);
+        let _receiving = third.usage.start_request();
+        assert!(third.usage.evictable());
+        // Every connection under the cap being answered: refused.
+        let full = Arc::new(Open::new(2));
+        let (a, b) = (full.admit().unwrap(), full.admit().unwrap());
+        let _busy = (
+            a.usage.start_request().working(),
+            b.usage.start_request().working(),
+        );
+        assert!(full.admit().is_none());
+        // A place given back is free again.
+        drop(_busy);
+        drop(a);
+        assert!(full.admit().is_some());
+    }
+
+    #[test]
+    fn periodic_log_logs_the_first_event_then_at_most_once_a_period() {
+        let log = PeriodicLog::new(Duration::from_secs(3600));
+        let mut logged = Vec::new();
+        for _ in 0..5 {
+            log.note(|total| logged.push(total));
         }
-    }
-}
-
-impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
-        this.wrote(cx, polled)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
-        this.wrote(cx, polled)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
+        assert_eq!(logged, vec![1]);
+        assert_eq!(log.count.load(Ordering::Relaxed), 5);
     }
 }

@@ -64,7 +64,7 @@ pub struct HttpConfig {
     pub api_key: Option<String>,
     /// Largest request body; a larger one is refused with 413.
     pub max_body_bytes: usize,
-    /// Connections open at once, and how long one may stay silent ([`limits`]).
+    /// Connections open at once, and the idle, header and body deadlines ([`limits`]).
     pub limits: limits::ConnectionLimits,
     /// The process's metrics, served on `GET /metrics` (no API key: counts and latencies,
     /// nothing about a request's content); `None` serves no `/metrics` here.
@@ -147,6 +147,10 @@ impl HttpState {
 /// The API's routes over `shared`.
 pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
     let limit = config.max_body_bytes;
+    let body_limits = limits::request::BodyLimits {
+        max_bytes: limit,
+        timeout: config.limits.body_timeout,
+    };
     let metrics = config.metrics;
     let state = HttpState::new(shared, config);
     let v1 = axum::Router::new()
@@ -169,24 +173,12 @@ pub fn router(shared: Arc<Shared>, config: HttpConfig) -> axum::Router {
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(middleware::from_fn_with_state(limit, refuse_oversized))
+        .layer(middleware::from_fn_with_state(
+            body_limits,
+            limits::request::guard,
+        ))
         .layer(middleware::from_fn(count))
-        .layer(middleware::from_fn(limits::hold_open))
         .with_state(state)
-}
-
-/// Answers 413 at once to a request whose `Content-Length` is over the body limit, before
-/// anything waits for (or reads) a body that will be refused anyway.
-async fn refuse_oversized(State(limit): State<usize>, request: Request, next: Next) -> Response {
-    let declared = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    match declared {
-        Some(bytes) if bytes > limit as u64 => ApiError::too_large(limit).into_response(),
-        _ => next.run(request).await,
-    }
 }
 
 /// Counts every response by route and status ([`crate::metrics::HTTP_RESPONSES_TOTAL`]).

@@ -68,16 +68,23 @@ impl From<Error> for Stop {
     }
 }
 
-/// What the client is told of a failure. A worker's refusal of the request (a client error) is
-/// passed on as it is: its message is written for clients and names what was wrong. A server
-/// fault becomes a stable sentence for its code and the request's id: its own message (a
-/// transport error, a worker's internals) went to the log, where the id finds it.
+/// What the client is told of a failure. A refusal of the request itself (INVALID_ARGUMENT,
+/// OUT_OF_RANGE: its parameters; RESOURCE_EXHAUSTED: no room for it now) is passed on as it is:
+/// its message is written for clients and names what was wrong. Anything else is the cluster's
+/// fault, whoever reported it (a transport error, a worker's internals, a decode worker's
+/// refusal of pushed pages, a misconfigured peer): it becomes a stable sentence for its code and
+/// the request's id, and its own message, which may name internal addresses, goes only to the
+/// log, where the id finds it.
 fn public(status: Status, id: &str) -> Status {
     use tonic::Code;
-    // UNKNOWN is how tonic reports a stream whose connection broke (a worker killed
-    // mid-stream): to the client, a worker that stopped answering.
+    if refusal(status.code()) {
+        return status;
+    }
     let (code, said) = match status.code() {
-        Code::Unavailable | Code::Unknown => (
+        // UNKNOWN is how tonic reports a stream whose connection broke (a worker killed
+        // mid-stream), CANCELLED a call its worker dropped: to the client, a worker that
+        // stopped answering.
+        Code::Unavailable | Code::Unknown | Code::Cancelled => (
             Code::Unavailable,
             "a worker serving the request stopped answering; retry it",
         ),
@@ -85,11 +92,20 @@ fn public(status: Status, id: &str) -> Status {
             Code::DeadlineExceeded,
             "a worker took too long to serve the request",
         ),
-        Code::Internal | Code::DataLoss => (status.code(), "the cluster failed the request"),
-        _ => return status,
+        _ => (Code::Internal, "the cluster failed the request"),
     };
     let message = format!("{said} (request {id})");
     Status::with_metadata(code, message, status.metadata().clone())
+}
+
+/// Whether a worker's `code` refuses the request itself, which its client can fix or retry later:
+/// its parameters, or no room for it now.
+fn refusal(code: tonic::Code) -> bool {
+    use tonic::Code;
+    matches!(
+        code,
+        Code::InvalidArgument | Code::OutOfRange | Code::ResourceExhausted
+    )
 }
 
 /// What the client is told when its request's decode stream broke once more than it may be
@@ -192,10 +208,10 @@ impl Flow {
                 Stop::Failed(status) => {
                     let model = self.shared.config().served_model();
                     metrics::request(model, Outcome::Failed, status.code());
-                    if nibble_proto::serving::is_server_fault(status.code()) {
-                        tracing::warn!(%status, "request failed");
-                    } else {
+                    if refusal(status.code()) {
                         tracing::info!(%status, "request refused by a worker");
+                    } else {
+                        tracing::warn!(%status, "request failed");
                     }
                     let id = self.label.as_deref().unwrap_or(&self.req.request_id);
                     let _ = tx.send(Err(public(status, id))).await;
@@ -479,6 +495,21 @@ mod transfer_tests {
             internal.message(),
             "the cluster failed the request (request x)"
         );
+        // Pages a decode worker refused (the prefill worker's DATA_LOSS), a misconfigured peer
+        // or a lost reservation: the cluster's fault, never its address.
+        for status in [
+            tonic::Status::data_loss("page push to 10.0.0.7:50061: status: InvalidArgument"),
+            tonic::Status::failed_precondition("KV-format fingerprint 1 differs at 10.0.0.7"),
+            tonic::Status::not_found("no pending reservation 3"),
+            tonic::Status::unauthenticated("page push to 10.0.0.7:50061: missing token"),
+            tonic::Status::aborted("request router-1 was aborted"),
+        ] {
+            let told = public(status, "x");
+            assert_eq!(told.code(), tonic::Code::Internal);
+            assert_eq!(told.message(), "the cluster failed the request (request x)");
+        }
+        let dropped = public(tonic::Status::cancelled("h2 stream reset by 10.0.0.7"), "x");
+        assert_eq!(dropped.code(), tonic::Code::Unavailable);
         // A refusal keeps its message, which names the field.
         let refused = tonic::Status::invalid_argument("max_tokens must be at least 1, got 0");
         assert_eq!(

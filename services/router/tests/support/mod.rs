@@ -79,6 +79,20 @@ impl Worker {
         engine: EngineHandle,
         security: Security,
     ) -> Self {
+        Self::start_advertising(registry, role, name, engine, security, None).await
+    }
+
+    /// A worker serving with `security`; a decode worker registers `transfer` as the address
+    /// prefill workers push its pages to, when given (a stand-in's: how a refused push reaches
+    /// a client), else its own.
+    pub async fn start_advertising(
+        registry: &StaticRegistry,
+        role: Role,
+        name: &str,
+        engine: EngineHandle,
+        security: Security,
+        transfer: Option<String>,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let wire_role = match role {
@@ -92,10 +106,10 @@ impl Worker {
                 worker_id: name.into(),
                 role: wire_role,
                 model: MODEL.into(),
-                transfer_address: if role == Role::Decode {
-                    address.clone()
-                } else {
-                    String::new()
+                transfer_address: match (role, transfer) {
+                    (Role::Decode, Some(transfer)) => transfer,
+                    (Role::Decode, None) => address.clone(),
+                    _ => String::new(),
                 },
                 reservation_ttl: Duration::from_secs(30),
             },

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::Inner;
-use crate::{Error, Result};
+use crate::{Error, OutageLog, Result};
 
 /// Why one keep-alive stream ended.
 enum Ended {
@@ -30,11 +30,15 @@ pub(super) async fn keep_alive(inner: Arc<Inner>) {
                     lease,
                     "etcd lease lost; registering again under a new lease"
                 );
+                let mut outage = OutageLog::new("renewing the etcd session");
                 while !inner.is_closing() {
                     match renew(&inner).await {
-                        Ok(()) => break,
+                        Ok(()) => {
+                            outage.recover();
+                            break;
+                        }
                         Err(err) => {
-                            tracing::warn!(%err, "could not renew the etcd session; retrying");
+                            outage.fail(&err);
                             tokio::time::sleep(inner.config.retry_interval).await;
                         }
                     }
