@@ -4,17 +4,19 @@
 //
 //   * a block owns 128 query rows of one head and is 3 warpgroups: warpgroup 0 is the producer,
 //     1 and 2 the consumers of 64 rows each;
-//   * the producer streams the visible keys in tiles of 128 through H_STAGES shared-memory
-//     stages: it loads the workspace bytes (16 per load, 8 loads in flight per thread), turns
-//     E4M3 into f16 by bit placement (value * 2^-8, exact, as prefill.cu and decode.cu) or keeps
-//     BF16 as it is, and stores them in the 128-byte-swizzled layout wgmma reads, then marks the
-//     stage full (mbarrier); K and V tiles have one layout: rows of 64 dims (128 bytes) per key,
-//     8-key groups 1,024 bytes apart, one 16-KB atom per 64 dims;
-//   * each consumer waits for a stage, computes S = Q K^T for its 64 rows by 128 keys (wgmma
-//     m64n128k16, Q from registers, K from shared memory, K-major), the online softmax in
-//     registers (log2 units, as prefill.cu), and O += P V (wgmma m64n64k16 per 64 dims, P from
-//     registers: S's accumulator layout is the A operand's, V from shared memory, MN-major), then
-//     marks the stage empty;
+//   * the producer streams the visible keys in tiles of 128 through shared-memory stages (2 for
+//     E4M3, which also needs raw staging; 3 for BF16): it copies the workspace bytes a tile
+//     ahead (cp.async), turns E4M3 into f16 by bit placement (value * 2^-8, exact, as prefill.cu
+//     and decode.cu) or lets BF16 land as it is, in the 128-byte-swizzled layout wgmma reads,
+//     and marks the stage's K and its V full (an mbarrier each); K and V tiles have one layout:
+//     rows of 64 dims (128 bytes) per key, 8-key groups 1,024 bytes apart, one 16-KB atom per
+//     64 dims;
+//   * each consumer computes S = Q K^T for its 64 rows by 128 keys (wgmma m64n128k16, Q from
+//     registers, K from shared memory, K-major), the online softmax in registers (log2 units, as
+//     prefill.cu), and O += P V (wgmma m64n64k16 per 64 dims, P from registers: S's accumulator
+//     layout is the A operand's, V from shared memory, MN-major), one tile behind: tile i's
+//     QK^T and tile i - 1's PV are in flight together and the softmax of tile i runs while the
+//     PV does. A stage's K is released as soon as its scores are in, its V after its PV;
 //   * blocks run the longest rows first (the last query block is scheduled first), and a
 //     consumer whose 64 rows see none of a tile's keys skips its MMAs; the mask is applied only to
 //     tiles that reach past the first row's last visible key.
@@ -25,13 +27,13 @@
 
 #define H_ROWS 128
 #define H_KEYS 128
-#define H_STAGES 2
 #define H_THREADS 384
 #define H_PRODUCER_REGS 56
 #define H_CONSUMER_REGS 224
 
 template <int FMT, int D>
 struct Hop {
+    static const int STAGES = FMT == NIBBLE_BF16 ? 3 : 2;  // K/V stages in shared memory
     static const int ATOMS = D / 64;                  // 64-dim (128-byte) swizzle atoms per key
     static const int TILE = ATOMS * H_KEYS * 128;     // bytes of one K or V tile of 16-bit values
     static const int STAGE = 2 * TILE;                // K then V
@@ -41,10 +43,18 @@ struct Hop {
     static const int RAW = FMT == NIBBLE_BF16 ? 0 : 2 * H_KEYS * VB;  // E4M3 staging per tile
 };
 
-// Dynamic shared memory a block needs: the stages, two raw staging buffers (E4M3), 1,024 bytes
-// of alignment slack, the barriers.
-#define H_SMEM(FMT, D) \
-    (H_STAGES * 2 * ((D) / 64) * H_KEYS * 128 + ((FMT) == NIBBLE_BF16 ? 0 : 4 * H_KEYS * (D)) + 1024 + 64)
+// Dynamic shared memory a block needs: the stages (3 for BF16, 2 for E4M3), two raw staging
+// buffers (E4M3), 1,024 bytes of alignment slack, the barriers (full and empty, K and V, per
+// stage).
+#define H_SMEM(FMT, D)                                                                 \
+    ((FMT) == NIBBLE_BF16 ? 3 * 2 * ((D) / 64) * H_KEYS * 128 + 1024 + 96               \
+                          : 2 * 2 * ((D) / 64) * H_KEYS * 128 + 4 * H_KEYS * (D) + 1024 + 64)
+
+// The mbarrier of `stage`'s K (part 0) or V (part 1): full ones first, then empty ones.
+template <int STAGES>
+__device__ __forceinline__ u32 hop_bar(u32 bars, bool empty, u32 stage, u32 part) {
+    return bars + 8u * (((empty ? STAGES : 0) + stage) * 2u + part);
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
@@ -97,12 +107,22 @@ __device__ __forceinline__ void wg_commit() {
 __device__ __forceinline__ void wg_wait_all() {
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
+// Until at most one committed group is in flight (groups complete in order).
+__device__ __forceinline__ void wg_wait_one() {
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+}
 
 // Keeps the compiler from moving accesses to accumulator registers across the asynchronous MMA.
 template <int N>
 __device__ __forceinline__ void wg_fence_regs(float* d) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Keeps the A-operand registers of an MMA in flight alive (unchanged, not reused) until here.
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(u32* a) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
 #define WG_D8(d, i)                                                                          \
@@ -214,47 +234,47 @@ __device__ __forceinline__ void hop_fetch(const u8* __restrict__ wk, const u8* _
     cp_async_commit();
 }
 
-// This thread's E4M3 pieces of a fetched tile, as f16 in the stage's swizzled layout: 16 bytes
-// are dims 16 piece .. + 15, the tile's chunks 2 piece and 2 piece + 1.
+// This thread's E4M3 pieces of the K (part 0) or V (part 1) of a fetched tile, as f16 in the
+// stage's swizzled layout: 16 bytes are dims 16 piece .. + 15, the tile's chunks 2 piece and
+// 2 piece + 1.
 template <int D>
-__device__ __forceinline__ void hop_convert(u32 raw, u32 tile, u32 tid) {
+__device__ __forceinline__ void hop_convert(u32 raw, u32 tile, u32 tid, u32 part) {
     typedef Hop<NIBBLE_FP8, D> H;
 #pragma unroll
-    for (int part = 0; part < 2; ++part) {
-#pragma unroll
-        for (int i = 0; i < H::LOADS; ++i) {
-            const u32 idx = (u32)i * 128u + tid;
-            const u32 key = idx / H::SRC, piece = idx % H::SRC;
-            const uint4 w = ld_shared16(raw + (part * H_KEYS * H::SRC + idx) * 16u);
-            uint4 c0, c1;
-            fp8_pairs(w.x, c0.x, c0.y);
-            fp8_pairs(w.y, c0.z, c0.w);
-            fp8_pairs(w.z, c1.x, c1.y);
-            fp8_pairs(w.w, c1.z, c1.w);
-            const u32 t = tile + part * H::TILE;
-            st_shared16(t + tile_offset(key, 2u * piece), c0);
-            st_shared16(t + tile_offset(key, 2u * piece + 1u), c1);
-        }
+    for (int i = 0; i < H::LOADS; ++i) {
+        const u32 idx = (u32)i * 128u + tid;
+        const u32 key = idx / H::SRC, piece = idx % H::SRC;
+        const uint4 w = ld_shared16(raw + (part * H_KEYS * H::SRC + idx) * 16u);
+        uint4 c0, c1;
+        fp8_pairs(w.x, c0.x, c0.y);
+        fp8_pairs(w.y, c0.z, c0.w);
+        fp8_pairs(w.z, c1.x, c1.y);
+        fp8_pairs(w.w, c1.z, c1.w);
+        const u32 t = tile + part * H::TILE;
+        st_shared16(t + tile_offset(key, 2u * piece), c0);
+        st_shared16(t + tile_offset(key, 2u * piece + 1u), c1);
     }
 }
 
 // The block's tiles i = 0 .. count - 1 (keys from (first + i) * H_KEYS): tile i + 1's copies are
-// in flight while tile i is converted (E4M3) or completes (BF16); then stage i % H_STAGES is
-// marked full.
+// in flight while tile i is converted (E4M3) or completes (BF16). A stage's K or V is written
+// once the consumers released the tile STAGES before it; each is then marked full.
 template <int FMT, int D>
 __device__ __forceinline__ void hop_produce(const u8* __restrict__ wk, const u8* __restrict__ wv,
                                             u32 stride, u32 key_end, u32 first, u32 count,
                                             u32 stages, u32 raw, u32 bars, u32 tid) {
     typedef Hop<FMT, D> H;
-    // a stage is free once the consumers released its previous tile
-    auto stage_free = [&](u32 i) {
-        if (i >= H_STAGES)
-            mbar_wait(bars + 8u * (H_STAGES + i % H_STAGES), (i / H_STAGES - 1u) & 1u);
+    const u32 S = H::STAGES;
+    auto free = [&](u32 i, u32 part) {
+        if (i >= S) mbar_wait(hop_bar<H::STAGES>(bars, true, i % S, part), (i / S - 1u) & 1u);
     };
     auto fetch = [&](u32 i) {
-        if (FMT == NIBBLE_BF16) stage_free(i);
+        if (FMT == NIBBLE_BF16) {
+            free(i, 0);
+            free(i, 1);
+        }
         hop_fetch<FMT, D>(wk, wv, stride, (first + i) * H_KEYS, key_end, raw + (i & 1u) * H::RAW,
-                          stages + (i % H_STAGES) * H::STAGE, tid);
+                          stages + (i % S) * H::STAGE, tid);
     };
     if (count > 0) fetch(0);
     for (u32 i = 0; i < count; ++i) {
@@ -264,13 +284,16 @@ __device__ __forceinline__ void hop_produce(const u8* __restrict__ wk, const u8*
         } else {
             cp_async_wait<0>();
         }
-        const u32 tile = stages + (i % H_STAGES) * H::STAGE;
-        if (FMT != NIBBLE_BF16) {
-            stage_free(i);
-            hop_convert<D>(raw + (i & 1u) * H::RAW, tile, tid);
+        const u32 tile = stages + (i % S) * H::STAGE;
+#pragma unroll
+        for (u32 part = 0; part < 2; ++part) {
+            if (FMT != NIBBLE_BF16) {
+                free(i, part);
+                hop_convert<D>(raw + (i & 1u) * H::RAW, tile, tid, part);
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_arrive(hop_bar<H::STAGES>(bars, false, i % S, part));
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive(bars + 8u * (i % H_STAGES));
     }
 }
 
@@ -316,71 +339,126 @@ __device__ __forceinline__ void hop_consume(const float* __restrict__ q, float* 
     const u32 its_end = row_base < a.n ? a.start + min(row_base + 63u, a.n - 1u) + 1u : 0u;
     const u32 all_see = a.start + row_base + 1u;
 
-    for (u32 i = 0; i < count; ++i) {
-        const u32 s = i % H_STAGES, key0 = (first + i) * H_KEYS;
-        mbar_wait(bars + 8u * s, (i / H_STAGES) & 1u);
-        if (key0 < its_end) {
-            const u32 k_tile = stages + s * H::STAGE, v_tile = k_tile + H::TILE;
-            float sc[64];
-            wg_fence();
+    // The tiles this warpgroup's rows see are a prefix of the block's: `seen` of them. The
+    // others are waited for and released without MMAs (the producer fills every stage).
+    const u32 S = H::STAGES;
+    const u32 seen = its_end > first * H_KEYS
+                         ? min(count, (its_end + H_KEYS - 1u) / H_KEYS - first)
+                         : 0u;
+    auto bar = [&](bool empty, u32 i, u32 part) {
+        return hop_bar<H::STAGES>(bars, empty, i % S, part);
+    };
+    auto phase = [&](u32 i) { return (i / S) & 1u; };
+    // S = Q K^T of tile i, issued and committed.
+    auto issue_s = [&](u32 i, float* sc) {
+        const u32 k_tile = stages + (i % S) * H::STAGE;
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                const u32 at = k_tile + (ks / 4) * (H_KEYS * 128) + (ks % 4) * 32;
-                wgmma_n128<FMT>(sc, qa[ks], sw128_desc(at, 16, 1024), ks > 0 ? 1u : 0u);
-            }
-            wg_commit();
-            wg_wait_all();
-            wg_fence_regs<64>(sc);
-
-            // scores (log2 units), masked where the tile reaches past a row's last key
-            const bool mask = key0 + H_KEYS > all_see || row_base + 64u > a.n;
-            float corr[2];
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 at = k_tile + (ks / 4) * (H_KEYS * 128) + (ks % 4) * 32;
+            wgmma_n128<FMT>(sc, qa[ks], sw128_desc(at, 16, 1024), ks > 0 ? 1u : 0u);
+        }
+        wg_commit();
+    };
+    // O += P V of tile i (P in `pa`), issued and committed.
+    auto issue_pv = [&](u32 i, u32 (*pa)[4]) {
+        const u32 v_tile = stages + (i % S) * H::STAGE + H::TILE;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const u32 visible = rows[r] < a.n ? a.start + rows[r] + 1u : 0u;
-                corr[r] = online_softmax_row<16>(sc, r, key0, c, visible, mask, a.score_scale,
-                                                 m[r], l[r]);
-            }
+        for (int kt = 0; kt < 8; ++kt) {
 #pragma unroll
             for (int h = 0; h < H::ATOMS; ++h) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    o[h][4 * j + 0] *= corr[0];
-                    o[h][4 * j + 1] *= corr[0];
-                    o[h][4 * j + 2] *= corr[1];
-                    o[h][4 * j + 3] *= corr[1];
-                }
+                const u32 at = v_tile + h * (H_KEYS * 128) + kt * 2048;
+                wgmma_n64_mn<FMT>(o[h], pa[kt], sw128_desc(at, 1024, 1024));
             }
-
-            // P as A fragments: k-step kt (keys 16 kt ..) is S's n-tiles 2 kt and 2 kt + 1
-            u32 pa[8][4];
-#pragma unroll
-            for (int kt = 0; kt < 8; ++kt) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float* f = sc + 4 * (2 * kt + h);
-                    pa[kt][2 * h] = FMT == NIBBLE_BF16 ? pack_bf16(f[0], f[1]) : pack_f16(f[0], f[1]);
-                    pa[kt][2 * h + 1] =
-                        FMT == NIBBLE_BF16 ? pack_bf16(f[2], f[3]) : pack_f16(f[2], f[3]);
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < H::ATOMS; ++h) wg_fence_regs<32>(o[h]);
-            wg_fence();
-#pragma unroll
-            for (int kt = 0; kt < 8; ++kt) {
-#pragma unroll
-                for (int h = 0; h < H::ATOMS; ++h) {
-                    const u32 at = v_tile + h * (H_KEYS * 128) + kt * 2048;
-                    wgmma_n64_mn<FMT>(o[h], pa[kt], sw128_desc(at, 1024, 1024));
-                }
-            }
-            wg_commit();
-            wg_wait_all();
-#pragma unroll
-            for (int h = 0; h < H::ATOMS; ++h) wg_fence_regs<32>(o[h]);
         }
-        mbar_arrive(bars + 8u * (H_STAGES + s));
+        wg_commit();
+    };
+    // After the PV of tile i completed: its accumulators and A registers settled, its V free.
+    auto settle_pv = [&](u32 i, u32 (*pa)[4]) {
+#pragma unroll
+        for (int h = 0; h < H::ATOMS; ++h) wg_fence_regs<32>(o[h]);
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) wg_fence_regs<4>(pa[kt]);
+        mbar_arrive(bar(true, i, 1));
+    };
+    // The online softmax of tile i's scores, O rescaled, and P packed into `pa`.
+    auto softmax = [&](u32 i, float* sc, u32 (*pa)[4], bool pv_in_flight) {
+        const u32 key0 = (first + i) * H_KEYS;
+        // scores (log2 units), masked where the tile reaches past a row's last key
+        const bool mask = key0 + H_KEYS > all_see || row_base + 64u > a.n;
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const u32 visible = rows[r] < a.n ? a.start + rows[r] + 1u : 0u;
+            corr[r] = online_softmax_row<16>(sc, r, key0, c, visible, mask, a.score_scale, m[r],
+                                             l[r]);
+        }
+        if (pv_in_flight) {
+            wg_wait_all();
+            settle_pv(i - 1u, pa);
+        }
+#pragma unroll
+        for (int h = 0; h < H::ATOMS; ++h) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                o[h][4 * j + 0] *= corr[0];
+                o[h][4 * j + 1] *= corr[0];
+                o[h][4 * j + 2] *= corr[1];
+                o[h][4 * j + 3] *= corr[1];
+            }
+        }
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float* f = sc + 4 * (2 * kt + h);
+                pa[kt][2 * h] = FMT == NIBBLE_BF16 ? pack_bf16(f[0], f[1]) : pack_f16(f[0], f[1]);
+                pa[kt][2 * h + 1] = FMT == NIBBLE_BF16 ? pack_bf16(f[2], f[3]) : pack_f16(f[2], f[3]);
+            }
+        }
+    };
+
+    // P of the tile before, as A fragments: k-step kt (keys 16 kt ..) is S's n-tiles 2 kt and
+    // 2 kt + 1.
+    u32 pa[8][4];
+    if (seen > 0) {
+        float sc[64];
+        mbar_wait(bar(false, 0, 0), 0);
+        wg_fence();
+        issue_s(0, sc);
+        wg_wait_all();
+        wg_fence_regs<64>(sc);
+        mbar_arrive(bar(true, 0, 0));
+        softmax(0, sc, pa, false);
+    }
+    for (u32 i = 1; i < seen; ++i) {
+        float sc[64];
+        mbar_wait(bar(false, i, 0), phase(i));
+        mbar_wait(bar(false, i - 1u, 1), phase(i - 1u));
+#pragma unroll
+        for (int h = 0; h < H::ATOMS; ++h) wg_fence_regs<32>(o[h]);
+        wg_fence();
+        issue_s(i, sc);
+        issue_pv(i - 1u, pa);
+        wg_wait_one();  // the scores; the PV may still run
+        wg_fence_regs<64>(sc);
+        mbar_arrive(bar(true, i, 0));
+        softmax(i, sc, pa, true);
+    }
+    if (seen > 0) {
+        mbar_wait(bar(false, seen - 1u, 1), phase(seen - 1u));
+#pragma unroll
+        for (int h = 0; h < H::ATOMS; ++h) wg_fence_regs<32>(o[h]);
+        wg_fence();
+        issue_pv(seen - 1u, pa);
+        wg_wait_all();
+        settle_pv(seen - 1u, pa);
+    }
+    for (u32 i = seen; i < count; ++i) {
+#pragma unroll
+        for (u32 part = 0; part < 2; ++part) {
+            mbar_wait(bar(false, i, part), phase(i));
+            mbar_arrive(bar(true, i, part));
+        }
     }
 
 #pragma unroll
@@ -421,8 +499,8 @@ __device__ __forceinline__ void hopper_prefill_body(const float* __restrict__ q,
     typedef Hop<FMT, D> H;
     extern __shared__ u8 hop_smem[];
     const u32 stages = (smem_addr(hop_smem) + 1023u) & ~1023u;
-    const u32 raw = stages + H_STAGES * H::STAGE;    // two E4M3 staging buffers
-    const u32 bars = raw + 2u * H::RAW;              // full[H_STAGES], then empty[H_STAGES]
+    const u32 raw = stages + H::STAGES * H::STAGE;   // two E4M3 staging buffers
+    const u32 bars = raw + 2u * H::RAW;              // hop_bar
     const u32 tid = threadIdx.x, wg = tid / 128;
     const u32 head = blockIdx.y;
     const u32 row0 = (gridDim.x - 1u - blockIdx.x) * H_ROWS;  // the longest rows first
@@ -434,9 +512,12 @@ __device__ __forceinline__ void hopper_prefill_body(const float* __restrict__ q,
     const u32 count = min(first + share, tiles) - first;
     if (tid == 0) {
 #pragma unroll
-        for (int s = 0; s < H_STAGES; ++s) {
-            mbar_init(bars + 8u * s, 128u);
-            mbar_init(bars + 8u * (H_STAGES + s), 256u);
+        for (int s = 0; s < H::STAGES; ++s) {
+#pragma unroll
+            for (int part = 0; part < 2; ++part) {
+                mbar_init(hop_bar<H::STAGES>(bars, false, s, part), 128u);
+                mbar_init(hop_bar<H::STAGES>(bars, true, s, part), 256u);
+            }
         }
     }
     __syncthreads();

@@ -34,7 +34,8 @@ const MMA_ROWS: u32 = 64;
 const WGMMA_ROWS: u32 = 128;
 const WGMMA_THREADS: u32 = 384;
 const WGMMA_KEYS: u32 = 128;
-const WGMMA_STAGES: u32 = 2;
+/// K/V stages: 3 for a BF16 workspace, 2 for E4M3 (whose raw staging takes the third's room).
+const WGMMA_STAGES: [u32; 2] = [2, 3];
 
 /// Which prefill/extend attention kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,15 +101,17 @@ fn wgmma_splits(n: usize, start: usize, q_heads: usize, sms: u32) -> u32 {
 }
 
 /// Dynamic shared memory of a `cu/prefill_hopper.cu` block (`H_SMEM` there): the f16/BF16
-/// stages of K and V tiles, two E4M3 staging buffers, alignment slack and the barriers.
+/// stages of K and V tiles, two E4M3 staging buffers, alignment slack and the barriers (full
+/// and empty, of K and of V, per stage).
 fn wgmma_smem(work_index: usize, head_dim: u32) -> u32 {
-    let stages = WGMMA_STAGES * 2 * (head_dim / 64) * WGMMA_KEYS * 128;
+    let count = WGMMA_STAGES[work_index];
+    let stages = count * 2 * (head_dim / 64) * WGMMA_KEYS * 128;
     let raw = if work_index == 1 {
         0
     } else {
         4 * WGMMA_KEYS * head_dim
     };
-    stages + raw + 1024 + 64
+    stages + raw + 1024 + count * 4 * 8
 }
 
 /// Compiles `cu/prefill_hopper.cu` for sm_90a and loads its kernels, each allowed the shared
@@ -366,6 +369,7 @@ mod tests {
             }
         }
         assert_eq!(wgmma_smem(0, 128), 131_072 + 65_536 + 1_088);
+        assert_eq!(wgmma_smem(1, 128), 196_608 + 1_120);
     }
 
     #[test]
