@@ -219,6 +219,51 @@ impl MemoryLinks {
     }
 }
 
+/// [`MemoryLinks`] whose links pass through `wrap` as they are joined (with the joining rank):
+/// how tests put a link that fails, stalls or records in the path of the real transfer code.
+pub struct WrappedLinks<F> {
+    hub: MemoryLinks,
+    name: &'static str,
+    wrap: F,
+}
+
+impl MemoryLinks {
+    /// These links, each wrapped by `wrap` when joined; `name` is the factory's.
+    pub fn wrapped<F>(&self, name: &'static str, wrap: F) -> WrappedLinks<F>
+    where
+        F: Fn(Box<dyn Link>, Rank) -> Box<dyn Link> + Send + Sync,
+    {
+        WrappedLinks {
+            hub: self.clone(),
+            name,
+            wrap,
+        }
+    }
+}
+
+impl<F> LinkFactory for WrappedLinks<F>
+where
+    F: Fn(Box<dyn Link>, Rank) -> Box<dyn Link> + Send + Sync,
+{
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn new_id(&self) -> Result<Vec<u8>> {
+        self.hub.new_id()
+    }
+
+    fn join(
+        &self,
+        id: &[u8],
+        rank: Rank,
+        timeout: Duration,
+        cancel: &AtomicBool,
+    ) -> Result<Box<dyn Link>> {
+        Ok((self.wrap)(self.hub.join(id, rank, timeout, cancel)?, rank))
+    }
+}
+
 impl LinkFactory for MemoryLinks {
     fn name(&self) -> &'static str {
         "memory"

@@ -541,11 +541,6 @@ async fn the_control_message_is_checked_before_anything_is_received() {
 }
 
 /// Links that overwrite what they send with 0xFF (NaN block scales) while `corrupt` is set.
-struct CorruptingLinks {
-    hub: MemoryLinks,
-    corrupt: Arc<AtomicBool>,
-}
-
 struct Corrupting {
     link: Box<dyn Link>,
     corrupt: Arc<AtomicBool>,
@@ -570,27 +565,6 @@ impl Link for Corrupting {
     }
 }
 
-impl LinkFactory for CorruptingLinks {
-    fn name(&self) -> &'static str {
-        "corrupting"
-    }
-    fn new_id(&self) -> nibble_nccl::Result<Vec<u8>> {
-        self.hub.new_id()
-    }
-    fn join(
-        &self,
-        id: &[u8],
-        rank: Rank,
-        timeout: Duration,
-        cancel: &AtomicBool,
-    ) -> nibble_nccl::Result<Box<dyn Link>> {
-        Ok(Box::new(Corrupting {
-            link: self.hub.join(id, rank, timeout, cancel)?,
-            corrupt: Arc::clone(&self.corrupt),
-        }))
-    }
-}
-
 /// Pages that arrive over NCCL are checked where they land, as gRPC pushes are: a refusal
 /// releases the reservation, fails the prefill without a fall back (the same bytes would be
 /// refused over gRPC), keeps the link (it moved the bytes fine), and the next hand-off over
@@ -603,9 +577,14 @@ async fn pages_that_fail_their_checks_over_nccl_are_refused() {
     let d = server(v1::WorkerRole::Decode, "decode-0").await;
     let hub = MemoryLinks::new();
     let corrupt = Arc::new(AtomicBool::new(true));
-    let links = CorruptingLinks {
-        hub: hub.clone(),
-        corrupt: Arc::clone(&corrupt),
+    let links = {
+        let corrupt = Arc::clone(&corrupt);
+        hub.wrapped("corrupting", move |link, _| {
+            Box::new(Corrupting {
+                link,
+                corrupt: Arc::clone(&corrupt),
+            })
+        })
     };
     let timeout = Duration::from_secs(10);
     enable(
