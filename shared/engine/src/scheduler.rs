@@ -37,7 +37,9 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Requests waiting for admission before new ones are refused.
     pub max_waiting: usize,
-    /// Longest sequence (prompt + output) the model accepts.
+    /// Longest sequence (prompt + output) the engine accepts. `Engine::new` caps it at the
+    /// model's context length, so the default (no limit of its own) serves the model's whole
+    /// context, as the router's check and `/v1/models`' `max_model_len` say.
     pub max_context: usize,
     /// Prompts are computed in blocks of this many tokens from position 0 (a multiple of the
     /// page size; rounded down to one, and to what the step budget leaves beside a decode of
@@ -54,7 +56,7 @@ impl Default for SchedulerConfig {
             max_batch_tokens: 512,
             max_running: 64,
             max_waiting: 256,
-            max_context: 8192,
+            max_context: usize::MAX,
             prefill_block: 256,
         }
     }

@@ -499,3 +499,30 @@ fn with_tokens_params() -> SamplingParams {
         ..SamplingParams::greedy(1)
     }
 }
+
+/// The default scheduler serves the model's whole context (what the router checks and reports
+/// as `max_model_len`), not a limit of its own: a model of 20,000 tokens takes a 9,000-token
+/// prompt and refuses one that does not fit its context.
+#[test]
+fn the_default_context_is_the_models() {
+    use nibble_engine::synthetic::{random_model, tiny_llama, tokenizer};
+    let config = tiny_llama(20_000);
+    let vocab = config.vocab_size;
+    let model = random_model(Arc::new(CpuBackend::new(1).unwrap()), config, 0).unwrap();
+    let kv = KvConfig::new(KvDtype::Nvfp4);
+    let page_bytes = kv.layout(&model).unwrap().page_bytes();
+    let config = EngineConfig {
+        kv,
+        kv_budget_bytes: 2_000 * page_bytes,
+        scheduler: SchedulerConfig::default(),
+    };
+    let tokenizer = Arc::new(tokenizer(vocab).unwrap());
+    let mut e = Engine::new(model, tokenizer, config).unwrap();
+    let long: Vec<u32> = (0..9_000).map(|i| (i % 500) as u32 + 1).collect();
+    e.submit(SeqId(1), long, SamplingParams::greedy(1)).unwrap();
+    let too_long: Vec<u32> = (0..20_000).map(|i| (i % 500) as u32 + 1).collect();
+    let err = e
+        .submit(SeqId(2), too_long, SamplingParams::greedy(1))
+        .unwrap_err();
+    assert!(err.to_string().contains("at most 20000 tokens"), "{err}");
+}
