@@ -3,6 +3,7 @@
 real completion are timed.
 
     python3 bench/failover/connections.py [--connections 20000] [--max-connections N]
+        [--completion-tokens 4]
 
 A router (`--http-max-connections N` when given, else its default) with one decode worker.
 Helper processes open `--connections` connections, half idle (connected, nothing sent) and
@@ -108,6 +109,8 @@ def main():
     parser.add_argument("--trickle", type=float, default=10.0, help="seconds between slow bytes")
     parser.add_argument("--probes", type=int, default=200)
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--completion-tokens", type=int, default=4,
+                        help="max_tokens of each timed completion")
     args = parser.parse_args()
     hard = c.raise_fd_limit()
     router_args = ["--http-idle-timeout-secs", str(args.idle_timeout)]
@@ -119,7 +122,8 @@ def main():
         host, port = cl.http_address()
         print(f"machine: {c.machine()}; open-file limit {hard}; router {' '.join(router_args)}")
         health = lambda: c.http(host, port, "GET", "/health", timeout=10)[0]
-        real = lambda: c.complete(host, port, "The capital of France is", 4, timeout=30)[2].split(" ")[0]
+        tokens = args.completion_tokens
+        real = lambda: c.complete(host, port, "The capital of France is", tokens, timeout=30)[2].split(" ")[0]
         print("without the connections:")
         report("/health", *timed(health, args.probes))
         report("completion", *timed(real, args.requests))
