@@ -189,13 +189,41 @@ impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Capped<IO> {
     }
 }
 
-/// Counts the connections a listener refused at its cap and logs them at most once a second,
-/// so a flood of connections cannot flood the log.
+/// Counts events and logs them at most once per `period` (the first one at once), so that a
+/// flood of them (connections refused or evicted at a listener's cap) cannot flood the log.
+#[derive(Debug)]
+pub struct PeriodicLog {
+    period: Duration,
+    count: std::sync::atomic::AtomicU64,
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl PeriodicLog {
+    pub fn new(period: Duration) -> Self {
+        Self {
+            period,
+            count: Default::default(),
+            last: Default::default(),
+        }
+    }
+
+    /// One more event; `log` is called with the total so far when a line is due.
+    pub fn note(&self, log: impl FnOnce(u64)) {
+        use std::sync::atomic::Ordering;
+        let total = self.count.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|at| at.elapsed() >= self.period) {
+            *last = Some(std::time::Instant::now());
+            log(total);
+        }
+    }
+}
+
+/// Counts the connections a listener refused at its cap and logs them at most once a second.
 #[derive(Debug)]
 pub struct RefusalLog {
     what: &'static str,
-    count: std::sync::atomic::AtomicU64,
-    last: std::sync::Mutex<Option<std::time::Instant>>,
+    log: PeriodicLog,
 }
 
 impl RefusalLog {
@@ -203,24 +231,19 @@ impl RefusalLog {
     pub fn new(what: &'static str) -> Self {
         Self {
             what,
-            count: Default::default(),
-            last: Default::default(),
+            log: PeriodicLog::new(Duration::from_secs(1)),
         }
     }
 
     /// One more refused connection.
     pub fn note(&self) {
-        use std::sync::atomic::Ordering;
-        let total = self.count.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
-            *last = Some(std::time::Instant::now());
+        self.log.note(|total| {
             tracing::warn!(
                 listener = self.what,
                 refused_total = total,
                 "connection limit reached: refusing"
-            );
-        }
+            )
+        });
     }
 }
 
@@ -302,5 +325,22 @@ mod drain_tests {
         )
         .await;
         assert_eq!(result, Err("drained"));
+    }
+}
+
+#[cfg(test)]
+mod periodic_log_tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn periodic_log_logs_the_first_event_then_at_most_once_a_period() {
+        let log = PeriodicLog::new(Duration::from_secs(3600));
+        let mut logged = Vec::new();
+        for _ in 0..5 {
+            log.note(|total| logged.push(total));
+        }
+        assert_eq!(logged, vec![1]);
+        assert_eq!(log.count.load(Ordering::Relaxed), 5);
     }
 }

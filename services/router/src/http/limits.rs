@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use axum::extract::connect_info::Connected;
 use axum::serve::{IncomingStream, Listener};
-use nibble_proto::serving::RefusalLog;
+use nibble_proto::serving::{PeriodicLog, RefusalLog};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -235,34 +235,6 @@ impl Open {
     }
 }
 
-/// Counts events and logs them at most once per `period` (the first one at once), so that a
-/// flood of connections cannot flood the log.
-struct PeriodicLog {
-    period: Duration,
-    count: AtomicU64,
-    last: Mutex<Option<std::time::Instant>>,
-}
-
-impl PeriodicLog {
-    fn new(period: Duration) -> Self {
-        Self {
-            period,
-            count: AtomicU64::new(0),
-            last: Mutex::new(None),
-        }
-    }
-
-    /// One more event; `log` is called with the total when a line is due.
-    fn note(&self, log: impl FnOnce(u64)) {
-        let total = self.count.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|at| at.elapsed() >= self.period) {
-            *last = Some(std::time::Instant::now());
-            log(total);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,16 +278,5 @@ mod tests {
         drop(_busy);
         drop(a);
         assert!(full.admit().is_some());
-    }
-
-    #[test]
-    fn periodic_log_logs_the_first_event_then_at_most_once_a_period() {
-        let log = PeriodicLog::new(Duration::from_secs(3600));
-        let mut logged = Vec::new();
-        for _ in 0..5 {
-            log.note(|total| logged.push(total));
-        }
-        assert_eq!(logged, vec![1]);
-        assert_eq!(log.count.load(Ordering::Relaxed), 5);
     }
 }
