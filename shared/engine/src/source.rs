@@ -105,7 +105,7 @@ impl ModelSource {
     /// `SmolLM2-135M-Instruct.Q4_1`). Workers and the router agree on it by default.
     /// A synthetic model is served as `synthetic-<shape>`.
     pub fn default_name(path: &Path) -> String {
-        if let Some(Ok(model)) = path.to_str().and_then(SyntheticModel::parse) {
+        if let Some(Ok(model)) = Self::synthetic(path) {
             return format!("synthetic-{}", model.shape);
         }
         let name = path
