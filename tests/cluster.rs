@@ -104,9 +104,9 @@ async fn tokens_through_the_cluster_match_one_engine_for_every_kv_dtype() {
         let pushes = pushes(&log);
         assert!(!pushes.is_empty(), "{dtype}: no transfer logged:\n{log}");
         // The cold prompt's 300 tokens: 18 full pages of 16 and one partial page, then the
-        // recent window's pages (nvfp4's default window of 64 tokens: 15 pages of SmolLM2).
+        // recent window's pages (nvfp4's default window of 48 tokens: 11 pages of SmolLM2).
         let window = match dtype {
-            KvDtype::Nvfp4 => 15,
+            KvDtype::Nvfp4 => 11,
             KvDtype::Fp8 | KvDtype::Bf16 => 0,
         };
         assert_eq!(pushes[0].0, 19 + window, "{dtype}: {pushes:?}");

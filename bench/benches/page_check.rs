@@ -1,7 +1,7 @@
 //! What checking received pages costs (`nibble_kvfmt::SequencePages::check`, which a decode
 //! worker runs on every page it receives before writing it): one 32K-token hand-off of
 //! SmolLM2-135M (30 layers, 3 KV heads of 64, 16-token pages) per dtype, every page checked, as
-//! the receiver does. nvfp4 moves its 64-token recent window too (15 pages).
+//! the receiver does. nvfp4 moves its 48-token recent window too (11 pages).
 //!
 //! Pages hold what quantize-on-write writes (N(0, 1) values, the window in BF16): 64 distinct
 //! pages, repeated; the checks are branch-free scans, so the values do not change their cost.

@@ -178,12 +178,17 @@ mod tests {
 
     #[test]
     fn a_sequence_with_the_default_window() {
-        // SmolLM2: 15 window pages; a 32K sequence holds 2,048 + 15 pages.
+        // SmolLM2: 11 window pages; a 32K sequence holds 2,048 + 11 pages.
         let r = LayoutReport::new(30, 3, 64, 16, KvDtype::Nvfp4, None, Some(32768)).unwrap();
-        assert_eq!((r.window_tokens, r.window_pages), (64, 15));
+        assert_eq!((r.window_tokens, r.window_pages), (48, 11));
         let s = r.sequence.unwrap();
-        assert_eq!((s.pages, s.bytes), (2063, 2063 * 103_680));
+        assert_eq!((s.pages, s.bytes), (2059, 2059 * 103_680));
         assert!(s.tokens_vs_fp8 >= 1.75 && s.bytes_vs_fp8 <= 0.58, "{s:?}");
+        // A 4K sequence: 256 + 11 pages, 1.7x FP8's tokens in the same bytes.
+        let r = LayoutReport::new(30, 3, 64, 16, KvDtype::Nvfp4, None, Some(4096)).unwrap();
+        let s = r.sequence.unwrap();
+        assert_eq!(s.pages, 267);
+        assert!(s.tokens_vs_fp8 >= 1.70, "{s:?}");
         let fp8 = LayoutReport::new(30, 3, 64, 16, KvDtype::Fp8, None, Some(4096)).unwrap();
         assert_eq!(fp8.window_pages, 0);
         assert_eq!(fp8.sequence.unwrap().bytes_vs_fp8, 1.0);

@@ -60,7 +60,7 @@ async fn generate_through_router_prefill_and_decode_gives_one_engines_tokens() {
     assert_eq!(received, pushed, "one decode worker got every page");
 
     // Wait until the holder's KV events have reached the router's index, and its load report
-    // shows the finished request's pages back (its recent window's 15 pages, held until then,
+    // shows the finished request's pages back (its recent window's 11 pages, held until then,
     // would weigh more in the router's page-pressure cost than the cached prefix saves).
     let full_pages = prompt().len() / page_size as usize;
     for _ in 0..200 {

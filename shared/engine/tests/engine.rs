@@ -150,7 +150,7 @@ fn prefix_cache_is_reused_and_stop_strings_end_requests() {
     let s = setup();
     let mut e = engine(&s, KvDtype::Nvfp4, 64, SchedulerConfig::default());
     // 400 tokens: a 256-token prompt block is reusable (the rest of the prompt, within a block
-    // or the nvfp4 cache's recent window of 64 tokens, is computed again).
+    // or the nvfp4 cache's recent window of 48 tokens, is computed again).
     let p = austen(&s, 400);
     e.submit(SeqId(1), p.clone(), SamplingParams::greedy(4))
         .unwrap();
@@ -401,10 +401,10 @@ fn a_window_that_does_not_fit_is_refused() {
         "{err}"
     );
     let kv = KvConfig::new(KvDtype::Nvfp4);
-    let err = Engine::new(s.model.clone(), Arc::clone(&s.tokenizer), config(kv, 15))
+    let err = Engine::new(s.model.clone(), Arc::clone(&s.tokenizer), config(kv, 11))
         .err()
         .expect("no room beside the window");
-    assert!(err.to_string().contains("window (15 pages)"), "{err}");
+    assert!(err.to_string().contains("window (11 pages)"), "{err}");
     let kv = KvConfig::new(KvDtype::Nvfp4).with_window(Some(24));
     let err = Engine::new(s.model.clone(), Arc::clone(&s.tokenizer), config(kv, 64))
         .err()

@@ -77,7 +77,7 @@ pub struct WorkerArgs {
     #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
     pub no_smooth_k: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
-    /// instead of their pages; a multiple of --page-size, 0 for none [default: 64 for an nvfp4
+    /// instead of their pages; a multiple of --page-size, 0 for none [default: 48 for an nvfp4
     /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
@@ -543,7 +543,7 @@ mod tests {
         assert_eq!((kv.dtype, kv.page_size), (KvDtype::Nvfp4, 16));
         assert_eq!(kv.scale_rule, ScaleRule::Mse);
         assert!(kv.scales.is_none() && !kv.hadamard);
-        assert_eq!(kv.window, 64, "nvfp4's default window");
+        assert_eq!(kv.window, 48, "nvfp4's default window");
         let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap().config(), 2).unwrap();
         assert_eq!(fp8.window, 0);
         let kv = kv_config(&args(&["--kv-window", "32"]).unwrap().config(), 2).unwrap();

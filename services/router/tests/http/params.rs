@@ -91,7 +91,7 @@ async fn penalties_and_logit_bias_change_the_greedy_tokens() {
 async fn n_choices_share_the_prompts_pages_and_best_of_ranks_them() {
     let cluster = Cluster::start(HttpConfig::default()).await;
     let http = cluster.http();
-    // Long enough (> 256 + the 64-token window) that a prompt block can be reused.
+    // Long enough (> 256 + the 48-token window) that a prompt block can be reused.
     let long = PROMPT.repeat(12);
     // Temperature 1.5: at 1.0 the repeated prompt's next words are all but certain, and three
     // seeds draw the same four tokens.

@@ -2,18 +2,27 @@
 //! (a prefill's many rows and a decode step's one row per sequence), and decode over NVFP4 pages
 //! plus a BF16 window matches the CPU reference within the decode tolerance, for contexts
 //! shorter than the window, equal to it, and longer (the window's first token anywhere in a
-//! 16-token tile).
+//! 16-token tile), at the default window (48 tokens) and at 64.
 
 use super::*;
 
-const WINDOW: usize = 64;
+const WINDOWS: [usize; 2] = [48, 64];
 
 pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
+    let mut failures = 0;
+    for window in WINDOWS {
+        failures += check_one_window(kernels, geo, window)?;
+    }
+    Ok(failures)
+}
+
+fn check_one_window(kernels: &Kernels, geo: &Geometry, window_tokens: usize) -> Result<usize> {
     let stream = kernels.stream();
     let dtype = KvDtype::Nvfp4;
-    let mut rng = StdRng::seed_from_u64(0x3d0 ^ geo.head_dim as u64);
+    let mut rng = StdRng::seed_from_u64(0x3d0 ^ geo.head_dim as u64 ^ window_tokens as u64);
     let layout = PageLayout::new(geo.layers, geo.kv_heads, geo.head_dim, PAGE, dtype)?;
-    let contexts = [1usize, 40, 64, 65, 77, 333, 2100];
+    let w = window_tokens;
+    let contexts = [1usize, 40, w, w + 1, w + 13, 333, 2100];
     let scales = GlobalScales {
         k: vec![1.0, 0.37],
         v: vec![1.0, 1.9],
@@ -23,20 +32,21 @@ pub(crate) fn check_window(kernels: &Kernels, geo: &Geometry) -> Result<usize> {
         scales.clone(),
         ScaleRule::Mse,
     )?
-    .with_window(WINDOW)?;
+    .with_window(window_tokens)?;
     let wp = probe.window().pages();
     let token_pages: usize = contexts.iter().map(|c| c.div_ceil(PAGE)).sum();
     let plan = PoolPlan::for_pages(layout, token_pages + contexts.len() * wp)?;
     let mut pool = PagePool::new(plan);
-    let mut store = HostPages::new(plan, scales.clone(), ScaleRule::Mse)?.with_window(WINDOW)?;
+    let mut store =
+        HostPages::new(plan, scales.clone(), ScaleRule::Mse)?.with_window(window_tokens)?;
     let geom = PageGeom::new(&layout, LAYER)?;
     let wgeom = WindowGeom::new(store.window(), &layout, LAYER);
-    let name = format!("D={} H={}", geo.head_dim, geo.kv_heads);
+    let name = format!("D={} H={} W={w}", geo.head_dim, geo.kv_heads);
     let mut failures = 0;
     let per_token = geo.kv_heads * geo.head_dim;
 
     // Every sequence's pages and window, written on the CPU: its tokens quantized into pages,
-    // its last WINDOW tokens in BF16.
+    // its last `w` tokens in BF16.
     let mut seqs = Vec::new();
     for &ctx in &contexts {
         let mut pages = pool.alloc(ctx.div_ceil(PAGE))?;
