@@ -17,6 +17,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use nibble_engine::eval::{self, EvalPath, WindowScore};
+use nibble_engine::paged::WorkDtype;
+use nibble_engine::KvConfig;
 use nibble_kvfmt::KvDtype;
 use serde::Serialize;
 
@@ -47,6 +49,8 @@ pub struct Settings {
     pub scale_rule: Option<&'static str>,
     /// Tokens of the BF16 recent window (null for the f32 reference).
     pub kv_window: Option<usize>,
+    /// The dtype prefill and extend attention held K/V in (null for the f32 reference).
+    pub prefill_work: Option<&'static str>,
 }
 
 /// One window's scores.
@@ -152,6 +156,8 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             Some("--hadamard")
         } else if args.quant.kv_window.is_some() {
             Some("--kv-window")
+        } else if args.prefill_work.is_some() {
+            Some("--prefill-work")
         } else {
             None
         };
@@ -162,10 +168,22 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             });
         }
     }
+    if dtype == Some(KvDtype::Bf16) && args.prefill_work == Some(WorkDtype::Fp8) {
+        return Err(Error::Flag {
+            flag: "--prefill-work",
+            reason:
+                "fp8 needs an fp8 or nvfp4 cache (its global scales); a bf16 cache works in bf16"
+                    .into(),
+        });
+    }
     let opened = Opened::open(&args.model)?;
     let kv = dtype
         .map(|dtype| opened.kv_config(dtype, &args.quant))
-        .transpose()?;
+        .transpose()?
+        .map(|kv| KvConfig {
+            prefill_work: args.prefill_work,
+            ..kv
+        });
     let tokens = opened.tokenize_file(&args.text)?;
     let needed = args.window.checked_mul(args.windows).ok_or(Error::Flag {
         flag: "--windows",
@@ -212,6 +230,12 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             smooth_k: kv.as_ref().is_some_and(|kv| kv.k_smoothing.is_some()),
             scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
             kv_window: kv.as_ref().map(|kv| kv.window),
+            prefill_work: kv.as_ref().map(|kv| {
+                match kv.prefill_work.unwrap_or(WorkDtype::for_cache(kv.dtype)) {
+                    WorkDtype::Fp8 => "fp8",
+                    WorkDtype::Bf16 => "bf16",
+                }
+            }),
         },
         mean: MeanReport::new(&windows),
         windows,
@@ -223,7 +247,7 @@ fn table(report: &PplReport) -> String {
     let s = &report.settings;
     let mut text =
         format!(
-        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
+        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
         s.model.display(),
         s.kv_dtype,
         s.path,
@@ -236,6 +260,9 @@ fn table(report: &PplReport) -> String {
         s.kv_window
             .filter(|w| *w > 0)
             .map(|w| format!(" · bf16 window {w}"))
+            .unwrap_or_default(),
+        s.prefill_work
+            .map(|w| format!(" · prefill in {w}"))
             .unwrap_or_default(),
         "window",
         "ppl",

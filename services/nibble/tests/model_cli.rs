@@ -502,6 +502,39 @@ fn bad_flags_and_files_are_one_line_errors() {
             "--kv-window: applies to a quantized cache",
         ),
         (
+            eval(&[
+                "--kv-dtype",
+                "f32",
+                "--prefill-work",
+                "bf16",
+                "--window",
+                "64",
+            ]),
+            "--prefill-work: applies to a quantized cache",
+        ),
+        (
+            eval(&[
+                "--kv-dtype",
+                "bf16",
+                "--prefill-work",
+                "fp8",
+                "--window",
+                "64",
+            ]),
+            "--prefill-work: fp8 needs an fp8 or nvfp4 cache",
+        ),
+        (
+            eval(&[
+                "--kv-dtype",
+                "nvfp4",
+                "--prefill-work",
+                "fp4",
+                "--window",
+                "64",
+            ]),
+            "unknown work dtype \"fp4\": expected fp8 or bf16",
+        ),
+        (
             eval(&["--kv-dtype", "nvfp4", "--kv-window", "40", "--window", "64"]),
             "--kv-window: 40 tokens is not a multiple of the page size (16)",
         ),

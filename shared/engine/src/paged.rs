@@ -83,9 +83,15 @@ pub struct Workspace {
 }
 
 impl Workspace {
+    /// The workspace of a `cache`-dtype cache: its [`WorkDtype::for_cache`].
     pub fn new(cache: KvDtype) -> Self {
+        Self::with_dtype(WorkDtype::for_cache(cache))
+    }
+
+    /// A workspace holding K/V in `dtype`.
+    pub fn with_dtype(dtype: WorkDtype) -> Self {
         Self {
-            dtype: WorkDtype::for_cache(cache),
+            dtype,
             k: Vec::new(),
             v: Vec::new(),
             k_tile: CpuTensor::default(),

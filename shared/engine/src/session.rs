@@ -9,6 +9,7 @@ use crate::calibrate::{Calibration, KSmoothing};
 use crate::error::{Error, Result};
 use crate::kv::PagedBatch;
 use crate::model::{Logits, Model, Workspace};
+use crate::paged::WorkDtype;
 
 /// How a model's KV cache is stored.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +30,10 @@ pub struct KvConfig {
     /// Tokens of each sequence's high-precision recent window, kept in BF16 besides the pages
     /// (0: none; a multiple of `page_size`).
     pub window: usize,
+    /// The dtype prefill and extend attention hold K/V in; the cache's
+    /// ([`WorkDtype::for_cache`]: FP8 for fp8 and nvfp4) when `None`. Only the CPU backend
+    /// takes another, for `nibble eval ppl --prefill-work`.
+    pub prefill_work: Option<WorkDtype>,
 }
 
 impl KvConfig {
@@ -42,6 +47,7 @@ impl KvConfig {
             hadamard: false,
             scale_rule: ScaleRule::default(),
             window: Self::default_window(dtype),
+            prefill_work: None,
         }
     }
 
@@ -85,6 +91,9 @@ impl KvConfig {
             hadamard: self.hadamard,
             scale_rule: self.scale_rule,
             window: self.window,
+            prefill_work: self
+                .prefill_work
+                .unwrap_or(WorkDtype::for_cache(self.dtype)),
         })
     }
 

@@ -6,6 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use nibble_engine::eval::{score_window, score_window_paged, EvalPath};
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::{CpuBackend, KvConfig, Model, Tokenizer};
 use nibble_kvfmt::KvDtype;
 
@@ -73,4 +74,39 @@ fn every_dtype_and_path_tracks_the_f32_reference() {
         prefill_nll[0].1, prefill_nll[1].1,
         "prefill never reads the pages: {prefill_nll:?}"
     );
+}
+
+/// `KvConfig::prefill_work` sets the dtype prefill and extend attention hold K/V in: an nvfp4
+/// cache whose prefill works in BF16 scores a one-shot prefill exactly as a bf16 cache does
+/// (neither reads its pages there), and its extend, which reads the cached prefix from NVFP4
+/// pages, differs from both.
+#[test]
+fn the_prefill_work_dtype_is_what_prefill_attention_reads() {
+    let file = common::open_model();
+    let model = Model::from_gguf(Arc::new(CpuBackend::new(2).unwrap()), &file).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let text = std::fs::read_to_string(nibble_testkit::fixture(
+        "austen_pride_and_prejudice_8000_20000.txt",
+    ))
+    .unwrap();
+    let tokens = tokenizer.encode(&text, false).unwrap();
+    let window = &tokens[..160];
+    let bf16 = KvConfig::new(KvDtype::Bf16);
+    let nvfp4 = KvConfig::new(KvDtype::Nvfp4);
+    let nvfp4_bf16 = KvConfig {
+        prefill_work: Some(WorkDtype::Bf16),
+        ..nvfp4.clone()
+    };
+    let score = |kv: &KvConfig, path| score_window_paged(&model, kv, path, window).unwrap();
+    assert_eq!(
+        score(&nvfp4_bf16, EvalPath::Prefill),
+        score(&bf16, EvalPath::Prefill)
+    );
+    assert_ne!(
+        score(&nvfp4_bf16, EvalPath::Prefill),
+        score(&nvfp4, EvalPath::Prefill)
+    );
+    let extend = score(&nvfp4_bf16, EvalPath::Extend);
+    assert_ne!(extend, score(&bf16, EvalPath::Extend));
+    assert_ne!(extend, score(&nvfp4, EvalPath::Extend));
 }

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use clap::Args;
 use nibble_cuda::Device;
 use nibble_engine::eval::EvalPath;
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::sampling::SamplingParams;
 use nibble_kvfmt::{KvDtype, ScaleRule};
 
@@ -238,6 +239,11 @@ pub struct PplArgs {
     /// reading the quantized pages).
     #[arg(long, value_name = "PATH", default_value = "decode", value_parser = parse_path)]
     pub path: EvalPath,
+    /// The dtype prefill and extend attention hold K/V in: bf16 scores what a BF16 prefill
+    /// would give an fp8 or nvfp4 cache (the new tokens in BF16, cached ones dequantized into
+    /// BF16; CPU backend only) [default: the cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
+    #[arg(long, value_name = "DTYPE", value_parser = parse_work_dtype)]
+    pub prefill_work: Option<WorkDtype>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -269,6 +275,14 @@ fn parse_eval_dtype(s: &str) -> Result<EvalDtype, String> {
     KvDtype::parse(s)
         .map(EvalDtype::Kv)
         .map_err(|_| format!("unknown KV dtype {s:?}: expected bf16, fp8, nvfp4 or f32"))
+}
+
+fn parse_work_dtype(s: &str) -> Result<WorkDtype, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "fp8" => Ok(WorkDtype::Fp8),
+        "bf16" => Ok(WorkDtype::Bf16),
+        _ => Err(format!("unknown work dtype {s:?}: expected fp8 or bf16")),
+    }
 }
 
 fn parse_path(s: &str) -> Result<EvalPath, String> {

@@ -9,6 +9,7 @@ use nibble_engine::backend::{
     AttentionArgs, AttnGeometry, Backend, PageEncoding, PagedSeq, RopeArgs,
 };
 use nibble_engine::kv::StepTokens;
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::{CpuBackend, RopeStyle};
 use nibble_kvcache::{GlobalScales, PagePool, PageTable, PoolPlan};
 use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule};
@@ -342,6 +343,7 @@ fn check_paged(
         hadamard: false,
         scale_rule: ScaleRule::default(),
         window: 0,
+        prefill_work: WorkDtype::for_cache(plan.layout.dtype()),
     };
     let mut pc = cpu.new_pages(plan, encoding.clone())?;
     let mut pg = gpu.new_pages(plan, encoding)?;

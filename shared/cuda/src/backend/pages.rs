@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice};
 use nibble_engine::backend::PageEncoding;
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::{Error as EngineError, Result as EngineResult};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan};
 use nibble_kvfmt::{PageLayout, ScaleRule, WindowLayout};
@@ -57,8 +58,17 @@ impl CudaBackend {
             hadamard,
             scale_rule,
             window,
+            prefill_work,
         } = encoding;
         let layout = plan.layout;
+        if prefill_work != WorkDtype::for_cache(layout.dtype()) {
+            return Err(EngineError::Unsupported(format!(
+                "the CUDA backend runs prefill and extend attention of a {} cache over {:?} K/V, \
+                 not {prefill_work:?} (another work dtype is a CPU evaluation option)",
+                layout.dtype(),
+                WorkDtype::for_cache(layout.dtype())
+            )));
+        }
         let window = WindowLayout::new(&layout, window).map_err(nibble_kvcache::Error::from)?;
         if let Some(reason) =
             crate::device::pages_unsupported(layout.head_dim(), layout.page_size())

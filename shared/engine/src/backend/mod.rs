@@ -18,6 +18,7 @@ use crate::config::RopeStyle;
 use crate::error::{Error, Result};
 use crate::gguf::{dequant, GgmlType};
 use crate::kv::StepTokens;
+use crate::paged::WorkDtype;
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan, SlotId};
 use nibble_kvfmt::ScaleRule;
 use std::ops::Range;
@@ -81,6 +82,9 @@ pub struct PageEncoding {
     /// Tokens of each sequence's high-precision recent window (0: none); see
     /// [`nibble_kvfmt::window`].
     pub window: usize,
+    /// The dtype prefill and extend attention hold K/V in (the cache's
+    /// [`WorkDtype::for_cache`] unless an evaluation asks for another).
+    pub prefill_work: WorkDtype,
 }
 
 /// Tensor storage and compute kernels.

@@ -34,6 +34,7 @@ impl CpuPages {
             hadamard,
             scale_rule,
             window,
+            prefill_work,
         } = encoding;
         let head_dim = plan.layout.head_dim();
         if hadamard && !hadamard::supported(head_dim) {
@@ -42,7 +43,7 @@ impl CpuPages {
             )));
         }
         Ok(Self {
-            ws: Workspace::new(plan.layout.dtype()),
+            ws: Workspace::with_dtype(prefill_work),
             store: HostPages::new(plan, scales, scale_rule)?.with_window(window)?,
             hadamard,
             rotated: Default::default(),
