@@ -10,8 +10,8 @@ use nibble_engine::paged::WorkDtype;
 use nibble_engine::{CpuBackend, KvConfig, Model, Tokenizer};
 use nibble_kvfmt::KvDtype;
 
-#[test]
-fn every_dtype_and_path_tracks_the_f32_reference() {
+/// The model on the CPU backend and the Austen fixture's tokens.
+fn model_and_text() -> (Model<CpuBackend>, Vec<u32>) {
     let file = common::open_model();
     let model = Model::from_gguf(Arc::new(CpuBackend::new(2).unwrap()), &file).unwrap();
     let tokenizer = Tokenizer::from_gguf(&file).unwrap();
@@ -19,7 +19,12 @@ fn every_dtype_and_path_tracks_the_f32_reference() {
         "austen_pride_and_prejudice_8000_20000.txt",
     ))
     .unwrap();
-    let tokens = tokenizer.encode(&text, false).unwrap();
+    (model, tokenizer.encode(&text, false).unwrap())
+}
+
+#[test]
+fn every_dtype_and_path_tracks_the_f32_reference() {
+    let (model, tokens) = model_and_text();
     let window = &tokens[..160];
     let reference = score_window(&model, window).unwrap();
     let mut prefill_nll = Vec::new();
@@ -82,14 +87,7 @@ fn every_dtype_and_path_tracks_the_f32_reference() {
 /// pages, differs from both.
 #[test]
 fn the_prefill_work_dtype_is_what_prefill_attention_reads() {
-    let file = common::open_model();
-    let model = Model::from_gguf(Arc::new(CpuBackend::new(2).unwrap()), &file).unwrap();
-    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
-    let text = std::fs::read_to_string(nibble_testkit::fixture(
-        "austen_pride_and_prejudice_8000_20000.txt",
-    ))
-    .unwrap();
-    let tokens = tokenizer.encode(&text, false).unwrap();
+    let (model, tokens) = model_and_text();
     let window = &tokens[..160];
     let bf16 = KvConfig::new(KvDtype::Bf16);
     let nvfp4 = KvConfig::new(KvDtype::Nvfp4);
