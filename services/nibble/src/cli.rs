@@ -136,7 +136,8 @@ pub struct LayoutArgs {
     /// KV dtype: nvfp4, fp8 or bf16.
     #[arg(long, env = "NIBBLE_KV_DTYPE", value_parser = KvDtype::parse)]
     pub dtype: KvDtype,
-    /// Tokens of each sequence's BF16 recent window [default: 48 for nvfp4, 0 otherwise].
+    /// Tokens of each sequence's BF16 recent window [default: 48 for nvfp4, rounded up to whole
+    /// pages; 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
     /// Also report one sequence of this many tokens: its pages, bytes and tokens per GiB.

@@ -85,7 +85,7 @@ pub struct UpArgs {
     #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
     pub no_smooth_k: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16 by both workers; a multiple
-    /// of --page-size, 0 for none [default: 48 for an nvfp4 cache, 0 otherwise].
+    /// of --page-size, 0 for none [default: 48 for an nvfp4 cache in whole pages, 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
     /// MiB of KV pages each worker allocates [default: 256 on the CPU; on a GPU, which the two

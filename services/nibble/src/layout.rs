@@ -99,7 +99,10 @@ impl LayoutReport {
         context: Option<usize>,
     ) -> Result<Self> {
         let layout = PageLayout::new(layers, kv_heads, head_dim, page_size, dtype)?;
-        let window = WindowLayout::new(&layout, window.unwrap_or(KvConfig::default_window(dtype)))?;
+        let window = WindowLayout::new(
+            &layout,
+            window.unwrap_or(KvConfig::default_window(dtype, page_size)),
+        )?;
         let bytes = layout.bytes();
         let ratio = |other: KvDtype| {
             bytes.per_token as f64 / layout.with_dtype(other).bytes().per_token as f64

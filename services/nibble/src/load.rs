@@ -88,7 +88,9 @@ impl Opened {
                 ),
             });
         }
-        let window = quant.kv_window.unwrap_or(KvConfig::default_window(dtype));
+        let window = quant
+            .kv_window
+            .unwrap_or(KvConfig::default_window(dtype, quant.page_size));
         if !window.is_multiple_of(quant.page_size) {
             return Err(Error::Flag {
                 flag: "--kv-window",

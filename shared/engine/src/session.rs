@@ -46,17 +46,19 @@ impl KvConfig {
             k_smoothing: None,
             hadamard: false,
             scale_rule: ScaleRule::default(),
-            window: Self::default_window(dtype),
+            window: Self::default_window(dtype, 16),
             prefill_work: None,
         }
     }
 
-    /// The recent window a `dtype` cache gets unless told otherwise: 48 tokens for nvfp4, whose
-    /// error is mostly in the keys nearest the query (docs/ACCURACY.md: at 48 it is level with
-    /// or better than FP8, and holds 1.7x FP8's tokens from 4K contexts), none for fp8 and bf16.
-    pub fn default_window(dtype: KvDtype) -> usize {
+    /// The recent window a `dtype` cache of `page_size`-token pages gets unless told otherwise:
+    /// for nvfp4, whose error is mostly in the keys nearest the query, 48 tokens rounded up to
+    /// whole pages (48 for pages of 16, 64 for 32 or 64; docs/ACCURACY.md: at 48 it is level
+    /// with or better than FP8, and holds 1.7x FP8's tokens from 4K contexts); none for fp8
+    /// and bf16.
+    pub fn default_window(dtype: KvDtype, page_size: usize) -> usize {
         match dtype {
-            KvDtype::Nvfp4 => 48,
+            KvDtype::Nvfp4 => 48usize.div_ceil(page_size.max(1)) * page_size.max(1),
             KvDtype::Fp8 | KvDtype::Bf16 => 0,
         }
     }
@@ -75,7 +77,7 @@ impl KvConfig {
 
     /// The same config with a window of `tokens` tokens (`None`: the dtype's default).
     pub fn with_window(mut self, tokens: Option<usize>) -> Self {
-        self.window = tokens.unwrap_or(Self::default_window(self.dtype));
+        self.window = tokens.unwrap_or(Self::default_window(self.dtype, self.page_size));
         self
     }
 

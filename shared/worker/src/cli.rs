@@ -78,7 +78,8 @@ pub struct WorkerArgs {
     pub no_smooth_k: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
     /// instead of their pages; a multiple of --page-size, 0 for none [default: 48 for an nvfp4
-    /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
+    /// cache, rounded up to whole pages; 0 otherwise]. Prefill and decode workers must agree: it
+    /// is part of the KV format.
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
@@ -544,6 +545,8 @@ mod tests {
         assert_eq!(kv.scale_rule, ScaleRule::Mse);
         assert!(kv.scales.is_none() && !kv.hadamard);
         assert_eq!(kv.window, 48, "nvfp4's default window");
+        let kv = kv_config(&args(&["--page-size", "32"]).unwrap().config(), 2).unwrap();
+        assert_eq!(kv.window, 64, "the default window in whole pages of 32");
         let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap().config(), 2).unwrap();
         assert_eq!(fp8.window, 0);
         let kv = kv_config(&args(&["--kv-window", "32"]).unwrap().config(), 2).unwrap();

@@ -49,7 +49,8 @@ pub struct WorkerConfig {
     pub no_smooth_k: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
     /// instead of their pages; a multiple of --page-size, 0 for none [default: 48 for an nvfp4
-    /// cache, 0 otherwise]. Prefill and decode workers must agree: it is part of the KV format.
+    /// cache, rounded up to whole pages; 0 otherwise]. Prefill and decode workers must agree: it
+    /// is part of the KV format.
     pub kv_window: Option<usize>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
     /// --kv-memory-fraction of the GPU's memory].

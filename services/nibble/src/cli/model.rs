@@ -75,7 +75,7 @@ pub struct QuantArgs {
     pub page_size: usize,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
     /// instead of their pages; a multiple of --page-size, 0 for none [default: 48 for an nvfp4
-    /// cache, 0 otherwise].
+    /// cache, rounded up to whole pages; 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
 }
