@@ -97,11 +97,19 @@ def main():
     person = parsed.choices[0].message.parsed
     check(isinstance(person, Person), f"chat.completions.parse gives a Person: {person!r}")
 
-    # json_object, on chat and (vLLM's extension) on completions.
+    # json_object, on chat and (vLLM's extension) on completions. Any JSON object is allowed,
+    # so the prompt asks for a small one: a free description can repeat itself past max_tokens.
     chat = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=120, temperature=0,
+        model=model,
+        messages=[{
+            "role": "user",
+            "content": "Return a JSON object with the keys name and age for a French programmer.",
+        }],
+        max_tokens=120,
+        temperature=0,
         response_format={"type": "json_object"},
     )
+    check(chat.choices[0].finish_reason == "stop", "the json_object answer ends by itself")
     check(isinstance(json.loads(chat.choices[0].message.content), dict), "json_object is an object")
     completion = client.completions.create(
         model=model, prompt="A date:", max_tokens=12, temperature=0,
