@@ -15,7 +15,7 @@ use nibble_discovery::{
     WorkerId, WorkerInfo, WorkerWatch,
 };
 use nibble_kvfmt::KvDtype;
-use nibble_nccl::link::{Link, LinkFactory, MemoryLinks, Rank, Staging};
+use nibble_nccl::link::{Link, LinkFactory, MemoryLinks, Staging};
 use nibble_proto::v1;
 use nibble_proto::v1::kv_transfer_client::KvTransferClient;
 use nibble_testkit::{handoff_over, model, EtcdServer, Handoff, WorkerApi};
@@ -332,8 +332,6 @@ async fn a_decode_worker_without_nccl_makes_the_prefill_worker_fall_back_at_once
 }
 
 /// A link factory whose links break on their first send (an NCCL error mid-transfer).
-struct BreakingLinks(MemoryLinks);
-
 struct BrokenOnSend;
 
 impl Link for BrokenOnSend {
@@ -342,25 +340,6 @@ impl Link for BrokenOnSend {
     }
     fn recv(&mut self, _: &mut Staging, _: usize, _: Duration) -> nibble_nccl::Result<()> {
         Err(nibble_nccl::Error::Link("injected failure".into()))
-    }
-}
-
-impl LinkFactory for BreakingLinks {
-    fn name(&self) -> &'static str {
-        "breaking"
-    }
-    fn new_id(&self) -> nibble_nccl::Result<Vec<u8>> {
-        self.0.new_id()
-    }
-    fn join(
-        &self,
-        id: &[u8],
-        rank: Rank,
-        timeout: Duration,
-        cancel: &AtomicBool,
-    ) -> nibble_nccl::Result<Box<dyn Link>> {
-        self.0.join(id, rank, timeout, cancel)?;
-        Ok(Box::new(BrokenOnSend))
     }
 }
 
@@ -374,7 +353,7 @@ async fn a_link_failure_mid_transfer_tears_the_pair_down_and_falls_back() {
     let timeout = Duration::from_millis(500);
     enable(
         &p,
-        Arc::new(BreakingLinks(hub.clone())),
+        Arc::new(hub.wrapped("breaking", |_, _| Box::new(BrokenOnSend))),
         Arc::new(registry.session()),
         "GPU-a",
         timeout,

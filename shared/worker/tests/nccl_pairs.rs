@@ -228,45 +228,17 @@ async fn a_pair_is_set_up_when_the_decode_worker_registers_not_on_a_request() {
     pair.pages_back().await;
 }
 
-/// Links whose joins take `delay` first (a slow communicator set-up).
-struct SlowJoins {
-    hub: MemoryLinks,
-    delay: Duration,
-}
-
-impl LinkFactory for SlowJoins {
-    fn name(&self) -> &'static str {
-        "slow"
-    }
-    fn new_id(&self) -> nibble_nccl::Result<Vec<u8>> {
-        self.hub.new_id()
-    }
-    fn join(
-        &self,
-        id: &[u8],
-        rank: Rank,
-        timeout: Duration,
-        cancel: &AtomicBool,
-    ) -> nibble_nccl::Result<Box<dyn Link>> {
-        std::thread::sleep(self.delay);
-        self.hub.join(id, rank, timeout, cancel)
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_during_the_set_up_waits_for_it_instead_of_starting_another() {
     let expected = grpc_tokens(&[prompt(2)]).await;
     let hub = MemoryLinks::new();
     let delay = Duration::from_millis(1500);
-    let pair = Pair::start(
-        Arc::new(SlowJoins {
-            hub: hub.clone(),
-            delay,
-        }),
-        Arc::new(hub),
-        NcclLimits::default(),
-    )
-    .await;
+    // A slow communicator set-up: the prefill side's join takes `delay` more.
+    let slow = hub.wrapped("slow", move |link, _| {
+        std::thread::sleep(delay);
+        link
+    });
+    let pair = Pair::start(Arc::new(slow), Arc::new(hub), NcclLimits::default()).await;
     pair.register(Role::Decode).await;
     until("the set-up started", || {
         pair.p_nccl().connect_totals().ahead == 1
