@@ -6,7 +6,6 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nibble_discovery::{Role, StaticRegistry};
@@ -156,20 +155,7 @@ async fn the_deadlines_hold_over_tls() {
     };
     let router =
         RouterServer::start(&registry, 16, http, move |c| c.security = security.clone()).await;
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(&pki.ca).unwrap();
-    use rustls::pki_types::pem::PemObject;
-    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let connector = nibble_testkit::tls::connector(&pki.ca).unwrap();
     let address = router.http_address().to_string();
     let connect = || async {
         let tcp = TcpStream::connect(&address).await.unwrap();

@@ -5,8 +5,6 @@
 
 mod support;
 
-use std::sync::Arc;
-
 use clap::Parser;
 use nibble_discovery::{Role, StaticRegistry};
 use nibble_kvfmt::KvDtype;
@@ -145,22 +143,10 @@ async fn https(
     body: Option<&str>,
 ) -> std::io::Result<HttpResponse> {
     use tokio_rustls::rustls;
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(ca)?;
-    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
     let tcp = tokio::net::TcpStream::connect(address).await?;
     let ip: std::net::SocketAddr = address.parse().unwrap();
     let name = rustls::pki_types::ServerName::IpAddress(ip.ip().into());
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+    let mut tls = nibble_testkit::tls::connector(ca)?
         .connect(name, tcp)
         .await?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n");
@@ -181,8 +167,6 @@ async fn https(
     let _ = tls.read_to_end(&mut raw).await;
     Ok(http_client::parse(&raw))
 }
-
-use tokio_rustls::rustls::pki_types::pem::PemObject;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_cluster_serves_grpc_and_https_end_to_end() {

@@ -25,6 +25,8 @@ pub mod raw;
 pub mod reflection;
 #[cfg(feature = "grpc")]
 mod router;
+#[cfg(feature = "tls")]
+pub mod tls;
 pub mod wait;
 #[cfg(feature = "grpc")]
 mod worker;
