@@ -231,10 +231,9 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
             kv_window: kv.as_ref().map(|kv| kv.window),
             prefill_work: kv.as_ref().map(|kv| {
-                match kv.prefill_work.unwrap_or(WorkDtype::for_cache(kv.dtype)) {
-                    WorkDtype::Fp8 => "fp8",
-                    WorkDtype::Bf16 => "bf16",
-                }
+                kv.prefill_work
+                    .unwrap_or(WorkDtype::for_cache(kv.dtype))
+                    .name()
             }),
         },
         mean: MeanReport::new(&windows),

@@ -54,6 +54,22 @@ impl WorkDtype {
         }
     }
 
+    /// The dtype's name, as flags and reports spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkDtype::Fp8 => "fp8",
+            WorkDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// The dtype named `name` (`fp8` or `bf16`).
+    pub fn parse(name: &str) -> std::result::Result<Self, String> {
+        [WorkDtype::Fp8, WorkDtype::Bf16]
+            .into_iter()
+            .find(|w| w.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| format!("unknown work dtype {name:?}: expected fp8 or bf16"))
+    }
+
     /// Bytes of one value in the workspace.
     pub fn bytes(self) -> usize {
         match self {

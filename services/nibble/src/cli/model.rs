@@ -242,7 +242,7 @@ pub struct PplArgs {
     /// The dtype prefill and extend attention hold K/V in: bf16 scores what a BF16 prefill
     /// would give an fp8 or nvfp4 cache (the new tokens in BF16, cached ones dequantized into
     /// BF16; CPU backend only) [default: the cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
-    #[arg(long, value_name = "DTYPE", value_parser = parse_work_dtype)]
+    #[arg(long, value_name = "DTYPE", value_parser = WorkDtype::parse)]
     pub prefill_work: Option<WorkDtype>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -275,14 +275,6 @@ fn parse_eval_dtype(s: &str) -> Result<EvalDtype, String> {
     KvDtype::parse(s)
         .map(EvalDtype::Kv)
         .map_err(|_| format!("unknown KV dtype {s:?}: expected bf16, fp8, nvfp4 or f32"))
-}
-
-fn parse_work_dtype(s: &str) -> Result<WorkDtype, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "fp8" => Ok(WorkDtype::Fp8),
-        "bf16" => Ok(WorkDtype::Bf16),
-        _ => Err(format!("unknown work dtype {s:?}: expected fp8 or bf16")),
-    }
 }
 
 fn parse_path(s: &str) -> Result<EvalPath, String> {

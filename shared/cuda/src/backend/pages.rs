@@ -61,12 +61,14 @@ impl CudaBackend {
             prefill_work,
         } = encoding;
         let layout = plan.layout;
-        if prefill_work != WorkDtype::for_cache(layout.dtype()) {
+        let served = WorkDtype::for_cache(layout.dtype());
+        if prefill_work != served {
             return Err(EngineError::Unsupported(format!(
-                "the CUDA backend runs prefill and extend attention of a {} cache over {:?} K/V, \
-                 not {prefill_work:?} (another work dtype is a CPU evaluation option)",
+                "the CUDA backend runs prefill and extend attention of a {} cache over {} K/V, \
+                 not {} (another work dtype is a CPU evaluation option)",
                 layout.dtype(),
-                WorkDtype::for_cache(layout.dtype())
+                served.name(),
+                prefill_work.name()
             )));
         }
         let window = WindowLayout::new(&layout, window).map_err(nibble_kvcache::Error::from)?;
