@@ -18,15 +18,18 @@
 //! batch, plus as many at context 16 for the context share); `e2e_decode --quick` (context 4096,
 //! batches 1 and 8, 2 + 8 steps); `e2e_decode --device cpu --tiny` (the 2-layer test shape on the
 //! CPU backend). Other flags: `--context N --batches 1,8 --warmup N --steps N --dtypes fp8,nvfp4
-//! --seed N --no-baseline --threads N` (CPU threads), `--hadamard` (the cache Hadamard-rotated). Exits 1, saying why, when the GPU cannot
-//! be used (no driver, no device, no NVRTC).
+//! --seed N --no-baseline --threads N` (CPU threads), `--hadamard` (the cache Hadamard-rotated),
+//! `--graphs off|on|both` (decode steps as CUDA graphs or not; `both` measures each dtype without
+//! then with them and reports whether every sequence's tokens are identical; the default is
+//! `NIBBLE_CUDA_GRAPHS`'s). Exits 1, saying why, when the GPU cannot be used (no driver, no
+//! device, no NVRTC).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use nibble_cuda::CudaBackend;
-use nibble_engine::decode_bench::{DecodeBench, Outcome, Timing};
+use nibble_engine::decode_bench::{DecodeBench, Outcome, Run, Timing};
 use nibble_engine::synthetic::{llama3_8b, random_model, tiny_llama, tokenizer};
 use nibble_engine::{Backend, CpuBackend, ModelConfig};
 use nibble_kvfmt::KvDtype;
@@ -47,6 +50,8 @@ struct Args {
     bench: DecodeBench,
     dtypes: Vec<KvDtype>,
     threads: usize,
+    /// Graphs off and/or on, in this order; empty: as the backend starts.
+    graphs: Vec<bool>,
 }
 
 fn parse() -> Result<Args> {
@@ -76,6 +81,7 @@ fn parse() -> Result<Args> {
         bench,
         dtypes: KvDtype::ALL.to_vec(),
         threads: 2,
+        graphs: Vec::new(),
     };
     let mut it = raw.iter();
     while let Some(a) = it.next() {
@@ -95,6 +101,14 @@ fn parse() -> Result<Args> {
             "--seed" => args.bench.seed = value()?.parse()?,
             "--no-baseline" => args.bench.baseline_context = None,
             "--threads" => args.threads = value()?.parse()?,
+            "--graphs" => {
+                args.graphs = match value()?.as_str() {
+                    "off" => vec![false],
+                    "on" => vec![true],
+                    "both" => vec![false, true],
+                    other => bail!("--graphs is off, on or both, not {other}"),
+                }
+            }
             other => bail!("unknown argument {other}"),
         }
     }
@@ -104,8 +118,11 @@ fn parse() -> Result<Args> {
 fn main() -> Result<()> {
     let args = parse()?;
     if args.cpu {
+        if !args.graphs.is_empty() {
+            bail!("--graphs needs the CUDA backend");
+        }
         let backend = Arc::new(CpuBackend::new(args.threads)?);
-        return measure(backend, &args, &|| {}, &|| Ok(None));
+        return measure(backend, &args, &|| {}, &|| Ok(None), &|_| json!(null));
     }
     let backend = Arc::new(CudaBackend::new(0).context(
         "e2e_decode needs a GPU for its CUDA mode (`--device cpu --tiny` runs on the CPU)",
@@ -120,16 +137,27 @@ fn main() -> Result<()> {
     let memory = move || -> Result<Option<(usize, usize)>> {
         Ok(Some(gpu.kernels().context().mem_get_info()?))
     };
-    measure(backend, &args, &sync, &memory)
+    let gpu = Arc::clone(&backend);
+    let graphs = move |on: Option<bool>| {
+        if let Some(on) = on {
+            gpu.set_decode_graphs(on);
+        }
+        let c = gpu.decode_graph_counts();
+        json!({"on": gpu.decode_graphs(), "replayed": c.replayed, "captured": c.captured,
+               "eager": c.eager})
+    };
+    measure(backend, &args, &sync, &memory, &graphs)
 }
 
 /// Builds the random model on `backend` and measures every dtype. `memory` gives the device's
-/// (free, total) bytes, `None` on the CPU.
+/// (free, total) bytes, `None` on the CPU; `graphs` turns decode-step graphs on or off (`Some`)
+/// and reports them (`null` on the CPU).
 fn measure<B: Backend>(
     backend: Arc<B>,
     args: &Args,
     sync: &dyn Fn(),
     memory: &dyn Fn() -> Result<Option<(usize, usize)>>,
+    graphs: &dyn Fn(Option<bool>) -> serde_json::Value,
 ) -> Result<()> {
     let bench = &args.bench;
     let (shape, config) = if args.tiny {
@@ -163,17 +191,58 @@ fn measure<B: Backend>(
             None => CPU_BUDGET,
         };
         eprintln!("e2e_decode: {dtype}, KV budget {:.1} GiB", gib(budget));
-        let ran = bench.run(&model, &tokenizer, dtype, budget, sync, &mut |o| {
-            emit(row(o))
-        });
-        if let Err(e) = ran {
-            // On stdout too, beside the rows that ran: the device tool keeps stdout files.
-            emit(json!({"bench": "e2e_decode", "dtype": dtype.to_string(),
-                        "error": format!("{e:#}")}));
-            return Err(e.into());
+        let modes: Vec<Option<bool>> = match args.graphs.is_empty() {
+            true => vec![None],
+            false => args.graphs.iter().map(|&on| Some(on)).collect(),
+        };
+        let mut runs = Vec::new();
+        for mode in modes {
+            let state = graphs(mode);
+            let ran = bench.run(&model, &tokenizer, dtype, budget, sync, &mut |o| {
+                let mut r = row(o);
+                r["graphs"] = state["on"].clone();
+                emit(r)
+            });
+            match ran {
+                Ok(outcomes) => runs.push(outcomes),
+                Err(e) => {
+                    // On stdout too, beside the rows that ran: the device tool keeps stdout files.
+                    emit(json!({"bench": "e2e_decode", "dtype": dtype.to_string(),
+                                "error": format!("{e:#}")}));
+                    return Err(e.into());
+                }
+            }
+            emit(
+                json!({"bench": "e2e_decode_graphs", "dtype": dtype.to_string(),
+                        "steps_after": graphs(None)}),
+            );
+        }
+        if let [off, on] = &runs[..] {
+            compare_graphs(dtype, off, on);
         }
     }
     Ok(())
+}
+
+/// The run of an outcome that ran.
+fn ran(o: &Outcome) -> Option<&Run> {
+    match o {
+        Outcome::Ran(r) => Some(r),
+        Outcome::DoesNotFit { .. } => None,
+    }
+}
+
+/// One row per batch measured both without and with graphs: whether every sequence's tokens
+/// are identical, and the speed-up.
+fn compare_graphs(dtype: KvDtype, off: &[Outcome], on: &[Outcome]) {
+    for (a, b) in off.iter().filter_map(ran).zip(on.iter().filter_map(ran)) {
+        emit(json!({
+            "bench": "e2e_decode_graphs", "dtype": dtype.to_string(), "batch": a.batch,
+            "tokens_identical": a.tokens == b.tokens,
+            "tokens_per_s_off": a.main.tokens_per_s(), "tokens_per_s_on": b.main.tokens_per_s(),
+            "speedup": b.main.tokens_per_s() / a.main.tokens_per_s(),
+        }));
+    }
 }
 
 fn config_json(c: &ModelConfig) -> serde_json::Value {

@@ -12,6 +12,7 @@
 
 use std::ffi::c_void;
 
+use crate::graph::{self, Pass};
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
     DriverError, LaunchConfig, SyncOnDrop,
@@ -22,8 +23,8 @@ const MAX_PARAMS: usize = 16;
 
 #[derive(Clone, Copy)]
 enum Param {
-    /// The address of a host value the builder borrows.
-    Host(*const c_void),
+    /// The address and size of a host value the builder borrows.
+    Host(*const c_void, usize),
     /// A device pointer, held by the builder: its address is taken at launch.
     Device(sys::CUdeviceptr),
 }
@@ -77,12 +78,31 @@ impl<'a> Launch<'a> {
     ///
     /// The parameters pushed must match the kernel's signature in number, order and type, and
     /// the kernel must stay within the buffers it is given (as for cudarc's `LaunchArgs::launch`).
+    ///
+    /// In a dry pass of a decode-step graph (`crate::graph`) the launch is only recorded; in a
+    /// capture pass it goes to the capture stream.
     pub(crate) unsafe fn launch(self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        let pass = graph::pass();
+        if pass == Pass::Dry {
+            let params: Vec<&[u8]> = self.params[..self.len]
+                .iter()
+                .map(|p| match p {
+                    // SAFETY: the builder borrows the value, of this size, until the launch.
+                    Param::Host(v, len) => unsafe { graph::value_bytes(*v, *len) },
+                    Param::Device(d) => {
+                        // SAFETY: a CUdeviceptr is plain bytes.
+                        unsafe { graph::value_bytes((d as *const sys::CUdeviceptr).cast(), 8) }
+                    }
+                })
+                .collect();
+            graph::record_launch(self.func.cu_function(), &cfg, self.programmatic, &params);
+            return Ok(());
+        }
         self.stream.context().bind_to_thread()?;
         let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_PARAMS];
         for (slot, p) in ptrs.iter_mut().zip(&self.params[..self.len]) {
             *slot = match p {
-                Param::Host(v) => *v as *mut c_void,
+                Param::Host(v, _) => *v as *mut c_void,
                 Param::Device(d) => d as *const sys::CUdeviceptr as *mut c_void,
             };
         }
@@ -98,7 +118,10 @@ impl<'a> Launch<'a> {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: match pass {
+                Pass::Capture => graph::capture_stream(),
+                _ => self.stream.cu_stream(),
+            },
             attrs: if self.programmatic {
                 &mut attr
             } else {
@@ -143,7 +166,8 @@ macro_rules! value_params {
     ($($t:ty),*) => {$(
         impl<'a> KernelParam<'a> for &'a $t {
             fn push_to(self, launch: &mut Launch<'a>) {
-                launch.push(Param::Host(self as *const $t as *const c_void));
+                let size = std::mem::size_of::<$t>();
+                launch.push(Param::Host(self as *const $t as *const c_void, size));
             }
         }
     )*};

@@ -30,13 +30,16 @@ pub mod backend;
 mod device;
 mod error;
 mod geom;
+mod graph;
 mod launch;
 mod launcher;
 pub mod libs;
 pub mod nvrtc;
 mod staging;
 
-pub use backend::{cuda_available, CudaBackend, CudaPages, CudaTensor, WeightPrecision};
+pub use backend::{
+    cuda_available, CudaBackend, CudaPages, CudaTensor, GraphCounts, WeightPrecision, GRAPHS_ENV,
+};
 /// The device context a backend runs on (NCCL communicators and staging buffers of the same
 /// worker use it too).
 pub use cudarc::driver::CudaContext;

@@ -57,6 +57,13 @@ pub trait KvBatch<B: Backend>: Send {
 
     /// Makes the step's tokens visible: `stored(i)` grows by `new[i]`.
     fn commit(&mut self, new: &[usize]);
+
+    /// Whether [`attend`](Self::attend) may be called again for the same layer and step with
+    /// the same effect (its host side keeps no count of calls), which
+    /// [`Backend::decode_layers`] needs.
+    fn repeatable(&self) -> bool {
+        false
+    }
 }
 
 /// Per-sequence stores as one batch, attending one sequence at a time.
@@ -149,6 +156,10 @@ impl<B: Backend> KvBatch<B> for PagedBatch<'_, B> {
     }
 
     fn commit(&mut self, _new: &[usize]) {}
+
+    fn repeatable(&self) -> bool {
+        true
+    }
 }
 
 /// One layer's new tokens for one sequence.

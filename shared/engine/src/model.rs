@@ -288,6 +288,24 @@ impl<B: Backend> Model<B> {
             Output::Greedy(v) => v.clear(),
         }
         self.prepare(ws, tokens, kv)?;
+        // A decode-only step over a cache whose attention can be repeated may run as a
+        // recorded device graph (Backend::decode_layers).
+        if kv.repeatable() && ws.spans.iter().all(|s| s.len() == 1) {
+            self.backend
+                .decode_layers(&mut || self.layers(ws, &mut *kv))?;
+        } else {
+            self.layers(ws, kv)?;
+        }
+        ws.counts.clear();
+        ws.counts.extend(ws.spans.iter().map(|s| s.len()));
+        kv.commit(&ws.counts);
+        self.logits(ws, which, out)?;
+        Ok(())
+    }
+
+    /// The embedding and every layer of a prepared step: `ws.x` ends as the last layer's output
+    /// (before the final norm), and every sequence's K/V are in its cache.
+    fn layers(&self, ws: &mut Workspace<B>, kv: &mut dyn KvBatch<B>) -> Result<()> {
         let be = &*self.backend;
         let c = &self.config;
         let rows = ws.tokens.len();
@@ -376,10 +394,6 @@ impl<B: Backend> Model<B> {
                 None => be.add(&mut ws.x, &ws.proj)?,
             }
         }
-        ws.counts.clear();
-        ws.counts.extend(ws.spans.iter().map(|s| s.len()));
-        kv.commit(&ws.counts);
-        self.logits(ws, which, out)?;
         Ok(())
     }
 

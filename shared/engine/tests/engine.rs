@@ -146,6 +146,39 @@ fn batched_requests_match_requests_run_alone() {
 }
 
 #[test]
+fn decode_steps_whose_layers_run_twice_give_the_same_tokens() {
+    // A backend that records decode steps as device graphs runs their host side twice (a dry
+    // pass, then a capture): the engine must issue the same work both times.
+    let s = setup();
+    let prompts = [
+        "The capital of France is",
+        "1, 2, 3, 4,",
+        "Once upon a time",
+    ];
+    for dtype in [KvDtype::Nvfp4, KvDtype::Fp8] {
+        let mut tokens = Vec::new();
+        for repeat in [false, true] {
+            s.model.backend().repeat_decode_layers(repeat);
+            let mut e = engine(&s, dtype, 64, SchedulerConfig::default());
+            for (i, p) in prompts.iter().enumerate() {
+                e.submit(SeqId(i as u64), prompt(&s, p), SamplingParams::greedy(10))
+                    .unwrap();
+            }
+            let mut out = run(&mut e);
+            all_pages_back(&mut e);
+            tokens.push(
+                (0..prompts.len() as u64)
+                    .map(|i| out.remove(&SeqId(i)).unwrap().tokens)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        s.model.backend().repeat_decode_layers(false);
+        assert_eq!(tokens[0], tokens[1], "{dtype}");
+        assert!(tokens[0].iter().all(|t| t.len() == 10));
+    }
+}
+
+#[test]
 fn prefix_cache_is_reused_and_stop_strings_end_requests() {
     let s = setup();
     let mut e = engine(&s, KvDtype::Nvfp4, 64, SchedulerConfig::default());

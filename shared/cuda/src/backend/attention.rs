@@ -16,6 +16,7 @@ use nibble_kvcache::{PagePool, SlotId};
 use nibble_kvfmt::{KvDtype, PageLayout};
 
 use super::{engine_err, grid, launched, CudaBackend, CudaPages, CudaTensor};
+use crate::graph;
 use crate::{
     CachedPrefix, Error, KvScales, KvWorkspace, NewKv, PageGeom, PrefillBatch, Result, WindowGeom,
     WindowRows,
@@ -237,6 +238,8 @@ impl CudaBackend {
         let at = PagedLayer::check(pages, pool, layer, step, seqs)?;
         for (seq, span) in seqs.iter().zip(step.spans) {
             if !is_decode(seq) {
+                // Its host-side copies (page tables, lengths) are made at each call.
+                graph::block("a one-token prompt")?;
                 self.prefill_seq(pages, &at, step, seq, span.clone(), out)?;
             }
         }

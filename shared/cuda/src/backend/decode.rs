@@ -14,6 +14,7 @@ use nibble_engine::kv::StepTokens;
 use super::attention::PagedLayer;
 use super::tensor::Uploaded;
 use super::{CudaBackend, CudaPages, CudaTensor};
+use crate::graph;
 use crate::launch::check_write_slots;
 use crate::{DecodeBatch, DecodeOut, NewKv, Result, WindowRows};
 
@@ -114,7 +115,11 @@ impl CudaBackend {
     ) -> Result<()> {
         let stream = self.stream();
         let count = decodes.len();
-        let max_context = decodes.iter().map(|(s, _)| s.stored + 1).max().unwrap_or(1);
+        // The split is planned for the longest context's bucket, and the page-table rows are
+        // that wide, so that a decode-step graph (`crate::graph`) serves many steps; each
+        // sequence's own length is exact.
+        let longest = decodes.iter().map(|(s, _)| s.stored + 1).max().unwrap_or(1);
+        let max_context = graph::context_bucket(longest);
         let max_pages = max_context.div_ceil(at.layout.page_size());
         pages
             .decode_inputs
@@ -133,6 +138,7 @@ impl CudaBackend {
         let gathered = if in_place {
             None
         } else {
+            graph::block("decode rows gathered from a mixed step")?;
             let gather = |t, row| self.gather_decode_rows(t, row, decodes);
             Some((
                 gather(step.q, q_row)?,

@@ -43,7 +43,10 @@ impl CudaBackend {
             "embed: token out of range"
         );
         self.bind();
-        let dev = self.htod_u32(tokens)?;
+        let mut uploaded = self.tokens.lock().unwrap_or_else(PoisonError::into_inner);
+        let dev = uploaded
+            .upload(self.stream(), tokens.to_vec())
+            .map_err(|e| device_err("host-to-device copy of the tokens", e))?;
         let (n, cols) = (tokens.len() as u32, table.cols as u32);
         let mut b;
         match &table.data {

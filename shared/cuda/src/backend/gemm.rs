@@ -11,7 +11,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::tensor::Data;
 use super::weights::{Bf16Gemm, WeightPrecision};
-use super::{device_err, grid, launched, CudaBackend, CudaTensor};
+use super::{device_err, engine_err, grid, launched, CudaBackend, CudaTensor};
+use crate::graph;
 use crate::libs::Search;
 use nibble_engine::Result as EngineResult;
 
@@ -181,6 +182,7 @@ impl CudaBackend {
                     beta: 0.0f32,
                     ldc: m as i32,
                 };
+                graph::block("cuBLAS").map_err(engine_err)?;
                 let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).
                 let r = unsafe {
@@ -196,6 +198,7 @@ impl CudaBackend {
                     self.launch_rows(kernel, xs, &[w], &mut [out], n, k)?;
                     return Ok(());
                 }
+                graph::block("cuBLAS").map_err(engine_err)?;
                 let gemm = Bf16Gemm { n, m, k };
                 let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).

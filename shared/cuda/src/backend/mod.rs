@@ -44,11 +44,14 @@ mod elementwise;
 mod gemm;
 mod pages;
 mod rotate;
+mod step_graphs;
 mod tensor;
 mod weights;
 
 use gemm::{load_cublas, Bf16Cast, GemmImpl};
 pub use pages::CudaPages;
+use step_graphs::Graphs;
+pub use step_graphs::{GraphCounts, GRAPHS_ENV};
 pub use tensor::CudaTensor;
 use tensor::Uploaded;
 pub use weights::{WeightPrecision, WEIGHTS_ENV};
@@ -125,6 +128,10 @@ pub struct CudaBackend {
     x_bf16: Mutex<Bf16Cast>,
     /// RoPE's positions: every layer rotates Q and K at the same ones.
     positions: Mutex<Uploaded>,
+    /// The step's tokens, for the embedding.
+    tokens: Mutex<Uploaded>,
+    /// Decode steps recorded as CUDA graphs (`step_graphs.rs`).
+    graphs: Graphs,
 }
 
 /// Whether a CUDA driver with at least one device is present (for `--device auto`).
@@ -214,6 +221,8 @@ impl CudaBackend {
             weights,
             x_bf16,
             positions: Mutex::default(),
+            tokens: Mutex::default(),
+            graphs: Graphs::from_env()?,
         })
     }
 
@@ -298,6 +307,10 @@ impl Backend for CudaBackend {
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.bind();
         f()
+    }
+
+    fn decode_layers(&self, layers: &mut dyn FnMut() -> EngineResult<()>) -> EngineResult<()> {
+        self.graphed_decode(layers)
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> EngineResult<CudaTensor> {

@@ -11,6 +11,7 @@ use nibble_engine::{Backend, Error as EngineError, Result as EngineResult};
 
 use super::weights::{to_bf16, WeightPrecision};
 use super::{device_err, engine_err, launched, CudaBackend};
+use crate::graph::{self, Pass};
 use crate::Result;
 
 /// A device tensor: `rows × cols`, row-major, in the first `rows * cols` values of `data`.
@@ -85,10 +86,18 @@ impl CudaTensor {
 
 /// A small host array kept on the device, copied again only when it changes (RoPE's positions
 /// are the same for every layer of a step).
+///
+/// These arrays are a decode-step graph's inputs (`crate::graph`): a dry pass copies them as
+/// usual, and the graph launched after it reads them. So a step may write each array once: a
+/// second copy in the same dry pass would leave only the last values for the whole graph, and
+/// blocks the graph; a capture pass, which follows a dry pass with the same host state, never
+/// copies.
 #[derive(Default)]
 pub(super) struct Uploaded {
     pub(super) host: Vec<u32>,
     dev: Option<CudaSlice<u32>>,
+    /// The dry pass (`graph::pass_id`) that last copied the array, if any.
+    copied_in: Option<u64>,
 }
 
 impl Uploaded {
@@ -100,6 +109,23 @@ impl Uploaded {
         data: Vec<u32>,
     ) -> Result<CudaView<'_, u32>> {
         let fits = self.dev.as_ref().is_some_and(|d| d.len() >= data.len());
+        if !fits || self.host != data {
+            match graph::pass_id() {
+                (Pass::Eager, _) => {}
+                (Pass::Dry, id) => {
+                    if self.copied_in == Some(id) {
+                        graph::block("an input array written twice in one step")?;
+                    }
+                    self.copied_in = Some(id);
+                }
+                (Pass::Capture, _) => {
+                    return Err(crate::Error::Unsupported(
+                        "a decode step's inputs changed between its dry pass and its capture"
+                            .into(),
+                    ))
+                }
+            }
+        }
         if !fits {
             self.dev = Some(stream.clone_htod(&data)?);
         } else if self.host != data {
@@ -123,14 +149,6 @@ impl CudaBackend {
         self.stream()
             .alloc_zeros(n.max(1))
             .unwrap_or_else(|e| panic!("CUDA: cannot allocate {n} f32: {e}"))
-    }
-
-    pub(super) fn htod_u32(&self, data: &[u32]) -> EngineResult<CudaSlice<u32>> {
-        let copied = match data.is_empty() {
-            true => self.stream().alloc_zeros(1),
-            false => self.stream().clone_htod(data),
-        };
-        copied.map_err(|e| device_err("host-to-device copy", e))
     }
 
     /// Rows `rows` of `t` into a new exactly-sized buffer.
@@ -268,6 +286,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.bind();
+        graph::block("a device-to-device copy").map_err(engine_err)?;
         let c = src.cols;
         launched(
             self.stream().memcpy_dtod(

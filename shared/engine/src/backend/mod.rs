@@ -102,6 +102,15 @@ pub trait Backend: Send + Sync + 'static {
         f()
     }
 
+    /// Runs `layers`, the model's layers over a decode-only step of a paged cache (one new
+    /// token per sequence: embedding, every layer, up to the final norm's input). A device
+    /// backend may run its host side more than once and its device work once, as a recorded
+    /// graph (the CUDA backend's decode-step graphs); `layers` must then issue the same work for
+    /// the same inputs each time, and its host side must be repeatable. By default it runs once.
+    fn decode_layers(&self, layers: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        layers()
+    }
+
     /// Copies host data (`rows * cols` values, row-major) into a new tensor.
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Self::Tensor>;
 

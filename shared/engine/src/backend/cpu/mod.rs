@@ -97,6 +97,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
     isa: Isa,
+    /// Runs each decode step's layers twice ([`CpuBackend::repeat_decode_layers`]).
+    repeat_decode: std::sync::atomic::AtomicBool,
 }
 
 impl CpuBackend {
@@ -112,7 +114,17 @@ impl CpuBackend {
             pool,
             threads,
             isa: Isa::detect(),
+            repeat_decode: Default::default(),
         })
+    }
+
+    /// Runs the layers of every decode step twice, as a backend that records its steps as
+    /// device graphs runs their host side (a dry pass, then a capture). The second run redoes
+    /// the first's work exactly, so answers must not change: this checks that the engine keeps
+    /// [`Backend::decode_layers`]'s contract.
+    pub fn repeat_decode_layers(&self, on: bool) {
+        self.repeat_decode
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Threads in the pool.
@@ -135,6 +147,16 @@ impl Backend for CpuBackend {
 
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn decode_layers(&self, layers: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if self
+            .repeat_decode
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            layers()?;
+        }
+        layers()
     }
 
     fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CpuTensor> {
