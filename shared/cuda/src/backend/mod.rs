@@ -118,6 +118,9 @@ struct Ops {
 
 /// The CUDA backend: one device, its default stream, the nibble kernels and cuBLAS.
 pub struct CudaBackend {
+    /// Decode steps recorded as CUDA graphs (`step_graphs.rs`); first, so that they are
+    /// destroyed while the context they belong to is alive.
+    graphs: Graphs,
     ordinal: usize,
     kernels: Kernels,
     ops: Ops,
@@ -130,8 +133,6 @@ pub struct CudaBackend {
     positions: Mutex<Uploaded>,
     /// The step's tokens, for the embedding.
     tokens: Mutex<Uploaded>,
-    /// Decode steps recorded as CUDA graphs (`step_graphs.rs`).
-    graphs: Graphs,
 }
 
 /// Whether a CUDA driver with at least one device is present (for `--device auto`).
