@@ -116,6 +116,14 @@ fn parse() -> Result<Args> {
 }
 
 fn main() -> Result<()> {
+    // The backend's notes (kernel compiles, why a step ran without a graph) on stderr.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
     let args = parse()?;
     if args.cpu {
         if !args.graphs.is_empty() {
