@@ -43,6 +43,16 @@ fn nvfp4_codec(c: &mut Criterion) {
         nvfp4::quantize_unchecked(black_box(&x), G, &mut packed, &mut scales);
         black_box((&packed, &scales));
     });
+    both_units(&mut group, "quantize-mse", encoded, || {
+        nvfp4::quantize_unchecked_with(
+            black_box(&x),
+            G,
+            nibble_kvfmt::ScaleRule::Mse,
+            &mut packed,
+            &mut scales,
+        );
+        black_box((&packed, &scales));
+    });
     nvfp4::quantize_unchecked(&x, G, &mut packed, &mut scales);
     both_units(&mut group, "dequantize", encoded, || {
         nvfp4::dequantize_unchecked(black_box(&packed), black_box(&scales), G, &mut y);

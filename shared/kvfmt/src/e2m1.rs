@@ -50,9 +50,52 @@ pub fn encode(x: f32) -> u8 {
     sign | magnitude
 }
 
+/// [`encode`] without branches, for loops that encode one value under many scales (the mse
+/// block-scale search, where the chain's branches are unpredictable: twice as fast there, and
+/// 40% slower than the chain where each value is encoded once, as in `nvfp4::quantize`).
+///
+/// The magnitude code is the number of rounding thresholds (the midpoints between neighbours) the
+/// magnitude passes: strictly (`>`) where the lower neighbour has the even code, so ties go down,
+/// and inclusively (`>=`) where the upper one does, so ties go up.
+#[inline]
+pub fn encode_counting(x: f32) -> u8 {
+    let a = x.abs();
+    let magnitude = u8::from(a > 0.25)
+        + u8::from(a >= 0.75)
+        + u8::from(a > 1.25)
+        + u8::from(a >= 1.75)
+        + u8::from(a > 2.5)
+        + u8::from(a >= 3.5)
+        + u8::from(a > 5.0);
+    if x.is_nan() {
+        return 7;
+    }
+    let sign = ((x.to_bits() >> 28) & 0x8) as u8;
+    sign | magnitude
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counting_thresholds_encodes_as_the_comparison_chain() {
+        // Every 4,099th bit pattern (both signs, subnormals, infinities and NaNs among them),
+        // and each threshold with its neighbours a few ulps away.
+        let mut bits = (0..=u32::MAX).step_by(4_099).collect::<Vec<_>>();
+        for t in [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0] {
+            for d in 0..4u32 {
+                for v in [t.to_bits() + d, t.to_bits().saturating_sub(d)] {
+                    bits.push(v);
+                    bits.push(v | 0x8000_0000);
+                }
+            }
+        }
+        for b in bits {
+            let x = f32::from_bits(b);
+            assert_eq!(encode_counting(x), encode(x), "{x:e} ({b:#010x})");
+        }
+    }
 
     #[test]
     fn every_code_round_trips() {

@@ -126,7 +126,7 @@ fn block_error(x: &[f32; BLOCK], g: f32, s: f32) -> f32 {
     let r = 1.0 / (s * g);
     let mut err = 0.0f32;
     for &v in x {
-        let d = v - (e2m1::decode(e2m1::encode(v * r)) * s) * g;
+        let d = v - (e2m1::decode(e2m1::encode_counting(v * r)) * s) * g;
         err += d * d;
     }
     err
