@@ -130,19 +130,27 @@ fn batched_requests_match_requests_run_alone() {
             run(&mut e).remove(&SeqId(0)).unwrap().tokens
         })
         .collect();
-    let mut e = engine(&s, KvDtype::Bf16, 64, SchedulerConfig::default());
-    for (i, p) in prompts.iter().enumerate() {
-        e.submit(SeqId(i as u64), prompt(&s, p), SamplingParams::greedy(12))
-            .unwrap();
-    }
-    let together = run(&mut e);
-    for (i, tokens) in alone.iter().enumerate() {
-        let o = &together[&SeqId(i as u64)];
+    let together = run_together(&s, KvDtype::Bf16, &prompts, 12);
+    for (i, (o, tokens)) in together.iter().zip(&alone).enumerate() {
         assert_eq!(&o.tokens, tokens, "request {i}");
         assert_eq!(o.reason, Some(FinishReason::Length));
         assert_eq!(o.usage.completion_tokens, 12);
     }
+}
+
+/// Greedy answers of `n` tokens to every prompt, submitted together to one engine with a
+/// `dtype` cache of 64 pages, in the prompts' order; every page comes back.
+fn run_together(s: &Setup, dtype: KvDtype, prompts: &[&str], n: u32) -> Vec<Output> {
+    let mut e = engine(s, dtype, 64, SchedulerConfig::default());
+    for (i, p) in prompts.iter().enumerate() {
+        e.submit(SeqId(i as u64), prompt(s, p), SamplingParams::greedy(n))
+            .unwrap();
+    }
+    let mut out = run(&mut e);
     all_pages_back(&mut e);
+    (0..prompts.len() as u64)
+        .map(|i| out.remove(&SeqId(i)).unwrap())
+        .collect()
 }
 
 #[test]
@@ -159,18 +167,8 @@ fn decode_steps_whose_layers_run_twice_give_the_same_tokens() {
         let mut tokens = Vec::new();
         for repeat in [false, true] {
             s.model.backend().repeat_decode_layers(repeat);
-            let mut e = engine(&s, dtype, 64, SchedulerConfig::default());
-            for (i, p) in prompts.iter().enumerate() {
-                e.submit(SeqId(i as u64), prompt(&s, p), SamplingParams::greedy(10))
-                    .unwrap();
-            }
-            let mut out = run(&mut e);
-            all_pages_back(&mut e);
-            tokens.push(
-                (0..prompts.len() as u64)
-                    .map(|i| out.remove(&SeqId(i)).unwrap().tokens)
-                    .collect::<Vec<_>>(),
-            );
+            let out = run_together(&s, dtype, &prompts, 10);
+            tokens.push(out.into_iter().map(|o| o.tokens).collect::<Vec<_>>());
         }
         s.model.backend().repeat_decode_layers(false);
         assert_eq!(tokens[0], tokens[1], "{dtype}");
