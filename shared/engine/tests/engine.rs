@@ -115,12 +115,7 @@ fn all_pages_back(engine: &mut Engine<CpuBackend>) {
 #[test]
 fn batched_requests_match_requests_run_alone() {
     let s = setup();
-    let prompts = [
-        "The capital of France is",
-        "Once upon a time, in a small village by the sea, there lived",
-        "1, 2, 3, 4,",
-        "It is a truth universally acknowledged, that a single man in possession",
-    ];
+    let prompts = PROMPTS;
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
@@ -137,6 +132,14 @@ fn batched_requests_match_requests_run_alone() {
         assert_eq!(o.usage.completion_tokens, 12);
     }
 }
+
+/// Prompts of different lengths, for batches.
+const PROMPTS: [&str; 4] = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "1, 2, 3, 4,",
+    "It is a truth universally acknowledged, that a single man in possession",
+];
 
 /// Greedy answers of `n` tokens to every prompt, submitted together to one engine with a
 /// `dtype` cache of 64 pages, in the prompts' order; every page comes back.
@@ -158,11 +161,7 @@ fn decode_steps_whose_layers_run_twice_give_the_same_tokens() {
     // A backend that records decode steps as device graphs runs their host side twice (a dry
     // pass, then a capture): the engine must issue the same work both times.
     let s = setup();
-    let prompts = [
-        "The capital of France is",
-        "1, 2, 3, 4,",
-        "Once upon a time",
-    ];
+    let prompts = PROMPTS;
     for dtype in [KvDtype::Nvfp4, KvDtype::Fp8] {
         let mut tokens = Vec::new();
         for repeat in [false, true] {
