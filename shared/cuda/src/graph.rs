@@ -133,7 +133,7 @@ pub(crate) fn block(what: &'static str) -> Result<(), crate::Error> {
     })
 }
 
-/// Appends one launch to the dry pass's record: the function, its configuration, whether it is
+/// Appends one launch to the pass's record (a dry pass's, or a capture's, which must equal it): the function, its configuration, whether it is
 /// programmatic, and every parameter's bytes (device addresses and plain values alike).
 pub(crate) fn record_launch(
     func: sys::CUfunction,

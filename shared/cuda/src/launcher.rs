@@ -83,7 +83,8 @@ impl<'a> Launch<'a> {
     /// capture pass it goes to the capture stream.
     pub(crate) unsafe fn launch(self, cfg: LaunchConfig) -> Result<(), DriverError> {
         let pass = graph::pass();
-        if pass == Pass::Dry {
+        if pass != Pass::Eager {
+            // Both passes record: the capture's record must equal the dry pass's.
             let params: Vec<&[u8]> = self.params[..self.len]
                 .iter()
                 .map(|p| match p {
@@ -96,7 +97,9 @@ impl<'a> Launch<'a> {
                 })
                 .collect();
             graph::record_launch(self.func.cu_function(), &cfg, self.programmatic, &params);
-            return Ok(());
+            if pass == Pass::Dry {
+                return Ok(());
+            }
         }
         self.stream.context().bind_to_thread()?;
         let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_PARAMS];
