@@ -133,13 +133,14 @@ pub(crate) fn block(what: &'static str) -> Result<(), crate::Error> {
     })
 }
 
-/// Appends one launch to the pass's record (a dry pass's, or a capture's, which must equal it): the function, its configuration, whether it is
-/// programmatic, and every parameter's bytes (device addresses and plain values alike).
-pub(crate) fn record_launch(
+/// Appends one launch to the pass's record (a dry pass's, or a capture's, which must equal it):
+/// the function, its configuration, whether it is programmatic, and every parameter's bytes
+/// (device addresses and plain values alike).
+pub(crate) fn record_launch<'p>(
     func: sys::CUfunction,
     cfg: &LaunchConfig,
     programmatic: bool,
-    params: &[&[u8]],
+    params: impl ExactSizeIterator<Item = &'p [u8]>,
 ) {
     STATE.with(|s| {
         let r = &mut s.borrow_mut().record;
@@ -336,8 +337,13 @@ mod tests {
         let step = |grid: u32, arg: u64| {
             begin(Pass::Dry, ptr::null_mut());
             assert_eq!(pass(), Pass::Dry);
-            record_launch(ptr::null_mut(), &cfg(grid), true, &[&arg.to_le_bytes()]);
-            record_launch(ptr::null_mut(), &cfg(1), false, &[]);
+            record_launch(
+                ptr::null_mut(),
+                &cfg(grid),
+                true,
+                [&arg.to_le_bytes()[..]].into_iter(),
+            );
+            record_launch(ptr::null_mut(), &cfg(1), false, std::iter::empty());
             end().expect("not blocked")
         };
         let a = step(8, 42);

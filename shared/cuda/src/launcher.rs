@@ -85,18 +85,15 @@ impl<'a> Launch<'a> {
         let pass = graph::pass();
         if pass != Pass::Eager {
             // Both passes record: the capture's record must equal the dry pass's.
-            let params: Vec<&[u8]> = self.params[..self.len]
-                .iter()
-                .map(|p| match p {
-                    // SAFETY: the builder borrows the value, of this size, until the launch.
-                    Param::Host(v, len) => unsafe { graph::value_bytes(*v, *len) },
-                    Param::Device(d) => {
-                        // SAFETY: a CUdeviceptr is plain bytes.
-                        unsafe { graph::value_bytes((d as *const sys::CUdeviceptr).cast(), 8) }
-                    }
-                })
-                .collect();
-            graph::record_launch(self.func.cu_function(), &cfg, self.programmatic, &params);
+            let params = self.params[..self.len].iter().map(|p| match p {
+                // SAFETY: the builder borrows the value, of this size, until the launch.
+                Param::Host(v, len) => unsafe { graph::value_bytes(*v, *len) },
+                Param::Device(d) => {
+                    // SAFETY: a CUdeviceptr is plain bytes, held in `self.params`.
+                    unsafe { graph::value_bytes((d as *const sys::CUdeviceptr).cast(), 8) }
+                }
+            });
+            graph::record_launch(self.func.cu_function(), &cfg, self.programmatic, params);
             if pass == Pass::Dry {
                 return Ok(());
             }
