@@ -108,11 +108,11 @@ impl CudaBackend {
         &self,
         layers: &mut dyn FnMut() -> EngineResult<()>,
     ) -> EngineResult<()> {
-        // With several streams cudarc orders buffers across them by events recorded at each
-        // launch, which a replayed graph would not record.
         if !self.decode_graphs() {
             return layers();
         }
+        // With several streams cudarc orders buffers across them by events recorded at each
+        // launch, which a replayed graph would not record.
         if self.kernels.context().is_managing_stream_synchronization() {
             self.graphs
                 .note_eager("several streams on the device (NCCL page transfers)");
