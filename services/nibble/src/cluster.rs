@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nibble_discovery::{Discovery, Role, StaticRegistry};
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::ModelSource;
 use nibble_kvfmt::KvDtype;
 use nibble_proto::v1;
@@ -88,6 +89,10 @@ pub struct UpArgs {
     /// of --page-size, 0 for none [default: 48 for an nvfp4 cache in whole pages, 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
+    /// The dtype both workers' prefill and extend attention hold K/V in: fp8 or bf16 [default:
+    /// the cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
+    #[arg(long, value_name = "DTYPE", env = "NIBBLE_PREFILL_WORK", value_parser = WorkDtype::parse)]
+    pub prefill_work: Option<WorkDtype>,
     /// MiB of KV pages each worker allocates [default: 256 on the CPU; on a GPU, which the two
     /// workers share, 25% of its memory for the prefill worker's pages and 60% for the decode
     /// worker's].
@@ -350,6 +355,7 @@ pub async fn up_until(
             hadamard: args.hadamard,
             no_smooth_k: args.no_smooth_k,
             kv_window: args.kv_window,
+            prefill_work: args.prefill_work,
             kv_budget_mib: args.kv_budget_mib,
             // Several workers of a role share its share of the GPU.
             kv_memory_fraction: match role {

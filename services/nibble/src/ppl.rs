@@ -17,8 +17,6 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use nibble_engine::eval::{self, EvalPath, WindowScore};
-use nibble_engine::paged::WorkDtype;
-use nibble_engine::KvConfig;
 use nibble_kvfmt::KvDtype;
 use serde::Serialize;
 
@@ -156,7 +154,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             Some("--hadamard")
         } else if args.quant.kv_window.is_some() {
             Some("--kv-window")
-        } else if args.prefill_work.is_some() {
+        } else if args.quant.prefill_work.is_some() {
             Some("--prefill-work")
         } else {
             None
@@ -168,22 +166,10 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             });
         }
     }
-    if dtype == Some(KvDtype::Bf16) && args.prefill_work == Some(WorkDtype::Fp8) {
-        return Err(Error::Flag {
-            flag: "--prefill-work",
-            reason:
-                "fp8 needs an fp8 or nvfp4 cache (its global scales); a bf16 cache works in bf16"
-                    .into(),
-        });
-    }
     let opened = Opened::open(&args.model)?;
     let kv = dtype
         .map(|dtype| opened.kv_config(dtype, &args.quant))
-        .transpose()?
-        .map(|kv| KvConfig {
-            prefill_work: args.prefill_work,
-            ..kv
-        });
+        .transpose()?;
     let tokens = opened.tokenize_file(&args.text)?;
     let needed = args.window.checked_mul(args.windows).ok_or(Error::Flag {
         flag: "--windows",
@@ -230,11 +216,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             smooth_k: kv.as_ref().is_some_and(|kv| kv.k_smoothing.is_some()),
             scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
             kv_window: kv.as_ref().map(|kv| kv.window),
-            prefill_work: kv.as_ref().map(|kv| {
-                kv.prefill_work
-                    .unwrap_or(WorkDtype::for_cache(kv.dtype))
-                    .name()
-            }),
+            prefill_work: kv.as_ref().map(|kv| kv.work().name()),
         },
         mean: MeanReport::new(&windows),
         windows,

@@ -13,7 +13,8 @@
 //!
 //! Run: `e2e_prefill` (prompts of 4,096 and 32,768 tokens, NVFP4 KV, 2 runs each);
 //! `NIBBLE_PREFILL_KERNEL=mma e2e_prefill` times the mma.sync attention instead of wgmma on
-//! Hopper. Flags: `--prompts 4096,32768 --dtypes nvfp4,fp8 --runs N --seed N`; `--device cpu
+//! Hopper. Flags: `--prompts 4096,32768 --dtypes nvfp4,fp8 --runs N --seed N --prefill-work
+//! fp8|bf16` (the prefill workspace's dtype; the cache's by default); `--device cpu
 //! --tiny` runs the 2-layer test shape on the CPU. Exits 1, saying why, when the GPU cannot be
 //! used.
 
@@ -25,6 +26,7 @@ use nibble_cuda::CudaBackend;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{SchedulerConfig, SeqId};
 use nibble_engine::synthetic::{llama3_8b, random_model, tiny_llama, tokenizer};
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::{Backend, CpuBackend, Engine, EngineConfig, Event, KvConfig};
 use nibble_kvfmt::KvDtype;
 use rand::rngs::StdRng;
@@ -42,6 +44,7 @@ struct Args {
     dtypes: Vec<KvDtype>,
     runs: usize,
     seed: u64,
+    work: Option<WorkDtype>,
 }
 
 fn parse() -> Result<Args> {
@@ -54,6 +57,7 @@ fn parse() -> Result<Args> {
         dtypes: vec![KvDtype::Nvfp4],
         runs: 2,
         seed: 0,
+        work: None,
     };
     let mut it = raw.iter();
     while let Some(a) = it.next() {
@@ -69,6 +73,9 @@ fn parse() -> Result<Args> {
             "--dtypes" => args.dtypes = list(value()?)?,
             "--runs" => args.runs = value()?.parse()?,
             "--seed" => args.seed = value()?.parse()?,
+            "--prefill-work" => {
+                args.work = Some(WorkDtype::parse(&value()?).map_err(anyhow::Error::msg)?)
+            }
             other => bail!("unknown argument {other}"),
         }
     }
@@ -117,7 +124,11 @@ fn measure<B: Backend>(backend: Arc<B>, args: &Args, kernel: &str, sync: &dyn Fn
     }));
     let mut rng = StdRng::seed_from_u64(args.seed ^ 0x7f7f);
     for &dtype in &args.dtypes {
-        let kv = KvConfig::new(dtype);
+        let kv = KvConfig {
+            prefill_work: args.work,
+            ..KvConfig::new(dtype)
+        };
+        let kv_work = args.work.unwrap_or(WorkDtype::for_cache(dtype));
         let layout = kv.layout(&model)?;
         let window = kv.window_layout(&layout).map_or(0, |w| w.pages());
         // one sequence of the longest prompt at a time, and the warm-up's
@@ -138,6 +149,7 @@ fn measure<B: Backend>(backend: Arc<B>, args: &Args, kernel: &str, sync: &dyn Fn
                 let (seconds, steps) = first_token(&mut engine, &mut id, prompt, &mut rng, sync)?;
                 emit(json!({
                     "bench": "e2e_prefill", "dtype": dtype.to_string(), "prompt": prompt,
+                    "prefill_work": kv_work.name(),
                     "run": run, "prefill_kernel": kernel, "ttft_ms": seconds * 1e3,
                     "steps": steps, "prompt_tokens_per_s": prompt as f64 / seconds,
                 }));

@@ -472,6 +472,10 @@ fn quantize_and_gather(
         page_table: &table,
         tokens: prefix,
         scales,
+        work: match dtype {
+            KvDtype::Bf16 => KvDtype::Bf16,
+            KvDtype::Fp8 | KvDtype::Nvfp4 => KvDtype::Fp8,
+        },
         work_scales: scales.work(dtype),
     };
     let times = time_calls(stream, 3, (20, 100, 300.0), |_| {

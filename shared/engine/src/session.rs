@@ -30,9 +30,8 @@ pub struct KvConfig {
     /// Tokens of each sequence's high-precision recent window, kept in BF16 besides the pages
     /// (0: none; a multiple of `page_size`).
     pub window: usize,
-    /// The dtype prefill and extend attention hold K/V in; the cache's
-    /// ([`WorkDtype::for_cache`]: FP8 for fp8 and nvfp4) when `None`. Only the CPU backend
-    /// takes another, for `nibble eval ppl --prefill-work`.
+    /// The dtype prefill and extend attention hold K/V in (`--prefill-work`); the cache's
+    /// ([`WorkDtype::for_cache`]) when `None`. A bf16 cache takes only BF16.
     pub prefill_work: Option<WorkDtype>,
 }
 
@@ -93,10 +92,14 @@ impl KvConfig {
             hadamard: self.hadamard,
             scale_rule: self.scale_rule,
             window: self.window,
-            prefill_work: self
-                .prefill_work
-                .unwrap_or(WorkDtype::for_cache(self.dtype)),
+            prefill_work: self.work(),
         })
+    }
+
+    /// The dtype prefill and extend attention hold K/V in: `prefill_work`, else the cache's.
+    pub fn work(&self) -> WorkDtype {
+        self.prefill_work
+            .unwrap_or(WorkDtype::for_cache(self.dtype))
     }
 
     /// The page layout of `model` under this config.

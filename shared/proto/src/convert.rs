@@ -45,7 +45,32 @@ impl v1::KvFormat {
             hadamard,
             window: u32::try_from(window).expect("a window is at most the context"),
             k_smoothing: 0,
+            prefill_work: 0,
         }
+    }
+
+    /// The same format with prefill and extend attention over `work` K/V (bf16 or fp8).
+    pub fn with_prefill_work(self, work: nibble_kvfmt::KvDtype) -> Self {
+        Self {
+            prefill_work: v1::KvDtype::from(work) as i32,
+            ..self
+        }
+    }
+
+    /// The cache's own prefill work dtype as the wire names it: FP8 for fp8 and nvfp4, BF16
+    /// for bf16 (builds before `prefill_work` existed always used it).
+    fn own_prefill_work(&self) -> i32 {
+        if self.dtype == v1::KvDtype::Bf16 as i32 {
+            v1::KvDtype::Bf16 as i32
+        } else {
+            v1::KvDtype::Fp8 as i32
+        }
+    }
+
+    /// `prefill_work` when it names a work dtype other than the cache's own, else `None`.
+    pub(crate) fn prefill_work_override(&self) -> Option<i32> {
+        (self.prefill_work != 0 && self.prefill_work != self.own_prefill_work())
+            .then_some(self.prefill_work)
     }
 
     /// The same format with K smoothed by multipliers of this digest (`None`: not smoothed).
@@ -72,7 +97,7 @@ impl v1::KvFormat {
             .chain(&self.v_scales)
             .any(|g| *g != uncalibrated);
         format!(
-            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}{}",
+            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}{}{}",
             self.page_size,
             self.layers,
             self.kv_heads,
@@ -92,6 +117,11 @@ impl v1::KvFormat {
                 ", K smoothed"
             } else {
                 ""
+            },
+            match self.prefill_work_override().map(|w| kv_dtype(w, "kv_format.prefill_work")) {
+                Some(Ok(work)) => format!(", prefill over {work} K/V"),
+                Some(Err(_)) => format!(", prefill work dtype {}", self.prefill_work),
+                None => String::new(),
             },
         )
     }

@@ -3,8 +3,8 @@
 //! Two workers may exchange pages only when their fingerprints are equal. The hash covers every
 //! field that changes how page bytes are read: dtype, page size, layers, KV heads, head dim, the
 //! bit patterns of every global scale (a different scale silently reinterprets every byte) and
-//! the Hadamard rotation, the recent window and the K smoothing's digest (each appended only
-//! when it is on, so the
+//! the Hadamard rotation, the recent window, the K smoothing's digest and a prefill work dtype
+//! other than the cache's own (each appended only when it is on, so the
 //! fingerprints of formats without them are those of builds before the fields existed). It is
 //! `xxh3_64` with a fixed seed over a canonical little-endian encoding, so it is the same in every
 //! process, on every machine, and independent of protobuf's encoding of the message.
@@ -42,6 +42,10 @@ impl KvFormat {
             bytes.push(b's');
             bytes.extend_from_slice(&self.k_smoothing.to_le_bytes());
         }
+        if let Some(work) = self.prefill_work_override() {
+            bytes.push(b'p');
+            bytes.extend_from_slice(&work.to_le_bytes());
+        }
         xxh3_64_with_seed(&bytes, SEED)
     }
 }
@@ -63,6 +67,7 @@ mod tests {
             hadamard: false,
             window: 0,
             k_smoothing: 0,
+            prefill_work: 0,
         }
     }
 
@@ -134,6 +139,13 @@ mod tests {
                 },
             ),
             (
+                "prefill work dtype",
+                KvFormat {
+                    prefill_work: KvDtype::Bf16 as i32,
+                    ..base.clone()
+                },
+            ),
+            (
                 "k/v swap",
                 KvFormat {
                     k_scales: vec![2.0, 1.0],
@@ -157,6 +169,12 @@ mod tests {
     #[test]
     fn equal_formats_agree() {
         assert_eq!(smollm().fingerprint(), smollm().fingerprint());
+        // Naming the cache's own work dtype (FP8 for nvfp4) is the same as naming none.
+        let named = KvFormat {
+            prefill_work: KvDtype::Fp8 as i32,
+            ..smollm()
+        };
+        assert_eq!(named.fingerprint(), smollm().fingerprint());
     }
 
     #[test]

@@ -218,6 +218,7 @@ impl EngineHandle {
             hadamard: config.kv.hadamard,
             window: config.kv.window,
             k_smoothing: config.kv.k_smoothing.as_ref().map(KSmoothing::digest),
+            prefill_work: config.kv.work(),
         };
         let (commands, rx) = mpsc::unbounded_channel();
         let (kv_events, _) = broadcast::channel(KV_EVENT_BUFFER);

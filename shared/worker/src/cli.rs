@@ -9,6 +9,7 @@ use std::time::Duration;
 use nibble_cuda::CudaContext;
 use nibble_cuda::{Device, DeviceMemory, KvNeeds};
 use nibble_discovery::{Discovery, EtcdConfig, EtcdDiscovery, NcclEndpoint, Role};
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::scheduler::SchedulerConfig;
 use nibble_engine::{CpuBackend, EngineConfig, ModelSource};
 use nibble_kvfmt::{KvDtype, ScaleRule};
@@ -82,6 +83,12 @@ pub struct WorkerArgs {
     /// is part of the KV format.
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
+    /// The dtype prefill and extend attention hold K/V in: fp8 or bf16 (bf16 is the only one
+    /// for a bf16 cache) [default: the cache's: fp8 for fp8 and nvfp4, bf16 for bf16]. Prefill
+    /// and decode workers must agree: it decides a prompt's tokens, so it is part of the KV
+    /// format peers compare.
+    #[arg(long, value_name = "DTYPE", env = "NIBBLE_PREFILL_WORK", value_parser = WorkDtype::parse)]
+    pub prefill_work: Option<WorkDtype>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
     /// --kv-memory-fraction of the GPU's memory].
     #[arg(long, env = "NIBBLE_KV_BUDGET_MIB")]
@@ -150,6 +157,7 @@ impl WorkerArgs {
             hadamard: self.hadamard,
             no_smooth_k: self.no_smooth_k,
             kv_window: self.kv_window,
+            prefill_work: self.prefill_work,
             kv_budget_mib: self.kv_budget_mib,
             kv_memory_fraction: self.kv_memory_fraction,
             threads: self.threads,
@@ -556,6 +564,13 @@ mod tests {
             err.to_string(),
             "--kv-window 40: not a multiple of the page size (16)"
         );
+        assert_eq!(kv_config(&args(&[]).unwrap().config(), 2).unwrap().work(), WorkDtype::Fp8);
+        let kv = kv_config(&args(&["--prefill-work", "bf16"]).unwrap().config(), 2).unwrap();
+        assert_eq!(kv.work(), WorkDtype::Bf16);
+        let bf16 = args(&["--kv-dtype", "bf16", "--prefill-work", "fp8"]).unwrap();
+        let err = kv_config(&bf16.config(), 2).unwrap_err();
+        assert!(err.to_string().contains("--prefill-work fp8: needs an fp8 or nvfp4 cache"));
+        assert!(args(&["--prefill-work", "fp16"]).is_err());
 
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("calibration.json");

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use nibble_cuda::{Device, DeviceMemory};
 use nibble_engine::calibrate::Calibration;
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::KvConfig;
 use nibble_kvfmt::{KvDtype, ScaleRule};
 use nibble_security::{Security, SecurityArgs};
@@ -52,6 +53,10 @@ pub struct WorkerConfig {
     /// cache, rounded up to whole pages; 0 otherwise]. Prefill and decode workers must agree: it
     /// is part of the KV format.
     pub kv_window: Option<usize>,
+    /// The dtype prefill and extend attention hold K/V in [default: the cache's: fp8 for fp8
+    /// and nvfp4, bf16 for bf16]. Prefill and decode workers must agree: it is part of the KV
+    /// format peers compare.
+    pub prefill_work: Option<WorkDtype>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
     /// --kv-memory-fraction of the GPU's memory].
     pub kv_budget_mib: Option<usize>,
@@ -102,6 +107,7 @@ impl WorkerConfig {
             hadamard: false,
             no_smooth_k: false,
             kv_window: None,
+            prefill_work: None,
             kv_budget_mib: None,
             kv_memory_fraction: DEFAULT_KV_MEMORY_FRACTION,
             threads: 2,
@@ -172,6 +178,14 @@ pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> 
     kv.scale_rule = args.scale_rule;
     kv.hadamard = args.hadamard;
     kv = kv.with_window(args.kv_window);
+    if args.kv_dtype == KvDtype::Bf16 && args.prefill_work == Some(WorkDtype::Fp8) {
+        return Err(Error::InvalidArgument(
+            "--prefill-work fp8: needs an fp8 or nvfp4 cache (its global scales); a bf16 cache \
+             works in bf16"
+                .into(),
+        ));
+    }
+    kv.prefill_work = args.prefill_work;
     if !kv.window.is_multiple_of(kv.page_size) {
         return Err(Error::InvalidArgument(format!(
             "--kv-window {}: not a multiple of the page size ({})",

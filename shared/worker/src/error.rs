@@ -22,7 +22,8 @@ pub enum Error {
     /// A peer's KV format differs from ours: its pages would be misread.
     #[error(
         "KV-format fingerprint {theirs:016x} differs from this worker's {ours:016x} ({format}): \
-         peers must run the same --kv-dtype, --page-size, --kv-window, --hadamard and --calibration"
+         peers must run the same --kv-dtype, --page-size, --kv-window, --hadamard, --calibration \
+         and --prefill-work"
     )]
     FingerprintMismatch {
         ours: u64,

@@ -2,11 +2,13 @@
 //! its wire form and fingerprint, the one place the worker turns it into protobuf.
 
 use nibble_kvcache::GlobalScales;
-use nibble_kvfmt::{PageLayout, SequencePages, WindowLayout};
+use nibble_engine::paged::WorkDtype;
+use nibble_kvfmt::{KvDtype, PageLayout, SequencePages, WindowLayout};
 use nibble_proto::v1;
 
 /// What decides how an engine's pages are to be read: their layout, the global scales, the
-/// Hadamard rotation, the recent window and the K smoothing's digest.
+/// Hadamard rotation, the recent window and the K smoothing's digest; and the prefill work
+/// dtype, which decides how a prompt's tokens are computed.
 #[derive(Debug, Clone)]
 pub struct KvFormatSpec {
     pub layout: PageLayout,
@@ -14,6 +16,8 @@ pub struct KvFormatSpec {
     pub hadamard: bool,
     pub window: usize,
     pub k_smoothing: Option<u64>,
+    /// The dtype prefill and extend attention hold K/V in.
+    pub prefill_work: WorkDtype,
 }
 
 impl KvFormatSpec {
@@ -21,6 +25,10 @@ impl KvFormatSpec {
     pub fn wire(&self) -> v1::KvFormat {
         v1::KvFormat::new(&self.layout, &self.scales, self.hadamard, self.window)
             .with_k_smoothing(self.k_smoothing)
+            .with_prefill_work(match self.prefill_work {
+                WorkDtype::Bf16 => KvDtype::Bf16,
+                WorkDtype::Fp8 => KvDtype::Fp8,
+            })
     }
 
     /// The fingerprint peers compare before pages move.

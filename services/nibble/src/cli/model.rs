@@ -78,6 +78,11 @@ pub struct QuantArgs {
     /// cache, rounded up to whole pages; 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
+    /// The dtype prefill and extend attention hold K/V in: fp8 or bf16 (the new tokens in it,
+    /// cached ones dequantized into it; bf16 is the only one for a bf16 cache) [default: the
+    /// cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
+    #[arg(long, value_name = "DTYPE", env = "NIBBLE_PREFILL_WORK", value_parser = WorkDtype::parse)]
+    pub prefill_work: Option<WorkDtype>,
 }
 
 /// Flags of `nibble generate`.
@@ -239,11 +244,6 @@ pub struct PplArgs {
     /// reading the quantized pages).
     #[arg(long, value_name = "PATH", default_value = "decode", value_parser = parse_path)]
     pub path: EvalPath,
-    /// The dtype prefill and extend attention hold K/V in: bf16 scores what a BF16 prefill
-    /// would give an fp8 or nvfp4 cache (the new tokens in BF16, cached ones dequantized into
-    /// BF16; CPU backend only) [default: the cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
-    #[arg(long, value_name = "DTYPE", value_parser = WorkDtype::parse)]
-    pub prefill_work: Option<WorkDtype>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

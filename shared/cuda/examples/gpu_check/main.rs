@@ -375,21 +375,22 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         ),
     );
 
-    // Extend gather of the longest sequence into the work-dtype workspace, at the work scales
-    // the engine uses (an nvfp4 cache's global scale times 6; an fp8 cache's own, where the
-    // kernel copies the bytes) and, for fp8, at another (where it re-encodes them).
+    // Extend gather of the longest sequence into the work-dtype workspace: FP8 at the work
+    // scales the engine uses (an nvfp4 cache's global scale times 6; an fp8 cache's own, where
+    // the kernel copies the bytes) and, for fp8, at another (where it re-encodes them); BF16 for
+    // every cache (`--prefill-work bf16`).
     let long = contexts.len() - 1;
     let prefix = contexts[long];
-    let factors: &[f32] = match dtype {
-        KvDtype::Nvfp4 => &[6.0],
-        KvDtype::Fp8 => &[1.0, 2.5],
-        KvDtype::Bf16 => &[1.0],
+    let cases: &[(KvDtype, f32)] = match dtype {
+        KvDtype::Nvfp4 => &[(KvDtype::Fp8, 6.0), (KvDtype::Bf16, 1.0)],
+        KvDtype::Fp8 => &[(KvDtype::Fp8, 1.0), (KvDtype::Fp8, 2.5), (KvDtype::Bf16, 1.0)],
+        KvDtype::Bf16 => &[(KvDtype::Bf16, 1.0)],
     };
     let table: Vec<u32> = seq_pages[long].iter().map(|p| p.0).collect();
     let dtable = stream.clone_htod(&table)?;
-    for &factor in factors {
+    for &(work, factor) in cases {
         let work_scale = |part| scales.get(LAYER, part) * factor;
-        let width = if dtype == KvDtype::Bf16 { 2 } else { 1 };
+        let width = if work == KvDtype::Bf16 { 2 } else { 1 };
         let mut expected = [Vec::new(), Vec::new()];
         let mut head = vec![0.0f32; geo.head_dim];
         let mut enc = vec![0u8; geo.head_dim * width];
@@ -398,7 +399,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             for (i, part) in [KvPart::K, KvPart::V].into_iter().enumerate() {
                 for h in 0..geo.kv_heads {
                     store.read_head(LAYER, part, slot, h, &mut head)?;
-                    match dtype {
+                    match work {
                         KvDtype::Bf16 => bf16::encode_le(&head, &mut enc),
                         _ => fp8::quantize_unchecked(&head, work_scale(part), &mut enc),
                     }
@@ -412,6 +413,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             page_table: &dtable,
             tokens: prefix,
             scales: g,
+            work,
             work_scales: KvScales {
                 k: work_scale(KvPart::K),
                 v: work_scale(KvPart::V),
@@ -426,7 +428,7 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         let diff = (expected[0].iter().zip(&gk).filter(|(a, b)| a != b).count())
             + (expected[1].iter().zip(&gv).filter(|(a, b)| a != b).count());
         failures += report(
-            &format!("extend gather {name}, work scale x{factor}"),
+            &format!("extend gather {name} into {work}, work scale x{factor}"),
             diff == 0,
             &format!(
                 "{prefix} tokens, {diff} of {} workspace bytes differ",

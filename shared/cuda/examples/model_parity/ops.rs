@@ -315,18 +315,27 @@ pub fn check_ops(cpu: &CpuBackend, gpu: &CudaBackend) -> Result<bool> {
             1e-5,
         );
     }
-    for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::Nvfp4] {
-        ok &= check_paged(cpu, gpu, dtype, geometry, &mut rng)?;
+    // Each cache with its served work dtype, then fp8 and nvfp4 with a BF16 prefill workspace.
+    for (dtype, work) in [
+        (KvDtype::Bf16, WorkDtype::Bf16),
+        (KvDtype::Fp8, WorkDtype::Fp8),
+        (KvDtype::Nvfp4, WorkDtype::Fp8),
+        (KvDtype::Fp8, WorkDtype::Bf16),
+        (KvDtype::Nvfp4, WorkDtype::Bf16),
+    ] {
+        ok &= check_paged(cpu, gpu, dtype, work, geometry, &mut rng)?;
     }
     Ok(ok)
 }
 
 /// Two sequences through one layer: A prefills 20 tokens, then B prefills 9 while A extends by
-/// 13, then both decode one token in one step. Outputs and every page's bytes are compared.
+/// 13, then both decode one token in one step, prefill and extend over a `work` workspace.
+/// Outputs and every page's bytes are compared.
 fn check_paged(
     cpu: &CpuBackend,
     gpu: &CudaBackend,
     dtype: KvDtype,
+    work: WorkDtype,
     geometry: AttnGeometry,
     rng: &mut StdRng,
 ) -> Result<bool> {
@@ -343,7 +352,7 @@ fn check_paged(
         hadamard: false,
         scale_rule: ScaleRule::default(),
         window: 0,
-        prefill_work: WorkDtype::for_cache(plan.layout.dtype()),
+        prefill_work: work,
     };
     let mut pc = cpu.new_pages(plan, encoding.clone())?;
     let mut pg = gpu.new_pages(plan, encoding)?;
@@ -418,7 +427,10 @@ fn check_paged(
         // products on the tensor cores, hence the looser bound at step 2.
         let tol = if step_no == 2 { 2e-2 } else { 2e-3 };
         ok &= report(
-            &format!("paged {dtype:?} step {step_no} (A +{na}, B +{nb})"),
+            &format!(
+                "paged {dtype:?} ({} work) step {step_no} (A +{na}, B +{nb})",
+                work.name()
+            ),
             &down(cpu, &oc),
             &down(gpu, &og),
             tol,
@@ -438,7 +450,10 @@ fn check_paged(
     gpu.write_page(&mut pg, &pool, page, &bc)?;
     gpu.read_page(&pg, page, &mut bg)?;
     same &= bc == bg;
-    println!("{{\"op\":\"paged {dtype:?} page bytes\",\"identical\":{same}}}");
+    println!(
+        "{{\"op\":\"paged {dtype:?} ({} work) page bytes\",\"identical\":{same}}}",
+        work.name()
+    );
     Ok(ok && same)
 }
 

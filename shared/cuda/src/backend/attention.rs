@@ -271,7 +271,7 @@ impl CudaBackend {
         let k = self.rows_of(step.k, span.clone())?;
         let v = self.rows_of(step.v, span.clone())?;
         self.fill_workspace(pages, at, seq, &k, &v, n)?;
-        let work = WorkDtype::for_cache(at.dtype());
+        let work = pages.work;
         let mut o: CudaSlice<f32> = self.stream().alloc_zeros(n * q_row)?;
         let batch = PrefillBatch {
             q: &q,
@@ -309,7 +309,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let stream = self.stream();
         let (start, dtype, kv_row) = (seq.stored, at.dtype(), at.kv_row());
-        let work = WorkDtype::for_cache(dtype);
+        let work = pages.work;
         let work_scales = at.scales.work(dtype);
         let bytes = (start + n) * kv_row * work.bytes();
         if pages.ws_k.len() < bytes {
@@ -326,6 +326,7 @@ impl CudaBackend {
                 page_table: &table,
                 tokens: start,
                 scales: at.scales,
+                work: work_kv_dtype(work),
                 work_scales,
             };
             let ws = KvWorkspace {

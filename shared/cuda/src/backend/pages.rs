@@ -11,7 +11,7 @@ use nibble_engine::backend::PageEncoding;
 use nibble_engine::paged::WorkDtype;
 use nibble_engine::{Error as EngineError, Result as EngineResult};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan};
-use nibble_kvfmt::{PageLayout, ScaleRule, WindowLayout};
+use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule, WindowLayout};
 
 use super::decode::DecodeInputs;
 use super::{engine_err, CudaBackend, CudaTensor};
@@ -24,6 +24,8 @@ pub struct CudaPages {
     pub(super) scales: GlobalScales,
     pub(super) scale_rule: ScaleRule,
     pub(super) window: WindowLayout,
+    /// The element type of the prefill and extend workspace (`ws_k`, `ws_v`).
+    pub(super) work: WorkDtype,
     pub(super) ws_k: CudaSlice<u8>,
     pub(super) ws_v: CudaSlice<u8>,
     pub(super) decode: DecodeWorkspace,
@@ -61,13 +63,10 @@ impl CudaBackend {
             prefill_work,
         } = encoding;
         let layout = plan.layout;
-        let served = WorkDtype::for_cache(layout.dtype());
-        if prefill_work != served {
+        if layout.dtype() == KvDtype::Bf16 && prefill_work != WorkDtype::Bf16 {
             return Err(EngineError::Unsupported(format!(
-                "the CUDA backend runs prefill and extend attention of a {} cache over {} K/V, \
-                 not {} (another work dtype is a CPU evaluation option)",
-                layout.dtype(),
-                served.name(),
+                "the CUDA backend runs prefill and extend attention of a bf16 cache over bf16 \
+                 K/V, not {}",
                 prefill_work.name()
             )));
         }
@@ -94,6 +93,7 @@ impl CudaBackend {
             scales,
             scale_rule,
             window,
+            work: prefill_work,
             ws_k: stream.alloc_zeros(1).map_err(engine_err)?,
             ws_v: stream.alloc_zeros(1).map_err(engine_err)?,
             decode: DecodeWorkspace::new(&self.kernels).map_err(engine_err)?,

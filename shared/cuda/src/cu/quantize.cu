@@ -138,14 +138,15 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
 }
 
 // Extend: gathers tokens [0, n_tokens) of one sequence (its pages in page_table) from the pool
-// into the work-dtype workspace, [token][kv_head][head_dim]: E4M3 with the work scales (wk, wv)
-// for nvfp4 and fp8 caches, BF16 bytes for a bf16 cache. Each value is first dequantized to f32
-// exactly as the CPU reads a head vector (e2m1 * s * g, or e4m3 * g), then encoded.
+// into the work-dtype workspace, [token][kv_head][head_dim]: E4M3 with the work scales (wk, wv),
+// or BF16 bytes when work_bf16 is set (always so for a bf16 cache). Each value is first
+// dequantized to f32 exactly as the CPU reads a head vector (e2m1 * s * g, or e4m3 * g), then
+// encoded.
 extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict__ ws_v,
                                           const u8* __restrict__ pages,
                                           const u32* __restrict__ page_table, u32 n_tokens,
-                                          PageGeom g, u32 dtype, float gk, float gv, float wk,
-                                          float wv) {
+                                          PageGeom g, u32 dtype, u32 work_bf16, float gk,
+                                          float gv, float wk, float wv) {
     grid_dependency_sync();
     const u32 chunks = g.head_dim / 16u;
     const u32 per_part = g.kv_heads * chunks;
@@ -169,7 +170,7 @@ extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict_
         dst[1] = src[1];
         return;
     }
-    if (dtype == NIBBLE_FP8 && gs == ws && gs >= 0x1p-100f && gs <= 0x1p100f) {
+    if (!work_bf16 && dtype == NIBBLE_FP8 && gs == ws && gs >= 0x1p-100f && gs <= 0x1p100f) {
         // The work scale is the cache's own (always so for an fp8 cache): re-encoding gives
         // every byte back. e4m3 * g / g is within 2^-23 of the E4M3 value, far inside its
         // rounding interval, as long as e4m3 * g stays a normal float, which this range of g
@@ -184,7 +185,7 @@ extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict_
         uint2 packed = *reinterpret_cast<const uint2*>(data + chunk * 8u);
         const u32 scale_code = base[scale_offset(g, part, head, off) + chunk];
         float s = e4m3_decode(scale_code);
-        if ((scale_code & 0x7Fu) != 0x7Fu) {
+        if (!work_bf16 && (scale_code & 0x7Fu) != 0x7Fu) {
             // A block's 16 codes take only 8 magnitudes: each magnitude's E4M3 byte is computed
             // once, exactly as below, and a code's byte is its magnitude's with the sign bit
             // flipped for a negative code (every step, the products, the division and the
@@ -221,6 +222,15 @@ extern "C" __global__ void kv_gather_work(u8* __restrict__ ws_k, u8* __restrict_
         u32 w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[i] = __fmul_rn(e4m3_decode((w[i >> 2] >> (8 * (i & 3))) & 0xFFu), gs);
+    }
+    if (work_bf16) {
+        u32 w[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = bf16_encode(x[2 * i]) | (bf16_encode(x[2 * i + 1]) << 16);
+        uint4* dst = reinterpret_cast<uint4*>(out + 2u * out_index);
+        dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        return;
     }
     u32 w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll

@@ -75,12 +75,13 @@ pub struct KvWorkspace<'a> {
 
 /// A cached prefix of one sequence, for the extend gather ([`Kernels::gather_work`]): its
 /// first `tokens` tokens in the pages of `page_table`, stored at the global `scales` and
-/// gathered at `work_scales` (see [`KvScales::work`]).
+/// gathered into a `work` workspace (fp8 at `work_scales`, see [`KvScales::work`], or bf16).
 #[derive(Clone, Copy)]
 pub struct CachedPrefix<'a> {
     pub page_table: &'a CudaSlice<u32>,
     pub tokens: usize,
     pub scales: KvScales,
+    pub work: KvDtype,
     pub work_scales: KvScales,
 }
 

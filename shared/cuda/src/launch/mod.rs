@@ -7,7 +7,6 @@ use cudarc::driver::{
     sys::CUdevice_attribute, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView,
     LaunchConfig,
 };
-use nibble_engine::paged::WorkDtype;
 use nibble_kvfmt::{KvDtype, ScaleRule};
 
 use crate::geom::{dtype_code, scale_rule_code};
@@ -306,8 +305,8 @@ impl Kernels {
     }
 
     /// Extend gather: the first `tokens` tokens of one sequence (pages in `page_table`) into
-    /// the work-dtype workspace `[token][kv_head][head_dim]`: E4M3 bytes with the work scales
-    /// for nvfp4 and fp8 caches, BF16 bytes for a bf16 cache (`ws_k`/`ws_v` then hold 2 bytes
+    /// the `prefix.work` workspace `[token][kv_head][head_dim]`: E4M3 bytes with the work
+    /// scales (nvfp4 and fp8 caches), or BF16 bytes (any cache; `ws_k`/`ws_v` then hold 2 bytes
     /// per value). The bytes equal the CPU extend path's workspace.
     pub fn gather_work(
         &self,
@@ -321,9 +320,19 @@ impl Kernels {
             page_table,
             tokens,
             scales,
+            work,
             work_scales,
         } = *prefix;
-        let width = WorkDtype::for_cache(dtype).bytes();
+        let width = match work {
+            KvDtype::Fp8 if dtype != KvDtype::Bf16 => 1,
+            KvDtype::Bf16 => 2,
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "gathering a {dtype} cache into a {work} workspace (fp8 or bf16; bf16 for a \
+                     bf16 cache)"
+                )))
+            }
+        };
         let bytes = tokens * (geom.kv_heads * geom.head_dim) as usize * width;
         if ws.k.len() < bytes || ws.v.len() < bytes {
             return Err(Error::Shape {
@@ -344,6 +353,7 @@ impl Kernels {
             return Ok(());
         }
         let (n32, code) = (tokens as u32, dtype_code(dtype));
+        let work_bf16 = u32::from(width == 2);
         let mut b = self.builder(&self.gather);
         b.arg(ws.k)
             .arg(ws.v)
@@ -351,7 +361,8 @@ impl Kernels {
             .arg(page_table)
             .arg(&n32)
             .arg(&geom)
-            .arg(&code);
+            .arg(&code)
+            .arg(&work_bf16);
         b.arg(&scales.k)
             .arg(&scales.v)
             .arg(&work_scales.k)
