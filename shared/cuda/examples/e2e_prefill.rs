@@ -23,10 +23,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use nibble_cuda::CudaBackend;
+use nibble_engine::paged::WorkDtype;
 use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{SchedulerConfig, SeqId};
 use nibble_engine::synthetic::{llama3_8b, random_model, tiny_llama, tokenizer};
-use nibble_engine::paged::WorkDtype;
 use nibble_engine::{Backend, CpuBackend, Engine, EngineConfig, Event, KvConfig};
 use nibble_kvfmt::KvDtype;
 use rand::rngs::StdRng;
@@ -74,7 +74,7 @@ fn parse() -> Result<Args> {
             "--runs" => args.runs = value()?.parse()?,
             "--seed" => args.seed = value()?.parse()?,
             "--prefill-work" => {
-                args.work = Some(WorkDtype::parse(&value()?).map_err(anyhow::Error::msg)?)
+                args.work = Some(WorkDtype::parse(value()?).map_err(anyhow::Error::msg)?)
             }
             other => bail!("unknown argument {other}"),
         }

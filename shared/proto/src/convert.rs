@@ -118,7 +118,10 @@ impl v1::KvFormat {
             } else {
                 ""
             },
-            match self.prefill_work_override().map(|w| kv_dtype(w, "kv_format.prefill_work")) {
+            match self
+                .prefill_work_override()
+                .map(|w| kv_dtype(w, "kv_format.prefill_work"))
+            {
                 Some(Ok(work)) => format!(", prefill over {work} K/V"),
                 Some(Err(_)) => format!(", prefill work dtype {}", self.prefill_work),
                 None => String::new(),

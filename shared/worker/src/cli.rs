@@ -564,12 +564,17 @@ mod tests {
             err.to_string(),
             "--kv-window 40: not a multiple of the page size (16)"
         );
-        assert_eq!(kv_config(&args(&[]).unwrap().config(), 2).unwrap().work(), WorkDtype::Fp8);
+        assert_eq!(
+            kv_config(&args(&[]).unwrap().config(), 2).unwrap().work(),
+            WorkDtype::Fp8
+        );
         let kv = kv_config(&args(&["--prefill-work", "bf16"]).unwrap().config(), 2).unwrap();
         assert_eq!(kv.work(), WorkDtype::Bf16);
         let bf16 = args(&["--kv-dtype", "bf16", "--prefill-work", "fp8"]).unwrap();
         let err = kv_config(&bf16.config(), 2).unwrap_err();
-        assert!(err.to_string().contains("--prefill-work fp8: needs an fp8 or nvfp4 cache"));
+        assert!(err
+            .to_string()
+            .contains("--prefill-work fp8: needs an fp8 or nvfp4 cache"));
         assert!(args(&["--prefill-work", "fp16"]).is_err());
 
         let dir = tempfile::tempdir().unwrap();

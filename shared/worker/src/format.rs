@@ -1,8 +1,8 @@
 //! An engine's KV format as peers compare it: the domain description ([`KvFormatSpec`]) and
 //! its wire form and fingerprint, the one place the worker turns it into protobuf.
 
-use nibble_kvcache::GlobalScales;
 use nibble_engine::paged::WorkDtype;
+use nibble_kvcache::GlobalScales;
 use nibble_kvfmt::{KvDtype, PageLayout, SequencePages, WindowLayout};
 use nibble_proto::v1;
 

@@ -383,7 +383,11 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
     let prefix = contexts[long];
     let cases: &[(KvDtype, f32)] = match dtype {
         KvDtype::Nvfp4 => &[(KvDtype::Fp8, 6.0), (KvDtype::Bf16, 1.0)],
-        KvDtype::Fp8 => &[(KvDtype::Fp8, 1.0), (KvDtype::Fp8, 2.5), (KvDtype::Bf16, 1.0)],
+        KvDtype::Fp8 => &[
+            (KvDtype::Fp8, 1.0),
+            (KvDtype::Fp8, 2.5),
+            (KvDtype::Bf16, 1.0),
+        ],
         KvDtype::Bf16 => &[(KvDtype::Bf16, 1.0)],
     };
     let table: Vec<u32> = seq_pages[long].iter().map(|p| p.0).collect();
