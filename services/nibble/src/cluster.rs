@@ -90,7 +90,7 @@ pub struct UpArgs {
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
     /// The dtype both workers' prefill and extend attention hold K/V in: fp8 or bf16 [default:
-    /// the cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
+    /// bf16].
     #[arg(long, value_name = "DTYPE", env = "NIBBLE_PREFILL_WORK", value_parser = WorkDtype::parse)]
     pub prefill_work: Option<WorkDtype>,
     /// MiB of KV pages each worker allocates [default: 256 on the CPU; on a GPU, which the two

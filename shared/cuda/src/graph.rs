@@ -133,6 +133,13 @@ pub(crate) fn block(what: &'static str) -> Result<(), crate::Error> {
     })
 }
 
+/// Whether an operation that is not a kernel launch (cuBLAS, a device-to-device copy) runs now:
+/// not in a dry pass, which records what a step launches and launches nothing. Such an
+/// operation [`block`]s the step first, so the step then runs eagerly and does it there.
+pub(crate) fn runs_now() -> bool {
+    pass() != Pass::Dry
+}
+
 /// Appends one launch to the pass's record (a dry pass's, or a capture's, which must equal it):
 /// the function, its configuration, whether it is programmatic, and every parameter's bytes
 /// (device addresses and plain values alike).
@@ -360,7 +367,9 @@ mod tests {
         begin(Pass::Dry, ptr::null_mut());
         block("cuBLAS").unwrap();
         block("a device-to-device copy").unwrap();
+        assert!(!runs_now(), "a dry pass does no work");
         assert_eq!(end(), Err("cuBLAS"), "the first reason is kept");
+        assert!(runs_now(), "outside a pass everything runs");
         begin(Pass::Dry, ptr::null_mut());
         assert!(end().is_ok(), "a new pass starts unblocked");
         begin(Pass::Capture, ptr::null_mut());

@@ -2,8 +2,9 @@
 //! compared with.
 //!
 //! 1. [`prefill`]: initial prefill, no cached prefix. Attention runs over BF16 Q and the prompt's
-//!    K/V rounded to the *work dtype* (FP8 for fp8 and nvfp4 caches, BF16 for a bf16 cache); the
-//!    same K/V (from f32) are quantized into pages. Nothing is read from the cache.
+//!    K/V rounded to the *work dtype* ([`WorkDtype`]: BF16 by default, FP8 on request for fp8
+//!    and nvfp4 caches); the same K/V (from f32) are quantized into pages. Nothing is read from
+//!    the cache.
 //! 2. [`extend`]: a chunk after a cached prefix. The prefix is gathered from pages and dequantized
 //!    into one work-dtype [`Workspace`] — one layer's worth, reused by every layer — the chunk's
 //!    K/V are appended, attention runs over both, and the chunk is quantized into pages.
@@ -39,19 +40,18 @@ type Result<T> = std::result::Result<T, AttentionError>;
 /// The element type attention reads K/V in during prefill and extend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkDtype {
-    /// E4M3 with the (layer, K|V) global scale, for fp8 and nvfp4 caches.
+    /// E4M3 with the (layer, K|V) global scale (fp8 and nvfp4 caches; `--prefill-work fp8`).
     Fp8,
-    /// BF16, for a bf16 cache.
+    /// BF16, the default for every cache.
     Bf16,
 }
 
 impl WorkDtype {
-    /// The work dtype of a cache of `dtype`: BF16 for bf16, FP8 for fp8 and nvfp4.
-    pub fn for_cache(dtype: KvDtype) -> Self {
-        match dtype {
-            KvDtype::Bf16 => WorkDtype::Bf16,
-            KvDtype::Fp8 | KvDtype::Nvfp4 => WorkDtype::Fp8,
-        }
+    /// The work dtype of a cache of `dtype` unless told otherwise: BF16 for every cache
+    /// (docs/ACCURACY.md, "What the prompt paths lose": FP8 costs a prompt about 1% of
+    /// perplexity whatever the cache; docs/ARCHITECTURE.md, "Decisions").
+    pub fn for_cache(_dtype: KvDtype) -> Self {
+        WorkDtype::Bf16
     }
 
     /// The dtype's name, as flags and reports spell it.

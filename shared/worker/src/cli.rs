@@ -84,9 +84,8 @@ pub struct WorkerArgs {
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
     /// The dtype prefill and extend attention hold K/V in: fp8 or bf16 (bf16 is the only one
-    /// for a bf16 cache) [default: the cache's: fp8 for fp8 and nvfp4, bf16 for bf16]. Prefill
-    /// and decode workers must agree: it decides a prompt's tokens, so it is part of the KV
-    /// format peers compare.
+    /// for a bf16 cache) [default: bf16]. Prefill and decode workers must agree: it decides a
+    /// prompt's tokens, so it is part of the KV format peers compare.
     #[arg(long, value_name = "DTYPE", env = "NIBBLE_PREFILL_WORK", value_parser = WorkDtype::parse)]
     pub prefill_work: Option<WorkDtype>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
@@ -566,10 +565,10 @@ mod tests {
         );
         assert_eq!(
             kv_config(&args(&[]).unwrap().config(), 2).unwrap().work(),
-            WorkDtype::Fp8
+            WorkDtype::Bf16
         );
-        let kv = kv_config(&args(&["--prefill-work", "bf16"]).unwrap().config(), 2).unwrap();
-        assert_eq!(kv.work(), WorkDtype::Bf16);
+        let kv = kv_config(&args(&["--prefill-work", "fp8"]).unwrap().config(), 2).unwrap();
+        assert_eq!(kv.work(), WorkDtype::Fp8);
         let bf16 = args(&["--kv-dtype", "bf16", "--prefill-work", "fp8"]).unwrap();
         let err = kv_config(&bf16.config(), 2).unwrap_err();
         assert!(err

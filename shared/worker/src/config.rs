@@ -53,9 +53,8 @@ pub struct WorkerConfig {
     /// cache, rounded up to whole pages; 0 otherwise]. Prefill and decode workers must agree: it
     /// is part of the KV format.
     pub kv_window: Option<usize>,
-    /// The dtype prefill and extend attention hold K/V in [default: the cache's: fp8 for fp8
-    /// and nvfp4, bf16 for bf16]. Prefill and decode workers must agree: it is part of the KV
-    /// format peers compare.
+    /// The dtype prefill and extend attention hold K/V in [default: bf16]. Prefill and decode
+    /// workers must agree: it is part of the KV format peers compare.
     pub prefill_work: Option<WorkDtype>,
     /// Bytes of KV pages to allocate, in MiB [default: 256 on the CPU; on a GPU,
     /// --kv-memory-fraction of the GPU's memory].

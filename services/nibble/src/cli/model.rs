@@ -79,8 +79,8 @@ pub struct QuantArgs {
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
     pub kv_window: Option<usize>,
     /// The dtype prefill and extend attention hold K/V in: fp8 or bf16 (the new tokens in it,
-    /// cached ones dequantized into it; bf16 is the only one for a bf16 cache) [default: the
-    /// cache's: fp8 for fp8 and nvfp4, bf16 for bf16].
+    /// cached ones dequantized into it; bf16 is the only one for a bf16 cache) [default: bf16,
+    /// the more accurate, and on Hopper the faster].
     #[arg(long, value_name = "DTYPE", env = "NIBBLE_PREFILL_WORK", value_parser = WorkDtype::parse)]
     pub prefill_work: Option<WorkDtype>,
 }

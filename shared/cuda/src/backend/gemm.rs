@@ -183,6 +183,9 @@ impl CudaBackend {
                     ldc: m as i32,
                 };
                 graph::block("cuBLAS").map_err(engine_err)?;
+                if !graph::runs_now() {
+                    return Ok(());
+                }
                 let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).
                 let r = unsafe {
@@ -199,6 +202,9 @@ impl CudaBackend {
                     return Ok(());
                 }
                 graph::block("cuBLAS").map_err(engine_err)?;
+                if !graph::runs_now() {
+                    return Ok(());
+                }
                 let gemm = Bf16Gemm { n, m, k };
                 let mut o = out.f32_mut().slice_mut(0..n * m);
                 // SAFETY: the views hold m*k, n*k and n*m values (shapes asserted above).

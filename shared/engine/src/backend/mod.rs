@@ -82,8 +82,8 @@ pub struct PageEncoding {
     /// Tokens of each sequence's high-precision recent window (0: none); see
     /// [`nibble_kvfmt::window`].
     pub window: usize,
-    /// The dtype prefill and extend attention hold K/V in (the cache's
-    /// [`WorkDtype::for_cache`] unless an evaluation asks for another).
+    /// The dtype prefill and extend attention hold K/V in ([`WorkDtype::for_cache`] unless
+    /// `--prefill-work` says otherwise).
     pub prefill_work: WorkDtype,
 }
 

@@ -128,12 +128,40 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     dot / (na * nb)
 }
 
+/// Every cache dtype with every work dtype it takes (FP8 needs global scales: not bf16).
+fn work_cases() -> Vec<(KvDtype, WorkDtype)> {
+    let mut cases = Vec::new();
+    for dtype in KvDtype::ALL {
+        for work in [WorkDtype::Bf16, WorkDtype::Fp8] {
+            if dtype != KvDtype::Bf16 || work == WorkDtype::Bf16 {
+                cases.push((dtype, work));
+            }
+        }
+    }
+    cases
+}
+
+/// `x` rounded to the `work` dtype of a `dtype` cache whose global scale is `g`.
+fn round_work(dtype: KvDtype, work: WorkDtype, x: &[f32], g: f32) -> Vec<f32> {
+    match work {
+        WorkDtype::Bf16 => round_bf16(x),
+        WorkDtype::Fp8 => round_fp8(x, work_scale(dtype, g)),
+    }
+}
+
+#[test]
+fn the_default_work_dtype_is_bf16() {
+    for dtype in KvDtype::ALL {
+        assert_eq!(WorkDtype::for_cache(dtype), WorkDtype::Bf16, "{dtype}");
+    }
+}
+
 #[test]
 fn prefill_attends_over_work_dtype_kv_and_writes_pages() {
-    for dtype in KvDtype::ALL {
+    for (dtype, work) in work_cases() {
         let mut rng = StdRng::seed_from_u64(1);
         let (mut pool, mut store) = pool(dtype);
-        let mut ws = Workspace::new(dtype);
+        let mut ws = Workspace::with_dtype(work);
         let n = 19;
         let (q, k, v) = (
             random(&mut rng, n * Q_HEADS * DIM),
@@ -158,15 +186,17 @@ fn prefill_attends_over_work_dtype_kv_and_writes_pages() {
         cache(&pool, &mut store, &mut ws)
             .prefill(step, &slots, &[], &mut out)
             .unwrap();
-        let (kw, vw) = match dtype {
-            KvDtype::Bf16 => (round_bf16(&k), round_bf16(&v)),
-            _ => (
-                round_fp8(&k, work_scale(dtype, 2.0)),
-                round_fp8(&v, work_scale(dtype, 0.25)),
-            ),
-        };
+        let (kw, vw) = (
+            round_work(dtype, work, &k, 2.0),
+            round_work(dtype, work, &v, 0.25),
+        );
         let expected = reference(&round_bf16(&q), &kw, &vw, 0);
-        assert_close(&out, &expected, 1e-5, dtype.name());
+        assert_close(
+            &out,
+            &expected,
+            1e-5,
+            &format!("{dtype}, {} work", work.name()),
+        );
         // The pages hold the f32 K quantized directly (not the work-dtype copy).
         let stored = cached(&store, 1, table.pages(), n, KvPart::K);
         let direct: Vec<f32> = k
@@ -184,10 +214,10 @@ fn prefill_attends_over_work_dtype_kv_and_writes_pages() {
 
 #[test]
 fn extend_gathers_the_prefix_into_the_workspace() {
-    for dtype in KvDtype::ALL {
+    for (dtype, work_dtype) in work_cases() {
         let mut rng = StdRng::seed_from_u64(2);
         let (mut pool, mut store) = pool(dtype);
-        let mut ws = Workspace::new(dtype);
+        let mut ws = Workspace::with_dtype(work_dtype);
         let (p, n) = (21, 11);
         let total = p + n;
         // Queries of moderate size, so the softmax is not a near one-hot that amplifies rounding.
@@ -243,23 +273,18 @@ fn extend_gathers_the_prefix_into_the_workspace() {
             )
             .unwrap();
         // Expected: prefix from the pages rounded to the work dtype, chunk rounded directly.
-        let work = |x: &[f32], g: f32| match dtype {
-            KvDtype::Bf16 => round_bf16(x),
-            _ => round_fp8(x, work_scale(dtype, g)),
-        };
+        let work = |x: &[f32], g: f32| round_work(dtype, work_dtype, x, g);
         let mut kw = work(&cached(&store, 0, table.pages(), p, KvPart::K), 0.5);
         kw.extend(work(&k[p * ks..], 0.5));
         let mut vw = work(&cached(&store, 0, table.pages(), p, KvPart::V), 1.0);
         vw.extend(work(&v[p * ks..], 1.0));
         let expected = reference(&round_bf16(&q[p * qs..]), &kw, &vw, p);
-        assert_close(&out, &expected, 1e-5, dtype.name());
+        let what = format!("{dtype}, {} work", work_dtype.name());
+        assert_close(&out, &expected, 1e-5, &what);
         // And it stays close to exact attention.
         let exact = reference(&q[p * qs..], &k, &v, p);
         let c = cosine(&out, &exact);
-        assert!(
-            c > min_cosine(dtype),
-            "{dtype}: cosine to f32 attention {c}"
-        );
+        assert!(c > min_cosine(dtype), "{what}: cosine to f32 attention {c}");
         table.release(&mut pool).unwrap();
     }
 }
