@@ -596,6 +596,17 @@ fn bad_flags_and_files_are_one_line_errors() {
             ],
             "--chat",
         ),
+        (
+            vec![
+                "generate".into(),
+                "--kv-dtype".into(),
+                "bf16".into(),
+                "--prefill-work".into(),
+                "fp8".into(),
+                "x".into(),
+            ],
+            "--prefill-work: fp8 needs an fp8 or nvfp4 cache",
+        ),
     ];
     let model = model();
     for (args, needle) in cases {
