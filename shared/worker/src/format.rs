@@ -48,3 +48,34 @@ impl KvFormatSpec {
         self.wire().describe()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_work_dtype_is_part_of_the_format() {
+        let layout = PageLayout::new(2, 3, 64, 16, KvDtype::Nvfp4).unwrap();
+        let spec = |prefill_work| KvFormatSpec {
+            layout,
+            scales: GlobalScales::uncalibrated(KvDtype::Nvfp4, 2),
+            hadamard: false,
+            window: 48,
+            k_smoothing: None,
+            prefill_work,
+        };
+        let (bf16, fp8) = (spec(WorkDtype::Bf16), spec(WorkDtype::Fp8));
+        assert_ne!(bf16.fingerprint(), fp8.fingerprint());
+        assert!(
+            bf16.describe().ends_with(", prefill over bf16 K/V"),
+            "{}",
+            bf16.describe()
+        );
+        // FP8, what builds before the field used, leaves the fingerprint as they had it.
+        assert_eq!(
+            fp8.fingerprint(),
+            v1::KvFormat::new(&layout, &fp8.scales, false, 48).fingerprint()
+        );
+        assert!(!fp8.describe().contains("prefill"), "{}", fp8.describe());
+    }
+}
