@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use nibble_cuda::{CudaBackend, Device, KvNeeds};
 use nibble_engine::calibrate::Calibration;
-use nibble_engine::paged::WorkDtype;
 use nibble_engine::{Backend, CpuBackend, KvConfig, Model, ModelConfig, ModelSource, Tokenizer};
 use nibble_kvfmt::KvDtype;
 use nibble_telemetry::progress::{Bar, Unit};
@@ -110,13 +109,11 @@ impl Opened {
                 ),
             });
         }
-        if dtype == KvDtype::Bf16 && quant.prefill_work == Some(WorkDtype::Fp8) {
-            return Err(Error::Flag {
+        if let Some(work) = quant.prefill_work {
+            work.check_cache(dtype).map_err(|why| Error::Flag {
                 flag: "--prefill-work",
-                reason:
-                    "fp8 needs an fp8 or nvfp4 cache (its global scales); a bf16 cache works in bf16"
-                        .into(),
-            });
+                reason: format!("{} {why}", work.name()),
+            })?;
         }
         let kv = KvConfig {
             page_size: quant.page_size,

@@ -128,7 +128,7 @@ fn measure<B: Backend>(backend: Arc<B>, args: &Args, kernel: &str, sync: &dyn Fn
             prefill_work: args.work,
             ..KvConfig::new(dtype)
         };
-        let kv_work = args.work.unwrap_or(WorkDtype::for_cache(dtype));
+        let kv_work = kv.work();
         let layout = kv.layout(&model)?;
         let window = kv.window_layout(&layout).map_or(0, |w| w.pages());
         // one sequence of the longest prompt at a time, and the warm-up's

@@ -37,21 +37,39 @@ pub enum AttentionError {
 
 type Result<T> = std::result::Result<T, AttentionError>;
 
-/// The element type attention reads K/V in during prefill and extend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The element type attention reads K/V in during prefill and extend. The default is BF16 for
+/// every cache (docs/ACCURACY.md, "What the prompt paths lose": FP8 costs a prompt about 1% of
+/// perplexity whatever the cache; docs/ARCHITECTURE.md, "Decisions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WorkDtype {
     /// E4M3 with the (layer, K|V) global scale (fp8 and nvfp4 caches; `--prefill-work fp8`).
     Fp8,
-    /// BF16, the default for every cache.
+    /// BF16.
+    #[default]
     Bf16,
 }
 
+impl From<WorkDtype> for KvDtype {
+    /// The workspace's element type as the cache dtypes name it.
+    fn from(work: WorkDtype) -> Self {
+        match work {
+            WorkDtype::Fp8 => KvDtype::Fp8,
+            WorkDtype::Bf16 => KvDtype::Bf16,
+        }
+    }
+}
+
 impl WorkDtype {
-    /// The work dtype of a cache of `dtype` unless told otherwise: BF16 for every cache
-    /// (docs/ACCURACY.md, "What the prompt paths lose": FP8 costs a prompt about 1% of
-    /// perplexity whatever the cache; docs/ARCHITECTURE.md, "Decisions").
-    pub fn for_cache(_dtype: KvDtype) -> Self {
-        WorkDtype::Bf16
+    /// Whether a `cache`-dtype cache can work in this dtype: FP8 takes its scales from an fp8
+    /// or nvfp4 cache's global scales, so a bf16 cache works in BF16 only. The error says why,
+    /// after the dtype's name, for the flag that asked.
+    pub fn check_cache(self, cache: KvDtype) -> std::result::Result<(), &'static str> {
+        if cache == KvDtype::Bf16 && self == WorkDtype::Fp8 {
+            return Err(
+                "needs an fp8 or nvfp4 cache (its global scales); a bf16 cache works in bf16",
+            );
+        }
+        Ok(())
     }
 
     /// The dtype's name, as flags and reports spell it.
@@ -98,12 +116,14 @@ pub struct Workspace {
     decode: DecodeScratch,
 }
 
-impl Workspace {
-    /// The workspace of a `cache`-dtype cache: its [`WorkDtype::for_cache`].
-    pub fn new(cache: KvDtype) -> Self {
-        Self::with_dtype(WorkDtype::for_cache(cache))
+impl Default for Workspace {
+    /// A workspace of the default work dtype.
+    fn default() -> Self {
+        Self::with_dtype(WorkDtype::default())
     }
+}
 
+impl Workspace {
     /// A workspace holding K/V in `dtype`.
     pub fn with_dtype(dtype: WorkDtype) -> Self {
         Self {

@@ -30,8 +30,9 @@ pub struct KvConfig {
     /// Tokens of each sequence's high-precision recent window, kept in BF16 besides the pages
     /// (0: none; a multiple of `page_size`).
     pub window: usize,
-    /// The dtype prefill and extend attention hold K/V in (`--prefill-work`); the cache's
-    /// ([`WorkDtype::for_cache`]) when `None`. A bf16 cache takes only BF16.
+    /// The dtype prefill and extend attention hold K/V in (`--prefill-work`); the default
+    /// ([`WorkDtype::default`], BF16) when `None`. A bf16 cache takes only BF16
+    /// ([`WorkDtype::check_cache`]).
     pub prefill_work: Option<WorkDtype>,
 }
 
@@ -96,10 +97,9 @@ impl KvConfig {
         })
     }
 
-    /// The dtype prefill and extend attention hold K/V in: `prefill_work`, else the cache's.
+    /// The dtype prefill and extend attention hold K/V in: `prefill_work`, else the default.
     pub fn work(&self) -> WorkDtype {
-        self.prefill_work
-            .unwrap_or(WorkDtype::for_cache(self.dtype))
+        self.prefill_work.unwrap_or_default()
     }
 
     /// The page layout of `model` under this config.

@@ -177,12 +177,10 @@ pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> 
     kv.scale_rule = args.scale_rule;
     kv.hadamard = args.hadamard;
     kv = kv.with_window(args.kv_window);
-    if args.kv_dtype == KvDtype::Bf16 && args.prefill_work == Some(WorkDtype::Fp8) {
-        return Err(Error::InvalidArgument(
-            "--prefill-work fp8: needs an fp8 or nvfp4 cache (its global scales); a bf16 cache \
-             works in bf16"
-                .into(),
-        ));
+    if let Some(work) = args.prefill_work {
+        work.check_cache(args.kv_dtype).map_err(|why| {
+            Error::InvalidArgument(format!("--prefill-work {}: {why}", work.name()))
+        })?;
     }
     kv.prefill_work = args.prefill_work;
     if !kv.window.is_multiple_of(kv.page_size) {

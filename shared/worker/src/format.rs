@@ -3,7 +3,7 @@
 
 use nibble_engine::paged::WorkDtype;
 use nibble_kvcache::GlobalScales;
-use nibble_kvfmt::{KvDtype, PageLayout, SequencePages, WindowLayout};
+use nibble_kvfmt::{PageLayout, SequencePages, WindowLayout};
 use nibble_proto::v1;
 
 /// What decides how an engine's pages are to be read: their layout, the global scales, the
@@ -25,10 +25,7 @@ impl KvFormatSpec {
     pub fn wire(&self) -> v1::KvFormat {
         v1::KvFormat::new(&self.layout, &self.scales, self.hadamard, self.window)
             .with_k_smoothing(self.k_smoothing)
-            .with_prefill_work(match self.prefill_work {
-                WorkDtype::Bf16 => KvDtype::Bf16,
-                WorkDtype::Fp8 => KvDtype::Fp8,
-            })
+            .with_prefill_work(self.prefill_work.into())
     }
 
     /// The fingerprint peers compare before pages move.
@@ -52,6 +49,7 @@ impl KvFormatSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nibble_kvfmt::KvDtype;
 
     #[test]
     fn the_prefill_work_dtype_is_part_of_the_format() {

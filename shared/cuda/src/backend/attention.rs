@@ -128,14 +128,6 @@ fn is_decode(seq: &PagedSeq<'_>) -> bool {
     seq.stored > 0 && seq.slots.len() == 1
 }
 
-/// The workspace's element type as the prefill kernels name it.
-fn work_kv_dtype(work: WorkDtype) -> KvDtype {
-    match work {
-        WorkDtype::Fp8 => KvDtype::Fp8,
-        WorkDtype::Bf16 => KvDtype::Bf16,
-    }
-}
-
 impl CudaBackend {
     /// Causal attention of rows `q_rows` over the first `kv_len` rows of a contiguous cache.
     pub(super) fn attend_contiguous(
@@ -282,7 +274,7 @@ impl CudaBackend {
             head_dim: at.head_dim,
             k: &pages.ws_k,
             v: &pages.ws_v,
-            work: work_kv_dtype(work),
+            work: work.into(),
             work_scales: at.scales.work(at.dtype()),
             softmax_scale: at.softmax_scale,
         };
@@ -326,7 +318,7 @@ impl CudaBackend {
                 page_table: &table,
                 tokens: start,
                 scales: at.scales,
-                work: work_kv_dtype(work),
+                work: work.into(),
                 work_scales,
             };
             let ws = KvWorkspace {

@@ -11,7 +11,7 @@ use nibble_engine::backend::PageEncoding;
 use nibble_engine::paged::WorkDtype;
 use nibble_engine::{Error as EngineError, Result as EngineResult};
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PoolPlan};
-use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule, WindowLayout};
+use nibble_kvfmt::{PageLayout, ScaleRule, WindowLayout};
 
 use super::decode::DecodeInputs;
 use super::{engine_err, CudaBackend, CudaTensor};
@@ -63,13 +63,9 @@ impl CudaBackend {
             prefill_work,
         } = encoding;
         let layout = plan.layout;
-        if layout.dtype() == KvDtype::Bf16 && prefill_work != WorkDtype::Bf16 {
-            return Err(EngineError::Unsupported(format!(
-                "the CUDA backend runs prefill and extend attention of a bf16 cache over bf16 \
-                 K/V, not {}",
-                prefill_work.name()
-            )));
-        }
+        prefill_work.check_cache(layout.dtype()).map_err(|why| {
+            EngineError::InvalidInput(format!("prefill work dtype {}: {why}", prefill_work.name()))
+        })?;
         let window = WindowLayout::new(&layout, window).map_err(nibble_kvcache::Error::from)?;
         if let Some(reason) =
             crate::device::pages_unsupported(layout.head_dim(), layout.page_size())

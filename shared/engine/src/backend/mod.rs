@@ -82,7 +82,7 @@ pub struct PageEncoding {
     /// Tokens of each sequence's high-precision recent window (0: none); see
     /// [`nibble_kvfmt::window`].
     pub window: usize,
-    /// The dtype prefill and extend attention hold K/V in ([`WorkDtype::for_cache`] unless
+    /// The dtype prefill and extend attention hold K/V in ([`WorkDtype::default`] unless
     /// `--prefill-work` says otherwise).
     pub prefill_work: WorkDtype,
 }

@@ -152,7 +152,8 @@ fn round_work(dtype: KvDtype, work: WorkDtype, x: &[f32], g: f32) -> Vec<f32> {
 #[test]
 fn the_default_work_dtype_is_bf16() {
     for dtype in KvDtype::ALL {
-        assert_eq!(WorkDtype::for_cache(dtype), WorkDtype::Bf16, "{dtype}");
+        let kv = crate::KvConfig::new(dtype);
+        assert_eq!(kv.work(), WorkDtype::Bf16, "{dtype}");
     }
 }
 
@@ -339,7 +340,7 @@ fn decode_reads_pages_directly() {
     for dtype in KvDtype::ALL {
         let mut rng = StdRng::seed_from_u64(3);
         let (mut pool, mut store) = pool(dtype);
-        let mut ws = Workspace::new(dtype);
+        let mut ws = Workspace::default();
         let p = 23;
         let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
         let cache_of = Cache {
@@ -394,7 +395,7 @@ fn decode_reads_pages_directly() {
 #[test]
 fn shape_errors_name_the_buffer() {
     let (mut pool, mut store) = pool(KvDtype::Nvfp4);
-    let mut ws = Workspace::new(KvDtype::Nvfp4);
+    let mut ws = Workspace::default();
     let q = vec![0.0f32; Q_HEADS * DIM];
     let kv = vec![0.0f32; KV_HEADS * DIM];
     let mut out = vec![0.0f32; Q_HEADS * DIM];
@@ -438,7 +439,7 @@ fn decode_reads_the_recent_window_in_bf16_and_older_tokens_from_pages() {
         .with_window(W)
         .unwrap();
     let window = pool.alloc(store.window().pages()).unwrap();
-    let mut ws = Workspace::new(KvDtype::Nvfp4);
+    let mut ws = Workspace::default();
     let p = 21;
     let (qs, ks) = (Q_HEADS * DIM, KV_HEADS * DIM);
     let cache_of = Cache {
