@@ -28,6 +28,9 @@ use nibble_kvcache::{
 };
 use nibble_kvfmt::WindowLayout;
 
+/// An eviction frees at least 1/`EVICTION_BATCH` of the pool (`State::make_room`).
+const EVICTION_BATCH: usize = 128;
+
 /// Limits of the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -453,10 +456,15 @@ impl State {
     }
 
     /// Evicts cached blocks, in one walk of the cache, until `pages` pages are free or nothing
-    /// more can go.
+    /// more can go. A walk visits every cached block, so once the cache fills the pool it frees
+    /// at least [`EVICTION_BATCH`] of the pool, least recently used first, rather than walk again
+    /// for every page a step appends (a GPU pool holds hundreds of thousands of pages).
     fn make_room(pool: &mut PagePool, cache: &mut RadixCache, pages: usize) {
         if let Some(missing) = pages.checked_sub(pool.free_pages()).filter(|m| *m > 0) {
-            cache.evict(pool, missing).expect("cache pages are valid");
+            let batch = pool.total_pages() / EVICTION_BATCH;
+            cache
+                .evict(pool, missing.max(batch))
+                .expect("cache pages are valid");
         }
     }
 

@@ -4,7 +4,7 @@
 //! last. A consumer that sees a gap in ids (it missed events, or the worker's bounded buffer
 //! dropped them) asks for a [`KvSnapshot`] and continues from its `last_event_id`.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -76,4 +76,44 @@ impl EventLog {
     pub(crate) fn drain(&mut self) -> Vec<KvEvent> {
         self.buffer.drain(..).collect()
     }
+
+    /// The events after `id`, or `None` when the buffer no longer holds all of them (or `id`
+    /// is not one of this log's).
+    pub(crate) fn after(&self, id: u64) -> Option<impl Iterator<Item = &KvEvent>> {
+        let oldest = self.buffer.front().map_or(self.next_id, |e| e.id);
+        (id <= self.last_id() && id + 1 >= oldest)
+            .then(|| self.buffer.iter().skip_while(move |e| e.id <= id))
+    }
+}
+
+/// `blocks` (each with its parent) ordered parents before children, then by hash; a block whose
+/// parent is not among them counts as a root. Each block's depth is found once, so a set of
+/// long chains (a 32K-token prompt is 2,048 blocks deep) costs O(n), not O(n · depth).
+pub fn parents_first(
+    blocks: impl IntoIterator<Item = (BlockHash, Option<BlockHash>)>,
+) -> Vec<(BlockHash, Option<BlockHash>)> {
+    let parent: HashMap<BlockHash, Option<BlockHash>> = blocks.into_iter().collect();
+    let mut depth: HashMap<BlockHash, usize> = HashMap::with_capacity(parent.len());
+    let mut path = Vec::new();
+    for &start in parent.keys() {
+        // Walk up to a block whose depth is known (or past a root), then number the way down.
+        let mut at = start;
+        let mut next = loop {
+            if let Some(d) = depth.get(&at) {
+                break d + 1;
+            }
+            path.push(at);
+            match parent[&at] {
+                Some(p) if parent.contains_key(&p) => at = p,
+                _ => break 0,
+            }
+        };
+        for hash in path.drain(..).rev() {
+            depth.insert(hash, next);
+            next += 1;
+        }
+    }
+    let mut ordered: Vec<_> = parent.iter().map(|(h, p)| (depth[h], *h, *p)).collect();
+    ordered.sort_unstable();
+    ordered.into_iter().map(|(_, h, p)| (h, p)).collect()
 }

@@ -12,7 +12,7 @@ use std::collections::{BinaryHeap, HashMap};
 
 use serde::Serialize;
 
-use crate::events::{EventLog, KvEventData};
+use crate::events::{parents_first, EventLog, KvEventData};
 use crate::{BlockHash, Error, KvEvent, KvSnapshot, PageId, PagePool, Result};
 
 /// Events kept for publishing before the oldest are dropped.
@@ -298,26 +298,26 @@ impl RadixCache {
         self.events.drain()
     }
 
+    /// The events after `id` (the last one a consumer has seen), or `None` when the bounded
+    /// buffer has dropped some of them (or `id` is not this cache's): the consumer then
+    /// resynchronizes from a [`snapshot`](Self::snapshot). Costs what the events are, not what
+    /// the cache holds.
+    pub fn events_after(&self, id: u64) -> Option<Vec<KvEvent>> {
+        self.events
+            .after(id)
+            .map(|events| events.cloned().collect())
+    }
+
+    /// The id of the last event (0 before any).
+    pub fn last_event_id(&self) -> u64 {
+        self.events.last_id()
+    }
+
     /// Every cached block with its parent, parents first, and the last event id they reflect.
     pub fn snapshot(&self) -> KvSnapshot {
-        // Depth orders parents before children.
-        let depth = |mut hash: BlockHash| {
-            let mut d = 0;
-            while let Some(parent) = self.nodes[&hash].parent {
-                hash = parent;
-                d += 1;
-            }
-            d
-        };
-        let mut blocks: Vec<_> = self
-            .nodes
-            .iter()
-            .map(|(h, n)| (depth(*h), *h, n.parent))
-            .collect();
-        blocks.sort_unstable();
         KvSnapshot {
             last_event_id: self.events.last_id(),
-            blocks: blocks.into_iter().map(|(_, h, p)| (h, p)).collect(),
+            blocks: parents_first(self.nodes.iter().map(|(h, n)| (*h, n.parent))),
         }
     }
 

@@ -221,6 +221,59 @@ fn events_and_snapshot_describe_the_cache() {
 }
 
 #[test]
+fn events_after_an_id_are_what_a_consumer_missed_while_the_buffer_holds_them() {
+    let mut pool = pool(16);
+    let mut cache = RadixCache::new(2);
+    assert_eq!(cache.events_after(0), Some(Vec::new()), "nothing yet");
+    assert_eq!(cache.events_after(1), None, "an id the cache never gave");
+    let serve_at = |cache: &mut RadixCache, pool: &mut PagePool, start: u32| {
+        let tokens: Vec<u32> = (start * 100..start * 100 + 4).collect();
+        serve(cache, pool, &tokens);
+    };
+    serve_at(&mut cache, &mut pool, 0);
+    serve_at(&mut cache, &mut pool, 1);
+    let ids = |events: Vec<KvEvent>| events.iter().map(|e| e.id).collect::<Vec<_>>();
+    assert_eq!(cache.events_after(0).map(ids), Some(vec![1, 2]));
+    assert_eq!(cache.events_after(1).map(ids), Some(vec![2]));
+    assert_eq!(cache.events_after(2).map(ids), Some(vec![]));
+    serve_at(&mut cache, &mut pool, 2);
+    assert_eq!(cache.events_after(0), None, "event 1 was dropped: resync");
+    assert_eq!(cache.events_after(1).map(ids), Some(vec![2, 3]));
+    assert_eq!(cache.last_event_id(), 3);
+}
+
+#[test]
+fn a_deep_chain_snapshots_parents_first() {
+    // One long prompt: 20,000 blocks in one chain, plus a branch off its middle. Finding every
+    // depth by walking to the root took O(n * depth); each depth is found once now.
+    let n = 20_000;
+    let mut pool = pool(n + 8);
+    let mut cache = RadixCache::default();
+    let tokens: Vec<u32> = (0..(n * PAGE) as u32).collect();
+    serve(&mut cache, &mut pool, &tokens);
+    let mut branch = tokens[..(n / 2 + 1) * PAGE].to_vec();
+    *branch.last_mut().unwrap() = u32::MAX;
+    serve(&mut cache, &mut pool, &branch);
+    let snapshot = cache.snapshot();
+    assert_eq!(snapshot.blocks.len(), n + 1);
+    let mut seen = std::collections::HashSet::new();
+    for (hash, parent) in &snapshot.blocks {
+        assert!(
+            parent.is_none_or(|p| seen.contains(&p)),
+            "parent before child"
+        );
+        seen.insert(*hash);
+    }
+    let hashes = hash_blocks(&tokens, PAGE);
+    assert_eq!(snapshot.blocks[0], (hashes[0], None));
+    assert_eq!(
+        snapshot.blocks[n],
+        (hashes[n - 1], Some(hashes[n - 2])),
+        "the deepest last"
+    );
+}
+
+#[test]
 fn bounded_event_log_drops_the_oldest() {
     let mut pool = pool(16);
     let mut cache = RadixCache::new(2);
