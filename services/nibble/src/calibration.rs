@@ -28,12 +28,13 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     }
     let (model, _) = opened.load(None)?;
     let source = args.text.display().to_string();
-    let calibration = crate::with_model!(model, |model| calibrate::calibrate(
+    let mut calibration = crate::with_model!(model, |model| calibrate::calibrate(
         &model,
         &tokens,
         args.window,
         &source
     )?);
+    calibration.nvfp4_window = args.nvfp4_window;
     let mut json = calibration.to_json()?;
     json.push('\n');
     files::write_atomically(&args.output, json.as_bytes())

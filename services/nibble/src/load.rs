@@ -88,12 +88,23 @@ impl Opened {
                 ),
             });
         }
-        let window = quant
-            .kv_window
-            .unwrap_or(KvConfig::default_window(dtype, quant.page_size));
+        let calibration = match &quant.calibration {
+            Some(path) => Some(read_calibration(path, self.config.num_layers)?),
+            None => None,
+        };
+        // The command line's window, else the one the calibration names for this model.
+        let named = calibration.as_ref().and_then(|c| c.window_for(dtype));
+        let (window, flag) = match (quant.kv_window, named) {
+            (Some(w), _) => (w, "--kv-window"),
+            (None, Some(w)) => (w, "--calibration's nvfp4_window"),
+            (None, None) => (
+                KvConfig::default_window(dtype, quant.page_size),
+                "--kv-window",
+            ),
+        };
         if !window.is_multiple_of(quant.page_size) {
             return Err(Error::Flag {
-                flag: "--kv-window",
+                flag,
                 reason: format!(
                     "{window} tokens is not a multiple of the page size ({})",
                     quant.page_size
@@ -102,7 +113,7 @@ impl Opened {
         }
         if window > self.config.max_context {
             return Err(Error::Flag {
-                flag: "--kv-window",
+                flag,
                 reason: format!(
                     "{window} tokens is larger than the model's context ({})",
                     self.config.max_context
@@ -123,16 +134,14 @@ impl Opened {
             prefill_work: quant.prefill_work,
             ..KvConfig::new(dtype)
         };
-        match &quant.calibration {
-            Some(path) => {
-                let calibration = read_calibration(path, self.config.num_layers)?;
-                kv.with_calibration(&calibration, !quant.no_smooth_k)
-                    .map_err(|source| Error::Calibration {
-                        path: path.clone(),
-                        source,
-                    })
-            }
-            None => Ok(kv),
+        match (&quant.calibration, &calibration) {
+            (Some(path), Some(calibration)) => kv
+                .with_calibration(calibration, !quant.no_smooth_k)
+                .map_err(|source| Error::Calibration {
+                    path: path.clone(),
+                    source,
+                }),
+            _ => Ok(kv),
         }
     }
 

@@ -290,6 +290,8 @@ fn calibration_file_feeds_eval() {
             "128",
             "--max-tokens",
             "256",
+            "--nvfp4-window",
+            "64",
             out_path.to_str().expect("utf-8 path"),
         ],
     );
@@ -298,6 +300,7 @@ fn calibration_file_feeds_eval() {
     let cal: Value =
         serde_json::from_str(&fs::read_to_string(&out_path).expect("written")).expect("JSON");
     assert_eq!(cal["tokens"], 256);
+    assert_eq!(cal["nvfp4_window"], 64);
     for key in ["k_amax", "v_amax"] {
         let amax = cal[key].as_array().expect("per layer");
         assert_eq!(amax.len(), 30, "{key}");
@@ -350,7 +353,12 @@ fn calibration_file_feeds_eval() {
         calibrated(path, &[]);
     }
     let smoothed = calibrated("decode", &[]);
-    let plain = calibrated("decode", &["--no-smooth-k"]);
+    assert_eq!(
+        smoothed["settings"]["kv_window"], 64,
+        "the calibration's nvfp4 window"
+    );
+    let plain = calibrated("decode", &["--no-smooth-k", "--kv-window", "32"]);
+    assert_eq!(plain["settings"]["kv_window"], 32, "--kv-window wins");
     calibrated("decode", &["--hadamard"]);
     assert_eq!(smoothed["settings"]["smooth_k"], true);
     assert_eq!(plain["settings"]["smooth_k"], false);

@@ -38,6 +38,10 @@ pub struct Calibration {
     /// K smoothed ([`Self::smoothing`]) and then rotated. Empty when the head dim allows no
     /// rotation, or in files written before rotated vectors were measured.
     pub hadamard: HadamardAmax,
+    /// The recent window (tokens) an nvfp4 cache of this model needs to keep FP8's accuracy, if
+    /// the calibration names one (`nibble calibrate --nvfp4-window`): the window such a cache
+    /// gets when the command line names none ([`Self::window_for`]).
+    pub nvfp4_window: Option<usize>,
 }
 
 /// Per-layer amax of rotated vectors (see [`Calibration::hadamard`]).
@@ -185,6 +189,7 @@ impl Calibration {
             v_amax: self.v_amax.clone(),
             k_channel_amax: self.k_channel_amax.clone(),
             hadamard: self.hadamard.clone(),
+            nvfp4_window: self.nvfp4_window,
             nvfp4: self.scales(KvDtype::Nvfp4),
             fp8: self.scales(KvDtype::Fp8),
         };
@@ -238,7 +243,15 @@ impl Calibration {
             v_amax: file.v_amax,
             k_channel_amax: file.k_channel_amax,
             hadamard: file.hadamard,
+            nvfp4_window: file.nvfp4_window,
         })
+    }
+
+    /// The window a `dtype` cache of this model gets when the command line names none, if the
+    /// calibration names one: [`Self::nvfp4_window`] for nvfp4 (fp8 and bf16 keep their
+    /// default).
+    pub fn window_for(&self, dtype: KvDtype) -> Option<usize> {
+        self.nvfp4_window.filter(|_| dtype == KvDtype::Nvfp4)
     }
 }
 
@@ -273,6 +286,8 @@ struct CalibrationFile {
     k_channel_amax: Vec<Vec<f32>>,
     #[serde(default, skip_serializing_if = "HadamardAmax::is_empty")]
     hadamard: HadamardAmax,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    nvfp4_window: Option<usize>,
     nvfp4: GlobalScales,
     fp8: GlobalScales,
 }
@@ -414,6 +429,7 @@ pub fn calibrate<B: Backend>(
             v_amax: plain.v_rotated,
             smoothed_k_amax: Vec::new(),
         },
+        nvfp4_window: None,
     };
     if !calibration.hadamard.k_amax.is_empty() {
         let smoothing = calibration.smoothing();
@@ -436,6 +452,7 @@ mod tests {
             v_amax: vec![4.48, 1.0],
             k_channel_amax: Vec::new(),
             hadamard: HadamardAmax::default(),
+            nvfp4_window: None,
         };
         let nvfp4 = c.scales(KvDtype::Nvfp4);
         assert_eq!(
@@ -464,6 +481,7 @@ mod tests {
             v_amax: vec![1.0; k_channel_amax.len()],
             k_channel_amax,
             hadamard: HadamardAmax::default(),
+            nvfp4_window: None,
         }
     }
 
@@ -507,6 +525,26 @@ mod tests {
         bad.k_channel_amax[1][0] = -1.0;
         let err = Calibration::from_json(&bad.to_json().unwrap(), 2).unwrap_err();
         assert!(err.to_string().contains("amax -1"), "{err}");
+    }
+
+    #[test]
+    fn a_window_survives_the_file_and_applies_to_nvfp4_only() {
+        let c = with_channels(vec![vec![1.0, 4.0], vec![2.0, 3.0]]);
+        assert!(
+            !c.to_json().unwrap().contains("nvfp4_window"),
+            "absent unless named"
+        );
+        let windowed = Calibration {
+            nvfp4_window: Some(64),
+            ..c.clone()
+        };
+        let json = windowed.to_json().unwrap();
+        assert!(json.contains("\"nvfp4_window\": 64"), "{json}");
+        let read = Calibration::from_json(&json, 2).unwrap();
+        assert_eq!(read, windowed);
+        assert_eq!(read.window_for(KvDtype::Nvfp4), Some(64));
+        assert_eq!(read.window_for(KvDtype::Fp8), None);
+        assert_eq!(c.window_for(KvDtype::Nvfp4), None);
     }
 
     #[test]

@@ -589,6 +589,7 @@ mod tests {
                 v_amax: vec![1.5, 3.0],
                 smoothed_k_amax: Vec::new(),
             },
+            nvfp4_window: None,
         };
         std::fs::write(&file, calibration.to_json().unwrap()).unwrap();
         let path = file.to_str().unwrap();
@@ -636,6 +637,34 @@ mod tests {
         assert!(err.to_string().contains("/nonexistent.json"), "{err}");
         let err = args(&["--scale-rule", "max"]).unwrap_err().to_string();
         assert!(err.contains("amax or mse"), "{err}");
+
+        // A calibration that names its model's nvfp4 window sets it unless --kv-window does.
+        let windowed = |tokens: usize| {
+            let file = dir.path().join(format!("window-{tokens}.json"));
+            let c = Calibration {
+                nvfp4_window: Some(tokens),
+                ..calibration.clone()
+            };
+            std::fs::write(&file, c.to_json().unwrap()).unwrap();
+            file.to_str().unwrap().to_string()
+        };
+        let w64 = windowed(64);
+        let kv = kv_config(&args(&["--calibration", &w64]).unwrap().config(), 2).unwrap();
+        assert_eq!(kv.window, 64, "the calibration's window");
+        let a = args(&["--calibration", &w64, "--kv-window", "32"]).unwrap();
+        assert_eq!(
+            kv_config(&a.config(), 2).unwrap().window,
+            32,
+            "the flag wins"
+        );
+        let a = args(&["--calibration", &w64, "--kv-dtype", "fp8"]).unwrap();
+        assert_eq!(kv_config(&a.config(), 2).unwrap().window, 0, "nvfp4 only");
+        let w40 = windowed(40);
+        let err = kv_config(&args(&["--calibration", &w40]).unwrap().config(), 2).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("--calibration {w40}: nvfp4_window 40: not a multiple of the page size (16)")
+        );
     }
 
     #[test]

@@ -172,11 +172,27 @@ pub fn kv_budget_bytes(args: &WorkerConfig, gpu: Option<DeviceMemory>) -> Result
 /// The KV cache the worker's flags ask for, its calibration file read and checked against the
 /// model's `layers`.
 pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> {
+    let calibration = match &args.calibration {
+        Some(path) => {
+            let fail = |why: String| {
+                Error::InvalidArgument(format!("--calibration {}: {why}", path.display()))
+            };
+            let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+            let calibration =
+                Calibration::from_json(&text, layers).map_err(|e| fail(e.to_string()))?;
+            Some((path, calibration))
+        }
+        None => None,
+    };
     let mut kv = KvConfig::new(args.kv_dtype);
     kv.page_size = args.page_size;
     kv.scale_rule = args.scale_rule;
     kv.hadamard = args.hadamard;
-    kv = kv.with_window(args.kv_window);
+    // The command line's window, else the one the calibration names for this model.
+    let named = calibration
+        .as_ref()
+        .and_then(|(_, c)| c.window_for(args.kv_dtype));
+    kv = kv.with_window(args.kv_window.or(named));
     if let Some(work) = args.prefill_work {
         work.check_cache(args.kv_dtype).map_err(|why| {
             Error::InvalidArgument(format!("--prefill-work {}: {why}", work.name()))
@@ -184,20 +200,23 @@ pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> 
     }
     kv.prefill_work = args.prefill_work;
     if !kv.window.is_multiple_of(kv.page_size) {
+        let source = match (args.kv_window, &calibration) {
+            (None, Some((path, _))) if named.is_some() => {
+                format!("--calibration {}: nvfp4_window", path.display())
+            }
+            _ => "--kv-window".to_string(),
+        };
         return Err(Error::InvalidArgument(format!(
-            "--kv-window {}: not a multiple of the page size ({})",
+            "{source} {}: not a multiple of the page size ({})",
             kv.window, kv.page_size
         )));
     }
-    if let Some(path) = &args.calibration {
-        let fail = |why: String| {
-            Error::InvalidArgument(format!("--calibration {}: {why}", path.display()))
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
-        let calibration = Calibration::from_json(&text, layers).map_err(|e| fail(e.to_string()))?;
+    if let Some((path, calibration)) = &calibration {
         kv = kv
-            .with_calibration(&calibration, !args.no_smooth_k)
-            .map_err(|e| fail(e.to_string()))?;
+            .with_calibration(calibration, !args.no_smooth_k)
+            .map_err(|e| {
+                Error::InvalidArgument(format!("--calibration {}: {e}", path.display()))
+            })?;
     }
     Ok(kv)
 }
