@@ -166,8 +166,8 @@ pub struct EngineHandle {
 }
 
 /// How often a working engine publishes its load; an idle one publishes after every command.
-/// Counting what the prefix cache could give back walks the cache, so a GPU's millisecond
-/// steps do not each pay for it.
+/// A GPU's millisecond steps do not each pay for it (counting what the prefix cache could give
+/// back walks the cache, and is done at most once a second while working).
 const PUBLISH_LOAD_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Sets the engine's stop reason when the engine thread ends, however it ends.

@@ -10,6 +10,9 @@ use nibble_nccl::link::{Stageable, Staging};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{Command, LoadSnapshot, StagingCheck, PUBLISH_LOAD_EVERY};
+
+/// How often a working engine counts the pages its prefix cache could give back.
+const COUNT_EVICTABLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 use crate::error::{Error, Result};
 use crate::kv_events::KvPublisher;
 
@@ -21,6 +24,8 @@ pub(super) struct Actor<B: Backend> {
     load: watch::Sender<LoadSnapshot>,
     /// When `load` was last published.
     load_at: Option<std::time::Instant>,
+    /// The cache's reclaimable pages, as last counted, and when.
+    evictable: (usize, Option<std::time::Instant>),
 }
 
 impl<B: Backend> Actor<B>
@@ -39,16 +44,31 @@ where
             publisher,
             load,
             load_at: None,
+            evictable: (0, None),
         }
     }
 
-    fn snapshot(&self) -> LoadSnapshot {
+    /// The engine's load. Counting the reclaimable pages walks the whole prefix cache (hundreds
+    /// of thousands of blocks on a GPU), so a working engine counts them at most every
+    /// [`COUNT_EVICTABLE_EVERY`]; an idle one every time.
+    fn snapshot(&mut self) -> LoadSnapshot {
+        let stale = self
+            .evictable
+            .1
+            .is_none_or(|at| at.elapsed() >= COUNT_EVICTABLE_EVERY);
+        if stale || !self.engine.has_work() {
+            let s = self.engine.state();
+            self.evictable = (
+                s.cache.reclaimable(&s.pool),
+                Some(std::time::Instant::now()),
+            );
+        }
         let s = self.engine.state();
         LoadSnapshot {
             free_pages: s.pool.free_pages(),
             total_pages: s.pool.total_pages(),
             cached_pages: s.cache.len(),
-            evictable_pages: s.cache.reclaimable(&s.pool),
+            evictable_pages: self.evictable.0,
             running: s.running(),
             waiting: s.waiting(),
             prefill_backlog: s.prefill_backlog(),
@@ -64,7 +84,8 @@ where
             .load_at
             .is_none_or(|at| at.elapsed() >= PUBLISH_LOAD_EVERY);
         if due || !self.engine.has_work() {
-            self.load.send_replace(self.snapshot());
+            let load = self.snapshot();
+            self.load.send_replace(load);
             self.load_at = Some(std::time::Instant::now());
         }
     }
