@@ -92,15 +92,16 @@ impl Opened {
             Some(path) => Some(read_calibration(path, self.config.num_layers)?),
             None => None,
         };
-        // The command line's window, else the one the calibration names for this model.
-        let named = calibration.as_ref().and_then(|c| c.window_for(dtype));
-        let (window, flag) = match (quant.kv_window, named) {
-            (Some(w), _) => (w, "--kv-window"),
-            (None, Some(w)) => (w, "--calibration's nvfp4_window"),
-            (None, None) => (
-                KvConfig::default_window(dtype, quant.page_size),
-                "--kv-window",
-            ),
+        let (window, from_file) = KvConfig::chosen_window(
+            dtype,
+            quant.page_size,
+            quant.kv_window,
+            calibration.as_ref(),
+        );
+        let flag = if from_file {
+            "--calibration's nvfp4_window"
+        } else {
+            "--kv-window"
         };
         if !window.is_multiple_of(quant.page_size) {
             return Err(Error::Flag {
@@ -134,14 +135,14 @@ impl Opened {
             prefill_work: quant.prefill_work,
             ..KvConfig::new(dtype)
         };
-        match (&quant.calibration, &calibration) {
-            (Some(path), Some(calibration)) => kv
+        match quant.calibration.as_ref().zip(calibration.as_ref()) {
+            Some((path, calibration)) => kv
                 .with_calibration(calibration, !quant.no_smooth_k)
                 .map_err(|source| Error::Calibration {
                     path: path.clone(),
                     source,
                 }),
-            _ => Ok(kv),
+            None => Ok(kv),
         }
     }
 

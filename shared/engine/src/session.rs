@@ -75,6 +75,23 @@ impl KvConfig {
         Ok(self)
     }
 
+    /// The window a `dtype` cache of `page_size`-token pages gets: `flag`'s, else the one
+    /// `calibration` names for its model ([`Calibration::window_for`]), else
+    /// [`Self::default_window`]. The flag says whether the calibration chose it, so that an
+    /// error about the window names the file.
+    pub fn chosen_window(
+        dtype: KvDtype,
+        page_size: usize,
+        flag: Option<usize>,
+        calibration: Option<&Calibration>,
+    ) -> (usize, bool) {
+        match (flag, calibration.and_then(|c| c.window_for(dtype))) {
+            (Some(tokens), _) => (tokens, false),
+            (None, Some(tokens)) => (tokens, true),
+            (None, None) => (Self::default_window(dtype, page_size), false),
+        }
+    }
+
     /// The same config with a window of `tokens` tokens (`None`: the dtype's default).
     pub fn with_window(mut self, tokens: Option<usize>) -> Self {
         self.window = tokens.unwrap_or(Self::default_window(self.dtype, self.page_size));

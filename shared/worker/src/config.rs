@@ -188,11 +188,13 @@ pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> 
     kv.page_size = args.page_size;
     kv.scale_rule = args.scale_rule;
     kv.hadamard = args.hadamard;
-    // The command line's window, else the one the calibration names for this model.
-    let named = calibration
-        .as_ref()
-        .and_then(|(_, c)| c.window_for(args.kv_dtype));
-    kv = kv.with_window(args.kv_window.or(named));
+    let (window, from_file) = KvConfig::chosen_window(
+        args.kv_dtype,
+        args.page_size,
+        args.kv_window,
+        calibration.as_ref().map(|(_, c)| c),
+    );
+    kv.window = window;
     if let Some(work) = args.prefill_work {
         work.check_cache(args.kv_dtype).map_err(|why| {
             Error::InvalidArgument(format!("--prefill-work {}: {why}", work.name()))
@@ -200,10 +202,8 @@ pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> 
     }
     kv.prefill_work = args.prefill_work;
     if !kv.window.is_multiple_of(kv.page_size) {
-        let source = match (args.kv_window, &calibration) {
-            (None, Some((path, _))) if named.is_some() => {
-                format!("--calibration {}: nvfp4_window", path.display())
-            }
+        let source = match (&calibration, from_file) {
+            (Some((path, _)), true) => format!("--calibration {}: nvfp4_window", path.display()),
             _ => "--kv-window".to_string(),
         };
         return Err(Error::InvalidArgument(format!(

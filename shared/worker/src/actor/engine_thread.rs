@@ -10,11 +10,11 @@ use nibble_nccl::link::{Stageable, Staging};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{Command, LoadSnapshot, StagingCheck, PUBLISH_LOAD_EVERY};
+use crate::error::{Error, Result};
+use crate::kv_events::KvPublisher;
 
 /// How often a working engine counts the pages its prefix cache could give back.
 const COUNT_EVICTABLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-use crate::error::{Error, Result};
-use crate::kv_events::KvPublisher;
 
 /// The engine thread's state.
 pub(super) struct Actor<B: Backend> {
