@@ -106,7 +106,14 @@ fn run() -> Result<usize> {
         for kernel in kernels.prefill_kernels() {
             kernels.set_prefill_kernel(kernel)?;
             for work in [KvDtype::Fp8, KvDtype::Bf16] {
-                for (start, n) in [(0, 1), (0, 300), (700, 100), (33, 17), (129, 1000)] {
+                for (start, n) in [
+                    (0, 1),
+                    (0, 300),
+                    (700, 100),
+                    (33, 17),
+                    (129, 1000),
+                    (4000, 256),
+                ] {
                     failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;
                 }
             }

@@ -16,7 +16,9 @@
 //     prefill.cu), and O += P V (wgmma m64n64k16 per 64 dims, P from registers: S's accumulator
 //     layout is the A operand's, V from shared memory, MN-major), one tile behind: tile i's
 //     QK^T and tile i - 1's PV are in flight together and the softmax of tile i runs while the
-//     PV does. A stage's K is released as soon as its scores are in, its V after its PV;
+//     PV does. A stage's K is released as soon as its scores are in, its V after its PV. Over
+//     BF16 the two consumers take turns issuing their MMAs (ping-pong), so one's softmax
+//     overlaps the other's MMAs;
 //   * blocks run the longest rows first (the last query block is scheduled first), and a
 //     consumer whose 64 rows see none of a tile's keys skips its MMAs; the mask is applied only to
 //     tiles that reach past the first row's last visible key.
@@ -336,15 +338,35 @@ __device__ __forceinline__ void hop_consume(const float* __restrict__ q, float* 
         for (int i = 0; i < 32; ++i) o[h][i] = 0.f;
 
     // this warpgroup's rows see keys < its_end; every row sees keys < all_see
-    const u32 its_end = row_base < a.n ? a.start + min(row_base + 63u, a.n - 1u) + 1u : 0u;
+    auto end_of = [&](u32 base) {
+        return base < a.n ? a.start + min(base + 63u, a.n - 1u) + 1u : 0u;
+    };
+    const u32 its_end = end_of(row_base);
     const u32 all_see = a.start + row_base + 1u;
 
     // The tiles this warpgroup's rows see are a prefix of the block's: `seen` of them. The
     // others are waited for and released without MMAs (the producer fills every stage).
     const u32 S = H::STAGES;
-    const u32 seen = its_end > first * H_KEYS
-                         ? min(count, (its_end + H_KEYS - 1u) / H_KEYS - first)
-                         : 0u;
+    auto seen_of = [&](u32 end) {
+        return end > first * H_KEYS ? min(count, (end + H_KEYS - 1u) / H_KEYS - first) : 0u;
+    };
+    const u32 seen = seen_of(its_end);
+    // Over BF16 the two consumers take turns issuing their MMAs (FA3's ping-pong, on named
+    // barriers 1 and 2), so one's softmax runs while the other's MMAs do: the first consumer
+    // goes first, and the one with fewer tiles (they differ by at most one, fewer than the
+    // stages, so no stage waits on a consumer that waits for its turn) takes empty turns until
+    // both have taken as many. Over E4M3 the producer's conversion sets the pace and turns
+    // gained nothing (KERNEL-LAB.md).
+    const bool pingpong = FMT == NIBBLE_BF16;
+    const u32 which = (row_base / 64u) & 1u;
+    const u32 turns = max(seen, seen_of(end_of(which ? row_base - 64u : row_base + 64u)));
+    auto turn_wait = [&]() {
+        if (pingpong) asm volatile("bar.sync %0, 256;" ::"r"(1u + which) : "memory");
+    };
+    auto turn_pass = [&]() {
+        if (pingpong) asm volatile("bar.arrive %0, 256;" ::"r"(2u - which) : "memory");
+    };
+    if (which == 1u) turn_pass();
     auto bar = [&](bool empty, u32 i, u32 part) {
         return hop_bar<H::STAGES>(bars, empty, i % S, part);
     };
@@ -436,14 +458,23 @@ __device__ __forceinline__ void hop_consume(const float* __restrict__ q, float* 
         mbar_wait(bar(false, i - 1u, 1), phase(i - 1u));
 #pragma unroll
         for (int h = 0; h < H::ATOMS; ++h) wg_fence_regs<32>(o[h]);
+        turn_wait();
         wg_fence();
         issue_s(i, sc);
         issue_pv(i - 1u, pa);
+        turn_pass();
         wg_wait_one();  // the scores; the PV may still run
         wg_fence_regs<64>(sc);
         mbar_arrive(bar(true, i, 0));
         softmax(i, sc, pa, true);
     }
+    for (u32 i = max(seen, 1u); i < turns; ++i) {
+        turn_wait();
+        turn_pass();
+    }
+    // The second consumer's last pass (or its first, with no turns) is the first's last wait,
+    // so no barrier is left half-arrived when the block ends.
+    if (which == 0u) turn_wait();
     if (seen > 0) {
         mbar_wait(bar(false, seen - 1u, 1), phase(seen - 1u));
 #pragma unroll

@@ -87,17 +87,24 @@ pub(super) struct PrefillKernels {
 }
 
 /// Key splits of a wgmma launch: one unless its blocks (128 query rows of one head) leave the
-/// device less than full, then enough to give every multiprocessor two blocks, each split keeping
-/// at least two 128-key tiles to pipeline. The extend blocks of a long prompt (256 queries after
-/// thousands of keys) are such launches: 64 blocks for 32 heads on 132 multiprocessors.
+/// device less than full. The extend blocks of a long prompt (256 queries after thousands of
+/// keys) are such launches: 64 blocks for 32 heads on 132 multiprocessors. A block takes a whole
+/// multiprocessor (its registers and shared memory), so a launch runs in waves of `sms` blocks,
+/// and a wave lasts as long as its longest split: the splits chosen are those of the fewest
+/// waves × (tiles per split + one tile of pipeline fill and output), fewer on a tie (less to
+/// merge), each keeping at least two 128-key tiles to pipeline. 64 blocks over 34 tiles thus
+/// take 2 splits (one wave of 18), not 5 (three waves of 8, the last half empty).
 fn wgmma_splits(n: usize, start: usize, q_heads: usize, sms: u32) -> u32 {
     let blocks = n.div_ceil(WGMMA_ROWS as usize) * q_heads;
-    let sms = sms as usize;
+    let sms = (sms as usize).max(1);
     if blocks >= sms {
         return 1;
     }
     let tiles = (start + n).div_ceil(WGMMA_KEYS as usize);
-    (2 * sms).div_ceil(blocks).min(tiles / 2).max(1) as u32
+    let cost = |splits: usize| (blocks * splits).div_ceil(sms) * (tiles.div_ceil(splits) + 1);
+    (1..=(tiles / 2).max(1))
+        .min_by_key(|&splits| (cost(splits), splits))
+        .unwrap_or(1) as u32
 }
 
 /// Dynamic shared memory of a `cu/prefill_hopper.cu` block (`H_SMEM` there): the f16/BF16
@@ -376,11 +383,17 @@ mod tests {
     fn only_launches_that_leave_the_device_less_than_full_split_their_keys() {
         // a 4K prompt: 32 x 32 blocks on 132 multiprocessors
         assert_eq!(wgmma_splits(4096, 0, 32, 132), 1);
-        // a long prompt's 256-query extend blocks: 64 blocks, split to fill the device twice
-        assert_eq!(wgmma_splits(256, 16_128, 32, 132), 5);
+        // a long prompt's 256-query extend blocks: 64 blocks, two splits make one wave (five made
+        // 320 blocks: three waves, the last under half full)
+        assert_eq!(wgmma_splits(256, 4096, 32, 132), 2);
+        assert_eq!(wgmma_splits(256, 16_128, 32, 132), 2);
+        assert_eq!(wgmma_splits(256, 32_512, 32, 132), 2);
         // its first block has two tiles of keys: one split
         assert_eq!(wgmma_splits(256, 0, 32, 132), 1);
         assert_eq!(wgmma_splits(256, 256, 32, 132), 2);
-        assert!(wgmma_splits(1, 0, 1, 132) >= 1);
+        assert_eq!(wgmma_splits(1, 0, 1, 132), 1);
+        // few heads: as many splits as one wave holds, while each keeps two tiles
+        assert_eq!(wgmma_splits(256, 4096, 9, 132), 7);
+        assert_eq!(wgmma_splits(100, 700, 2, 132), 3);
     }
 }
