@@ -265,7 +265,8 @@ pub struct CalibrateArgs {
     pub max_tokens: Option<usize>,
     /// Record that an nvfp4 cache of this model needs a recent window of N tokens: a cache
     /// given this file with --calibration then gets it unless --kv-window names another
-    /// (Qwen2.5 needs 64 where SmolLM2 meets its target at the default 48: docs/ACCURACY.md).
+    /// (Qwen2.5-Coder-0.5B needs 128 where SmolLM2 meets its target at the default 48:
+    /// docs/ACCURACY.md).
     #[arg(long, value_name = "N")]
     pub nvfp4_window: Option<usize>,
     /// Output JSON; replaced only when the command succeeds.
