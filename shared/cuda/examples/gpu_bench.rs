@@ -8,7 +8,9 @@
 //!   (every K and V byte of the context, scales included, once);
 //! * `quantize`, `gather`: quantize-on-write and extend-gather bandwidth;
 //! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
-//!   time and TFLOP/s, with each prefill kernel the device has (`--prefill`: only this);
+//!   time and TFLOP/s, with each prefill kernel the device has (`--prefill`: only this;
+//!   `--prefill-tuning`: also the wgmma kernel's BF16 launches with and without ping-pong, over
+//!   the key splits it would choose and over 1 to 4, rows with `pingpong` and `splits` set);
 //! * `capacity`: KV tokens of Llama-3-8B's shape that fit one byte budget, per dtype, from the
 //!   allocator's plan (`PoolPlan::for_budget`).
 //!
@@ -28,7 +30,7 @@ use anyhow::{Context, Result};
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
 use nibble_cuda::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
-    PageGeom, PrefillBatch, WindowGeom,
+    PageGeom, PrefillBatch, PrefillKernel, WgmmaTuning, WindowGeom,
 };
 use nibble_kvcache::PoolPlan;
 use nibble_kvfmt::{bf16, layout::kv_bytes, KvDtype, PageLayout, ScaleRule, WindowLayout};
@@ -131,19 +133,37 @@ fn main() -> Result<()> {
 
 /// Prefill of one prompt (start 0) and extend of a chunk after a cached prefix, over an FP8 and
 /// a BF16 workspace, with every prefill kernel the device has.
+/// With `--prefill-tuning` the wgmma kernel also runs each way a launch could choose: BF16
+/// consumers with and without turns, and 1 to 4 key splits.
 fn prefill(kernels: &mut Kernels, rng: &mut StdRng) -> Result<()> {
     let chosen = kernels.prefill_kernel();
     for kernel in kernels.prefill_kernels() {
         kernels.set_prefill_kernel(kernel)?;
-        prefill_with(kernels, rng)?;
+        prefill_with(kernels, rng, &[KvDtype::Fp8, KvDtype::Bf16])?;
+    }
+    if kernels.prefill_kernels().contains(&PrefillKernel::Wgmma)
+        && std::env::args().any(|a| a == "--prefill-tuning")
+    {
+        kernels.set_prefill_kernel(PrefillKernel::Wgmma)?;
+        for pingpong in [false, true] {
+            for splits in [None, Some(1), Some(2), Some(3), Some(4)] {
+                kernels.set_wgmma_tuning(WgmmaTuning {
+                    pingpong: Some(pingpong),
+                    splits,
+                })?;
+                prefill_with(kernels, rng, &[KvDtype::Bf16])?;
+            }
+        }
+        kernels.set_wgmma_tuning(WgmmaTuning::default())?;
     }
     kernels.set_prefill_kernel(chosen)?;
     Ok(())
 }
 
-fn prefill_with(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
+fn prefill_with(kernels: &Kernels, rng: &mut StdRng, works: &[KvDtype]) -> Result<()> {
     let stream = kernels.stream();
-    for work in [KvDtype::Fp8, KvDtype::Bf16] {
+    let tuning = kernels.wgmma_tuning();
+    for &work in works {
         let width = if work == KvDtype::Bf16 { 2 } else { 1 };
         for (start, n) in [
             (0usize, 4096usize),
@@ -191,6 +211,7 @@ fn prefill_with(kernels: &Kernels, rng: &mut StdRng) -> Result<()> {
             emit(
                 json!({"bench": "prefill", "kernel": kernels.prefill_kernel().to_string(),
                         "work": work.to_string(), "start": start, "rows": n,
+                        "pingpong": tuning.pingpong, "splits": tuning.splits,
                         "ms": ms, "min_ms": times[0], "runs": times.len(),
                         "tflops": flops / (ms as f64 * 1e9),
                         "finite": host_out.iter().all(|x| x.is_finite())}),

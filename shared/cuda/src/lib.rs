@@ -48,7 +48,7 @@ pub use error::{Error, Result};
 pub use geom::{PageGeom, WindowGeom};
 pub use launch::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
-    PrefillBatch, PrefillKernel, WindowRows,
+    PrefillBatch, PrefillKernel, WgmmaTuning, WindowRows,
 };
 pub use staging::DeviceStaging;
 

@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaSlice;
 use nibble_cuda::{
     CachedPrefix, DecodeBatch, DecodeOut, DecodeWorkspace, Kernels, KvScales, KvWorkspace, NewKv,
-    PageGeom, PrefillBatch, WindowGeom, WindowRows,
+    PageGeom, PrefillBatch, PrefillKernel, WgmmaTuning, WindowGeom, WindowRows,
 };
 use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
@@ -65,6 +65,22 @@ const GEOMETRIES: [Geometry; 2] = [
     },
 ];
 const PAGE: usize = 16;
+/// The wgmma kernel's ways beyond its own choice: BF16 consumers without and with turns, over
+/// one split and over three.
+const WGMMA_TUNINGS: [WgmmaTuning; 3] = [
+    WgmmaTuning {
+        pingpong: None,
+        splits: None,
+    },
+    WgmmaTuning {
+        pingpong: Some(false),
+        splits: Some(3),
+    },
+    WgmmaTuning {
+        pingpong: Some(true),
+        splits: Some(1),
+    },
+];
 const LAYER: usize = 1;
 
 fn main() -> ExitCode {
@@ -105,18 +121,32 @@ fn run() -> Result<usize> {
         failures += window::check_window(&kernels, geometry)?;
         for kernel in kernels.prefill_kernels() {
             kernels.set_prefill_kernel(kernel)?;
-            for work in [KvDtype::Fp8, KvDtype::Bf16] {
-                for (start, n) in [
-                    (0, 1),
-                    (0, 300),
-                    (700, 100),
-                    (33, 17),
-                    (129, 1000),
-                    (4000, 256),
-                ] {
-                    failures += check_prefill(&kernels, &cpu, geometry, work, start, n)?;
+            // the wgmma kernel's launches as it chooses them, then its consumers with and
+            // without turns over BF16 (with forced key splits, so every variant meets a split)
+            let tunings: &[WgmmaTuning] = match kernel {
+                PrefillKernel::Mma => &[WgmmaTuning::default()],
+                PrefillKernel::Wgmma => &WGMMA_TUNINGS,
+            };
+            for &tuning in tunings {
+                kernels.set_wgmma_tuning(tuning)?;
+                for work in [KvDtype::Fp8, KvDtype::Bf16] {
+                    if tuning.pingpong.is_some() && work != KvDtype::Bf16 {
+                        continue;
+                    }
+                    for (start, n) in [
+                        (0, 1),
+                        (0, 300),
+                        (700, 100),
+                        (33, 17),
+                        (129, 1000),
+                        (4000, 256),
+                    ] {
+                        failures +=
+                            check_prefill(&kernels, &cpu, geometry, work, start, n, tuning)?;
+                    }
                 }
             }
+            kernels.set_wgmma_tuning(WgmmaTuning::default())?;
         }
     }
     Ok(failures)
@@ -156,6 +186,22 @@ fn differing(a: &[u8], b: &[u8]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count()
 }
 
+/// ", ping-pong off, 3 splits" for a tuning that overrides the launch's choices, "" otherwise.
+fn tuning_label(tuning: WgmmaTuning) -> String {
+    let mut label = String::new();
+    if let Some(on) = tuning.pingpong {
+        label += if on {
+            ", ping-pong on"
+        } else {
+            ", ping-pong off"
+        };
+    }
+    if let Some(splits) = tuning.splits {
+        label += &format!(", {splits} splits");
+    }
+    label
+}
+
 /// Relative L2 error of `gpu` against `cpu`, its largest absolute error, and whether `gpu` is
 /// finite.
 fn compare(cpu: &[f32], gpu: &[f32]) -> (f64, f64, bool) {
@@ -180,6 +226,7 @@ fn check_prefill(
     work_dtype: KvDtype,
     start: usize,
     n: usize,
+    tuning: WgmmaTuning,
 ) -> Result<usize> {
     let stream = kernels.stream();
     let mut rng = StdRng::seed_from_u64(0xfeed ^ (start * 1000 + n) as u64);
@@ -257,8 +304,9 @@ fn check_prefill(
     let what = if start == 0 { "prefill" } else { "extend" };
     Ok(report(
         &format!(
-            "{what} ({}) {work_dtype} D={d} H={kvh} start {start} rows {n}",
-            kernels.prefill_kernel()
+            "{what} ({}{}) {work_dtype} D={d} H={kvh} start {start} rows {n}",
+            kernels.prefill_kernel(),
+            tuning_label(tuning)
         ),
         finite && rel <= limit,
         &format!(

@@ -356,8 +356,8 @@ __device__ __forceinline__ void hop_consume(const float* __restrict__ q, float* 
     // goes first, and the one with fewer tiles (they differ by at most one, fewer than the
     // stages, so no stage waits on a consumer that waits for its turn) takes empty turns until
     // both have taken as many. Over E4M3 the producer's conversion sets the pace and turns
-    // gained nothing (KERNEL-LAB.md).
-    const bool pingpong = FMT == NIBBLE_BF16;
+    // gained nothing (KERNEL-LAB.md). The launch chooses (`a.pingpong`, the same for the block).
+    const bool pingpong = FMT == NIBBLE_BF16 && a.pingpong != 0u;
     const u32 which = (row_base / 64u) & 1u;
     const u32 turns = max(seen, seen_of(end_of(which ? row_base - 64u : row_base + 64u)));
     auto turn_wait = [&]() {

@@ -27,8 +27,8 @@ pub(crate) use decode::DecodeArgs;
 use decode::DECODE_THREADS;
 pub(crate) use decode::DECODE_TILE;
 pub use decode::{DecodeBatch, DecodeWorkspace};
-pub use prefill::PrefillKernel;
 use prefill::PrefillKernels;
+pub use prefill::{PrefillKernel, WgmmaTuning};
 
 /// The compiled kernels on one device.
 pub struct Kernels {

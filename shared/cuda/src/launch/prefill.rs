@@ -22,6 +22,7 @@ pub(crate) struct PrefillArgs {
     kv_heads: u32,
     score_scale: f32,
     v_scale: f32,
+    pingpong: u32,
 }
 
 // SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
@@ -84,6 +85,26 @@ pub(super) struct PrefillKernels {
     mma: Table,
     wgmma: Option<Hopper>,
     chosen: PrefillKernel,
+    tuning: WgmmaTuning,
+}
+
+/// How the wgmma kernel runs its launches where a benchmark or a check wants one way rather
+/// than the launch's own choice; `None` (the default) leaves a field to the launch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WgmmaTuning {
+    /// Over a BF16 workspace the two consumer warpgroups take turns issuing their MMAs
+    /// (ping-pong); see [`wgmma_pingpong`] for the launch's choice. E4M3 never does.
+    pub pingpong: Option<bool>,
+    /// Key splits (at least 1; see [`wgmma_splits`] for the launch's choice).
+    pub splits: Option<u32>,
+}
+
+/// Whether the consumers of a BF16 launch take turns: where each block runs at least this many
+/// 128-key tiles, since turns pay back over a long loop and cost a short one its start.
+const PINGPONG_MIN_TILES: usize = 0;
+
+fn wgmma_pingpong(tiles_per_split: usize) -> bool {
+    tiles_per_split >= PINGPONG_MIN_TILES
 }
 
 /// Key splits of a wgmma launch: one unless its blocks (128 query rows of one head) leave the
@@ -180,6 +201,7 @@ impl PrefillKernels {
             mma,
             wgmma,
             chosen: best,
+            tuning: WgmmaTuning::default(),
         };
         match std::env::var("NIBBLE_PREFILL_KERNEL") {
             Err(std::env::VarError::NotPresent) => {}
@@ -220,6 +242,21 @@ impl Kernels {
     /// Runs `kernel` for prefill and extend from now on; an error if the device lacks it.
     pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) -> Result<()> {
         self.prefill.choose(kernel)
+    }
+
+    /// Overrides the wgmma kernel's own choices (ping-pong, key splits) from now on, for
+    /// benchmarks and checks of each way; the default tuning leaves them to each launch.
+    pub fn set_wgmma_tuning(&mut self, tuning: WgmmaTuning) -> Result<()> {
+        if tuning.splits == Some(0) {
+            return Err(Error::Unsupported("a wgmma launch of 0 key splits".into()));
+        }
+        self.prefill.tuning = tuning;
+        Ok(())
+    }
+
+    /// The overrides [`Kernels::set_wgmma_tuning`] set (none by default).
+    pub fn wgmma_tuning(&self) -> WgmmaTuning {
+        self.prefill.tuning
     }
 
     /// Causal attention of one sequence's `n` new queries (positions `start..start + n`) over
@@ -277,6 +314,7 @@ impl Kernels {
                 * fmt_factor(batch.work)
                 * std::f32::consts::LOG2_E,
             v_scale: gv * fmt_factor(batch.work),
+            pingpong: 0,
         };
         match (self.prefill.chosen, &self.prefill.wgmma) {
             (PrefillKernel::Wgmma, Some(hopper)) => {
@@ -304,11 +342,19 @@ impl Kernels {
         hopper: &Hopper,
         batch: &PrefillBatch<'_>,
         (work_index, dim_index): (usize, usize),
-        args: PrefillArgs,
+        mut args: PrefillArgs,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let (n, q_heads, d) = (batch.n, batch.q_heads, batch.head_dim);
-        let splits = wgmma_splits(n, batch.start, q_heads, self.sms);
+        let tuning = self.prefill.tuning;
+        let splits = tuning
+            .splits
+            .unwrap_or_else(|| wgmma_splits(n, batch.start, q_heads, self.sms));
+        let tiles = (batch.start + n).div_ceil(WGMMA_KEYS as usize);
+        let pingpong = tuning
+            .pingpong
+            .unwrap_or_else(|| wgmma_pingpong(tiles.div_ceil(splits as usize)));
+        args.pingpong = u32::from(pingpong);
         // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); a launch of
         // one split writes `out` and takes `hopper.unused` in their place
         let part = if splits > 1 {
