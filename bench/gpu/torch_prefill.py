@@ -8,7 +8,8 @@ Prompts use is_causal with grouped-query K/V; extends (queries after a prefix) u
 `causal_lower_right` on K/V repeated to the query heads (the flash backend's form for a causal
 mask whose diagonal ends at the last key). FLOPs count 4 x heads x head dim per visible
 (query, key) pair, as gpu_bench does. CUDA events around each call after 3 warm-ups, median of
-15. Run: python3 bench/gpu/torch_prefill.py
+15 (`ms`), and around 5 calls queued back to back, per call, median of 9 (`queued_ms`). Run:
+python3 bench/gpu/torch_prefill.py
 """
 
 import json
@@ -22,17 +23,18 @@ Q_HEADS, KV_HEADS, DIM = 32, 8, 128
 SHAPES = [(0, 4096), (0, 16384), (0, 32768), (31744, 1024), (4096, 256), (16128, 256), (32512, 256)]
 
 
-def median_ms(fn, warmup=3, runs=15):
+def median_ms(fn, warmup=3, runs=15, reps=1):
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / reps)
     times.sort()
     return times[len(times) // 2]
 
@@ -52,8 +54,10 @@ def main():
                 mask = causal_lower_right(n, start + n)
                 fn = lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
             ms = median_ms(fn)
+            queued = median_ms(fn, runs=9, reps=5)
         pairs = n * start + n * (n + 1) // 2
         print(json.dumps({"bench": "torch_prefill", "start": start, "rows": n, "ms": ms,
+                          "queued_ms": queued,
                           "tflops": 4 * Q_HEADS * DIM * pairs / (ms * 1e9),
                           "torch": torch.__version__, "device": torch.cuda.get_device_name()}),
               flush=True)

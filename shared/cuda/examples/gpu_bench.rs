@@ -8,7 +8,8 @@
 //!   (every K and V byte of the context, scales included, once);
 //! * `quantize`, `gather`: quantize-on-write and extend-gather bandwidth;
 //! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
-//!   time and TFLOP/s, with each prefill kernel the device has (`--prefill`: only this;
+//!   time and TFLOP/s of a call timed alone (`ms`, with the host's launch latency) and of 5
+//!   queued back to back (`queued_ms`), with each prefill kernel the device has (`--prefill`: only this;
 //!   `--prefill-tuning`: also the wgmma kernel's BF16 launches with and without ping-pong, over
 //!   the key splits it would choose and over 1 to 4, rows with `pingpong` and `splits` set);
 //! * `capacity`: KV tokens of Llama-3-8B's shape that fit one byte budget, per dtype, from the
@@ -204,6 +205,11 @@ fn prefill_with(kernels: &Kernels, rng: &mut StdRng, works: &[KvDtype]) -> Resul
                 Ok(())
             })?;
             let ms = median(&times);
+            // the same, 5 calls queued back to back (as a model's layers queue them), per call
+            let queued = time_calls_rep(stream, 1, (3, 20, 200.0), 5, |_| {
+                kernels.prefill(&batch, &mut out)?;
+                Ok(())
+            })?;
             // Q.K and P.V: 2 FLOP per multiply-add each, over every visible (query, key) pair.
             let pairs: usize = (0..n).map(|i| start + i + 1).sum();
             let flops = 4.0 * (Q_HEADS * DIM) as f64 * pairs as f64;
@@ -213,6 +219,7 @@ fn prefill_with(kernels: &Kernels, rng: &mut StdRng, works: &[KvDtype]) -> Resul
                         "work": work.to_string(), "start": start, "rows": n,
                         "pingpong": tuning.pingpong, "splits": tuning.splits,
                         "ms": ms, "min_ms": times[0], "runs": times.len(),
+                        "queued_ms": median(&queued),
                         "tflops": flops / (ms as f64 * 1e9),
                         "finite": host_out.iter().all(|x| x.is_finite())}),
             );

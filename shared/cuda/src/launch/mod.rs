@@ -99,6 +99,7 @@ impl Kernels {
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| Error::NoDevice(format!("device {ordinal}: {e}")))?;
+        keep_freed_memory(&ctx, POOL_KEEP_BYTES)?;
         let major =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor =
@@ -539,6 +540,38 @@ fn grid_1d(threads: u64) -> LaunchConfig {
         block_dim: (BLOCK as u32, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Freed device memory the stream-ordered allocator keeps for the next allocation instead of
+/// handing it back to the driver at each synchronization (its default). The engine allocates its
+/// activations and a prefill launch its split partials per call, and a re-mapped allocation costs
+/// tens of microseconds where a pooled one costs one (docs/ARCHITECTURE.md, "The CUDA backend").
+const POOL_KEEP_BYTES: u64 = 1 << 30;
+
+/// Sets the release threshold of the device's default memory pool (what `cuMemAllocAsync`
+/// draws from) to `bytes`. A driver without memory pools allocates synchronously and has none.
+fn keep_freed_memory(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
+    use cudarc::driver::sys;
+    let supported =
+        ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?;
+    if supported == 0 {
+        return Ok(());
+    }
+    let device = cudarc::driver::result::device::get(ctx.ordinal() as i32)?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut value = bytes;
+    // SAFETY: `pool` receives the device's default pool, which lives as long as the device; the
+    // attribute's value is a cuuint64_t, read during the call.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, device).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -93,18 +93,11 @@ pub(super) struct PrefillKernels {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WgmmaTuning {
     /// Over a BF16 workspace the two consumer warpgroups take turns issuing their MMAs
-    /// (ping-pong); see [`wgmma_pingpong`] for the launch's choice. E4M3 never does.
+    /// (ping-pong), which a launch does by default; E4M3 never does. With and without turns
+    /// measured within 1-7% of each other either way on every shape (docs/KERNEL-LAB.md).
     pub pingpong: Option<bool>,
     /// Key splits (at least 1; see [`wgmma_splits`] for the launch's choice).
     pub splits: Option<u32>,
-}
-
-/// Whether the consumers of a BF16 launch take turns: where each block runs at least this many
-/// 128-key tiles, since turns pay back over a long loop and cost a short one its start.
-const PINGPONG_MIN_TILES: usize = 0;
-
-fn wgmma_pingpong(tiles_per_split: usize) -> bool {
-    tiles_per_split >= PINGPONG_MIN_TILES
 }
 
 /// Key splits of a wgmma launch: one unless its blocks (128 query rows of one head) leave the
@@ -350,11 +343,7 @@ impl Kernels {
         let splits = tuning
             .splits
             .unwrap_or_else(|| wgmma_splits(n, batch.start, q_heads, self.sms));
-        let tiles = (batch.start + n).div_ceil(WGMMA_KEYS as usize);
-        let pingpong = tuning
-            .pingpong
-            .unwrap_or_else(|| wgmma_pingpong(tiles.div_ceil(splits as usize)));
-        args.pingpong = u32::from(pingpong);
+        args.pingpong = u32::from(tuning.pingpong.unwrap_or(true));
         // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); a launch of
         // one split writes `out` and takes `hopper.unused` in their place
         let part = if splits > 1 {
