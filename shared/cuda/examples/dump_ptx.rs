@@ -1,4 +1,5 @@
-//! Writes the PTX of every kernel source (the backend's dense ops included) for one target, for reading or for `ptxas -v`:
+//! Writes the PTX of every kernel source (the backend's dense ops included) for one target, and
+//! for sm_90 the Hopper prefill's for sm_90a, for reading or for `ptxas -v`:
 //! `cargo run -p nibble-cuda --example dump_ptx -- sm_90 DIR`.
 
 fn main() -> anyhow::Result<()> {
@@ -18,6 +19,12 @@ fn main() -> anyhow::Result<()> {
     {
         let path = dir.join(format!("{}.{arch}.ptx", compiled.name));
         std::fs::write(&path, compiled.ptx.to_src())?;
+        println!("{}", path.display());
+    }
+    if arch == "sm_90" {
+        let hopper = nibble_cuda::nvrtc::compile_hopper()?;
+        let path = dir.join(format!("{}.sm_90a.ptx", hopper.name));
+        std::fs::write(&path, hopper.ptx.to_src())?;
         println!("{}", path.display());
     }
     Ok(())

@@ -10,8 +10,9 @@
 //! * `prefill`: causal prefill/extend attention over the FP8 and BF16 workspaces (Llama-3-8B's heads),
 //!   time and TFLOP/s of a call timed alone (`ms`, with the host's launch latency) and of 5
 //!   queued back to back (`queued_ms`), with each prefill kernel the device has (`--prefill`: only this;
-//!   `--prefill-tuning`: also the wgmma kernel's BF16 launches with and without ping-pong, over
-//!   the key splits it would choose and over 1 to 4, rows with `pingpong` and `splits` set);
+//!   `--prefill-tuning`: also the wgmma kernel's BF16 launches with tiles by `cp.async` and by
+//!   the tensor memory accelerator, with and without ping-pong, over the key splits it would
+//!   choose and over 1 and 3, rows with `tma`, `pingpong` and `splits` set);
 //! * `capacity`: KV tokens of Llama-3-8B's shape that fit one byte budget, per dtype, from the
 //!   allocator's plan (`PoolPlan::for_budget`).
 //!
@@ -146,13 +147,21 @@ fn prefill(kernels: &mut Kernels, rng: &mut StdRng) -> Result<()> {
         && std::env::args().any(|a| a == "--prefill-tuning")
     {
         kernels.set_prefill_kernel(PrefillKernel::Wgmma)?;
-        for pingpong in [false, true] {
-            for splits in [None, Some(1), Some(2), Some(3), Some(4)] {
-                kernels.set_wgmma_tuning(WgmmaTuning {
-                    pingpong: Some(pingpong),
-                    splits,
-                })?;
-                prefill_with(kernels, rng, &[KvDtype::Bf16])?;
+        for tma in [false, true] {
+            for pingpong in [false, true] {
+                let splits: &[Option<u32>] = if pingpong {
+                    &[None, Some(1), Some(3)]
+                } else {
+                    &[None]
+                };
+                for &splits in splits {
+                    kernels.set_wgmma_tuning(WgmmaTuning {
+                        pingpong: Some(pingpong),
+                        splits,
+                        tma: Some(tma),
+                    })?;
+                    prefill_with(kernels, rng, &[KvDtype::Bf16])?;
+                }
             }
         }
         kernels.set_wgmma_tuning(WgmmaTuning::default())?;
@@ -217,7 +226,7 @@ fn prefill_with(kernels: &Kernels, rng: &mut StdRng, works: &[KvDtype]) -> Resul
             emit(
                 json!({"bench": "prefill", "kernel": kernels.prefill_kernel().to_string(),
                         "work": work.to_string(), "start": start, "rows": n,
-                        "pingpong": tuning.pingpong, "splits": tuning.splits,
+                        "pingpong": tuning.pingpong, "splits": tuning.splits, "tma": tuning.tma,
                         "ms": ms, "min_ms": times[0], "runs": times.len(),
                         "queued_ms": median(&queued),
                         "tflops": flops / (ms as f64 * 1e9),

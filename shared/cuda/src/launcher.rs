@@ -179,7 +179,8 @@ value_params!(
     crate::PageGeom,
     crate::WindowGeom,
     crate::launch::DecodeArgs,
-    crate::launch::prefill::PrefillArgs
+    crate::launch::prefill::PrefillArgs,
+    crate::launch::prefill::TensorMap
 );
 
 impl<'a, T> KernelParam<'a> for &'a CudaSlice<T> {

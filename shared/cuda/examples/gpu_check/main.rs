@@ -66,19 +66,32 @@ const GEOMETRIES: [Geometry; 2] = [
 ];
 const PAGE: usize = 16;
 /// The wgmma kernel's ways beyond its own choice: BF16 consumers without and with turns, over
-/// one split and over three.
-const WGMMA_TUNINGS: [WgmmaTuning; 3] = [
+/// one split and over three, and BF16 tiles by the tensor memory accelerator and by `cp.async`.
+const WGMMA_TUNINGS: [WgmmaTuning; 5] = [
     WgmmaTuning {
         pingpong: None,
         splits: None,
+        tma: None,
     },
     WgmmaTuning {
         pingpong: Some(false),
         splits: Some(3),
+        tma: Some(false),
     },
     WgmmaTuning {
         pingpong: Some(true),
         splits: Some(1),
+        tma: Some(false),
+    },
+    WgmmaTuning {
+        pingpong: Some(true),
+        splits: Some(3),
+        tma: Some(true),
+    },
+    WgmmaTuning {
+        pingpong: Some(false),
+        splits: None,
+        tma: Some(true),
     },
 ];
 const LAYER: usize = 1;
@@ -130,7 +143,7 @@ fn run() -> Result<usize> {
             for &tuning in tunings {
                 kernels.set_wgmma_tuning(tuning)?;
                 for work in [KvDtype::Fp8, KvDtype::Bf16] {
-                    if tuning.pingpong.is_some() && work != KvDtype::Bf16 {
+                    if tuning != WgmmaTuning::default() && work != KvDtype::Bf16 {
                         continue;
                     }
                     for (start, n) in [
@@ -198,6 +211,9 @@ fn tuning_label(tuning: WgmmaTuning) -> String {
     }
     if let Some(splits) = tuning.splits {
         label += &format!(", {splits} splits");
+    }
+    if let Some(tma) = tuning.tma {
+        label += if tma { ", TMA" } else { ", cp.async" };
     }
     label
 }

@@ -342,4 +342,5 @@ struct PrefillArgs {
     float score_scale;  // softmax scale * gk * 2^8 * log2(e) (E4M3); softmax scale * log2(e) (BF16)
     float v_scale;      // gv * 2^8 (E4M3); 1 (BF16)
     u32 pingpong;       // prefill_hopper over BF16: the consumers take turns (0: they do not)
+    u32 tma;            // prefill_hopper over BF16: K/V tiles by the tensor memory accelerator
 };

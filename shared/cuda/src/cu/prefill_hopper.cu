@@ -93,6 +93,30 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// ---- the tensor memory accelerator (BF16 workspaces) ----
+
+// A CUtensorMap as the driver encodes it (cuTensorMapEncodeTiled); a kernel takes it as a
+// __grid_constant__ parameter and hands its address to the copy.
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// The next phase of `bar` completes with one arrival and `bytes` delivered by the copies.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// The box of `map` at element (x, y) to shared `dst` in the map's swizzle, completing `bytes`
+// of `bar`'s phase (rows past the tensor's end arrive as zeros).
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int x, int y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
 // ---- wgmma ----
 
 // A shared-memory matrix descriptor of the 128-byte swizzle: start address, leading and stride
@@ -255,6 +279,35 @@ __device__ __forceinline__ void hop_convert(u32 raw, u32 tile, u32 tid, u32 part
         const u32 t = tile + part * H::TILE;
         st_shared16(t + tile_offset(key, 2u * piece), c0);
         st_shared16(t + tile_offset(key, 2u * piece + 1u), c1);
+    }
+}
+
+// The BF16 tiles by the tensor memory accelerator: one thread waits for each stage's K (then
+// V) to be released, announces the tile's bytes on its full barrier and issues one copy per
+// 64-dim atom, up to STAGES tiles ahead; the copies complete the barriers themselves. Keys past
+// the workspace's end arrive as zeros, those before it (past the block's last row) are masked.
+template <int D>
+__device__ __forceinline__ void hop_produce_tma(const TensorMap* tk, const TensorMap* tv,
+                                                u32 kv_head, u32 first, u32 count, u32 stages,
+                                                u32 bars) {
+    typedef Hop<NIBBLE_BF16, D> H;
+    const u32 S = H::STAGES;
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(tk)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(tv)) : "memory");
+    for (u32 i = 0; i < count; ++i) {
+        const u32 tile = stages + (i % S) * H::STAGE;
+        const int key0 = (int)((first + i) * H_KEYS);
+#pragma unroll
+        for (u32 part = 0; part < 2; ++part) {
+            if (i >= S) mbar_wait(hop_bar<H::STAGES>(bars, true, i % S, part), (i / S - 1u) & 1u);
+            const u32 full = hop_bar<H::STAGES>(bars, false, i % S, part);
+            mbar_expect(full, (u32)H::TILE);
+#pragma unroll
+            for (int a = 0; a < H::ATOMS; ++a) {
+                tma_load_2d(tile + part * H::TILE + a * (H_KEYS * 128), part ? tv : tk,
+                            (int)(kv_head * D) + 64 * a, key0, full);
+            }
+        }
     }
 }
 
@@ -526,8 +579,11 @@ __device__ __forceinline__ void hopper_prefill_body(const float* __restrict__ q,
                                                     const u8* __restrict__ wk,
                                                     const u8* __restrict__ wv,
                                                     float* __restrict__ out,
-                                                    float* __restrict__ part, PrefillArgs a) {
+                                                    float* __restrict__ part, PrefillArgs a,
+                                                    const TensorMap* tk, const TensorMap* tv) {
     typedef Hop<FMT, D> H;
+    // BF16 tiles by the tensor memory accelerator (a.tma) or by the producer's 128 threads
+    const bool tma = FMT == NIBBLE_BF16 && a.tma != 0u;
     extern __shared__ u8 hop_smem[];
     const u32 stages = (smem_addr(hop_smem) + 1023u) & ~1023u;
     const u32 raw = stages + H::STAGES * H::STAGE;   // two E4M3 staging buffers
@@ -546,18 +602,24 @@ __device__ __forceinline__ void hopper_prefill_body(const float* __restrict__ q,
         for (int s = 0; s < H::STAGES; ++s) {
 #pragma unroll
             for (int part = 0; part < 2; ++part) {
-                mbar_init(hop_bar<H::STAGES>(bars, false, s, part), 128u);
+                mbar_init(hop_bar<H::STAGES>(bars, false, s, part), tma ? 1u : 128u);
                 mbar_init(hop_bar<H::STAGES>(bars, true, s, part), 256u);
             }
         }
+        // the initialized barriers visible to the tensor memory accelerator's completions
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     const u32 kv_head = head / (a.q_heads / a.kv_heads);
     const u32 stride = a.kv_heads * H::VB;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(H_PRODUCER_REGS));
-        hop_produce<FMT, D>(wk + kv_head * H::VB, wv + kv_head * H::VB, stride, key_end, first,
-                            count, stages, raw, bars, tid);
+        if (tma) {
+            if (tid == 0) hop_produce_tma<D>(tk, tv, kv_head, first, count, stages, bars);
+        } else {
+            hop_produce<FMT, D>(wk + kv_head * H::VB, wv + kv_head * H::VB, stride, key_end,
+                                first, count, stages, raw, bars, tid);
+        }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(H_CONSUMER_REGS));
         hop_consume<FMT, D>(q, out, part, a, head, row0 + 64u * (wg - 1u), first, count, stages,
@@ -565,16 +627,19 @@ __device__ __forceinline__ void hopper_prefill_body(const float* __restrict__ q,
     }
 }
 
-// grid (query blocks, query heads, splits); with one split `part` is not touched, with several
+// grid (query blocks, query heads, splits); tk and tv map a BF16 workspace's K and V for the
+// tensor memory accelerator (2D: kv_heads * D elements a key, the keys; 64 x 128 boxes in the
+// 128-byte swizzle), unused over E4M3 and without a.tma; with one split `part` is not touched, with several
 // each split writes its share to `part` ([split][row][head][D] f32, then [split][row][head]
 // (m, l)) and prefill_combine writes `out`.
 #define HOPPER_PREFILL_KERNEL(NAME, FMT, D)                                                 \
     extern "C" __global__ void __launch_bounds__(H_THREADS, 1)                              \
         NAME(const float* __restrict__ q, const u8* __restrict__ wk,                         \
              const u8* __restrict__ wv, float* __restrict__ out, float* __restrict__ part,   \
-             PrefillArgs a) {                                                               \
+             PrefillArgs a, const __grid_constant__ TensorMap tk,                           \
+             const __grid_constant__ TensorMap tv) {                                        \
         grid_dependency_sync();                                                              \
-        hopper_prefill_body<FMT, D>(q, wk, wv, out, part, a);                               \
+        hopper_prefill_body<FMT, D>(q, wk, wv, out, part, a, &tk, &tv);                     \
     }
 
 HOPPER_PREFILL_KERNEL(prefill_hopper_fp8_d64, NIBBLE_FP8, 64)

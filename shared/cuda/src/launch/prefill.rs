@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 use nibble_kvfmt::KvDtype;
 
 use super::{check, fmt_factor, Kernels};
@@ -23,6 +23,7 @@ pub(crate) struct PrefillArgs {
     score_scale: f32,
     v_scale: f32,
     pingpong: u32,
+    tma: u32,
 }
 
 // SAFETY: #[repr(C)], plain numbers, the same layout as the CUDA struct.
@@ -98,6 +99,60 @@ pub struct WgmmaTuning {
     pub pingpong: Option<bool>,
     /// Key splits (at least 1; see [`wgmma_splits`] for the launch's choice).
     pub splits: Option<u32>,
+    /// A BF16 workspace's K/V tiles copied by the tensor memory accelerator (one thread of the
+    /// producer issues them) rather than by the producer's 128 threads with `cp.async`; see
+    /// [`WGMMA_TMA`] for the default. E4M3 tiles are converted as they are staged, so never.
+    pub tma: Option<bool>,
+}
+
+/// Whether BF16 tiles come by the tensor memory accelerator unless a tuning says otherwise.
+const WGMMA_TMA: bool = false;
+
+/// `TensorMap` of `cu/prefill_hopper.cu`: a `CUtensorMap` as `cuTensorMapEncodeTiled` writes it.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct TensorMap([u64; 16]);
+
+// SAFETY: #[repr(C)], 128 plain bytes aligned as the CUDA struct.
+unsafe impl DeviceRepr for TensorMap {}
+
+impl TensorMap {
+    /// The map of a BF16 workspace's first `keys` key vectors of `width` elements each (every KV
+    /// head's), in boxes of 64 elements by `WGMMA_KEYS` keys in the 128-byte swizzle, so a box
+    /// lands as `cu/prefill_hopper.cu`'s `tile_offset` lays an atom out. Keys past `keys` read as
+    /// zeros.
+    fn bf16_workspace(base: u64, width: usize, keys: usize) -> Result<Self> {
+        use cudarc::driver::sys;
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        let dims = [width as u64, keys as u64];
+        let strides = [(width * 2) as u64];
+        let boxes = [64u32, WGMMA_KEYS];
+        let elements = [1u32, 1];
+        // SAFETY: the arrays hold rank (2) entries, rank - 1 for the strides; `base` is a device
+        // allocation of at least `keys * width` BF16 values (checked by the caller), 16-byte
+        // aligned, and the row stride a multiple of 16 (head dims of 64 or 128).
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                base as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elements.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            .result()?;
+            // SAFETY: written by the call above (an error returned before this read)
+            Ok(Self(std::mem::transmute::<sys::CUtensorMap, [u64; 16]>(
+                map.assume_init(),
+            )))
+        }
+    }
 }
 
 /// Key splits of a wgmma launch: one unless its blocks (128 query rows of one head) leave the
@@ -308,6 +363,7 @@ impl Kernels {
                 * std::f32::consts::LOG2_E,
             v_scale: gv * fmt_factor(batch.work),
             pingpong: 0,
+            tma: 0,
         };
         match (self.prefill.chosen, &self.prefill.wgmma) {
             (PrefillKernel::Wgmma, Some(hopper)) => {
@@ -344,6 +400,19 @@ impl Kernels {
             .splits
             .unwrap_or_else(|| wgmma_splits(n, batch.start, q_heads, self.sms));
         args.pingpong = u32::from(tuning.pingpong.unwrap_or(true));
+        let tma = batch.work == KvDtype::Bf16 && tuning.tma.unwrap_or(WGMMA_TMA);
+        args.tma = u32::from(tma);
+        let (tk, tv) = if tma {
+            let (width, keys) = (batch.kv_heads * d, batch.start + n);
+            let (k, _k) = batch.k.device_ptr(&self.stream);
+            let (v, _v) = batch.v.device_ptr(&self.stream);
+            (
+                TensorMap::bf16_workspace(k, width, keys)?,
+                TensorMap::bf16_workspace(v, width, keys)?,
+            )
+        } else {
+            (TensorMap([0; 16]), TensorMap([0; 16]))
+        };
         // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); a launch of
         // one split writes `out` and takes `hopper.unused` in their place
         let part = if splits > 1 {
@@ -365,7 +434,9 @@ impl Kernels {
             .arg(batch.v)
             .arg(&mut *out)
             .arg(part.as_ref().unwrap_or(&hopper.unused))
-            .arg(&args);
+            .arg(&args)
+            .arg(&tk)
+            .arg(&tv);
         // SAFETY: matches prefill_hopper_*'s signature; q, out and the workspace were checked,
         // `part` holds `splits` splits' outputs when there are several.
         unsafe { b.launch(cfg) }?;
