@@ -5,10 +5,12 @@
 //   * a block owns 128 query rows of one head and is 3 warpgroups: warpgroup 0 is the producer,
 //     1 and 2 the consumers of 64 rows each;
 //   * the producer streams the visible keys in tiles of 128 through shared-memory stages (2 for
-//     E4M3, which also needs raw staging; 3 for BF16): it copies the workspace bytes a tile
-//     ahead (cp.async), turns E4M3 into f16 by bit placement (value * 2^-8, exact, as prefill.cu
-//     and decode.cu) or lets BF16 land as it is, in the 128-byte-swizzled layout wgmma reads,
-//     and marks the stage's K and its V full (an mbarrier each); K and V tiles have one layout:
+//     E4M3, which also needs raw staging; 3 for BF16) in the 128-byte-swizzled layout wgmma
+//     reads, and marks the stage's K and its V full (an mbarrier each). Over BF16 one thread has
+//     the tensor memory accelerator copy them up to 3 tiles ahead, the copies completing the
+//     barriers (a.tma; or, as over E4M3, the 128 threads copy a tile ahead with cp.async); over
+//     E4M3 the threads turn the copied bytes into f16 by bit placement (value * 2^-8, exact, as
+//     prefill.cu and decode.cu) and arrive themselves. K and V tiles have one layout:
 //     rows of 64 dims (128 bytes) per key, 8-key groups 1,024 bytes apart, one 16-KB atom per
 //     64 dims;
 //   * each consumer computes S = Q K^T for its 64 rows by 128 keys (wgmma m64n128k16, Q from

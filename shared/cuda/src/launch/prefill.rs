@@ -105,8 +105,9 @@ pub struct WgmmaTuning {
     pub tma: Option<bool>,
 }
 
-/// Whether BF16 tiles come by the tensor memory accelerator unless a tuning says otherwise.
-const WGMMA_TMA: bool = false;
+/// Whether BF16 tiles come by the tensor memory accelerator unless a tuning says otherwise: yes,
+/// 10-20% faster on whole prompts and long blocks than the producer's `cp.async` (run 122).
+const WGMMA_TMA: bool = true;
 
 /// `TensorMap` of `cu/prefill_hopper.cu`: a `CUtensorMap` as `cuTensorMapEncodeTiled` writes it.
 #[repr(C, align(64))]
