@@ -51,6 +51,8 @@ fn the_hopper_prefill_compiles_for_sm_90a_with_warpgroup_mma() {
         "setmaxnreg",
         "mbarrier.try_wait",
         "cp.async",
+        "cp.async.bulk.tensor.2d",
+        "mbarrier.arrive.expect_tx",
     ] {
         assert!(ptx.contains(op), "prefill_hopper.cu for sm_90a has no {op}");
     }
