@@ -15,6 +15,8 @@
 #                                (services/router/tests/openai_structured.py)
 #   NVRTC   (PyPI nvidia-cuda-nvrtc 13.0)  nibble-cuda' CI test compiles every CUDA kernel
 #           with it (no GPU, no CUDA toolkit); found under python3's site-packages
+#   ptxas   (PyPI nvidia-cuda-nvcc 13.0)   the same test assembles the PTX NVRTC wrote, which
+#           checks the inline assembly NVRTC passes through unread; only its ptxas is used
 #
 #   bash scripts/deps.sh            # everything the tests need
 #   bash scripts/deps.sh --build    # only what building and running nibble needs (protoc with
@@ -40,6 +42,19 @@ for arg in "$@"; do
 done
 
 NVRTC_WHEEL="nvidia-cuda-nvrtc==13.0.88"
+PTXAS_WHEEL="nvidia-cuda-nvcc==13.0.88"
+
+# Prints the path of ptxas from the PyPI wheel, if python3 has it.
+ptxas_path() {
+    python3 - <<'PY' 2>/dev/null
+import os, site, sys
+for d in site.getsitepackages() + [site.getusersitepackages()] + sys.path:
+    exe = os.path.join(d, "nvidia", "cu13", "bin", "ptxas")
+    if os.access(exe, os.X_OK):
+        print(exe)
+        break
+PY
+}
 
 # Prints the directory holding libnvrtc.so.13 from the PyPI wheel, if python3 has it.
 nvrtc_dir() {
@@ -125,6 +140,7 @@ if $check_only; then
     ((${#broken[@]} == 0)) || exit 1
     if ! $build_only; then
         [[ -n "$(nvrtc_dir)" ]] || { echo "deps.sh: not usable: NVRTC ($NVRTC_WHEEL)" >&2; exit 1; }
+        [[ -n "$(ptxas_path)" ]] || { echo "deps.sh: not usable: ptxas ($PTXAS_WHEEL)" >&2; exit 1; }
         for package in openai jsonschema; do
             python3 -c "import $package" 2>/dev/null ||
                 { echo "deps.sh: not usable: the $package Python package" >&2; exit 1; }
@@ -204,6 +220,15 @@ if ! $build_only; then
         pip_install --no-deps "$NVRTC_WHEEL"
         if [[ -z "$(nvrtc_dir)" ]]; then
             echo "deps.sh: error: NVRTC install failed: libnvrtc.so.13 not found under" \
+                "python3's site-packages" >&2
+            exit 1
+        fi
+    fi
+    if [[ -z "$(ptxas_path)" ]]; then
+        echo "deps.sh: installing ptxas from PyPI: $PTXAS_WHEEL" >&2
+        pip_install --no-deps "$PTXAS_WHEEL"
+        if [[ -z "$(ptxas_path)" ]]; then
+            echo "deps.sh: error: ptxas install failed: nvidia/cu13/bin/ptxas not found under" \
                 "python3's site-packages" >&2
             exit 1
         fi

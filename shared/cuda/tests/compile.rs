@@ -1,7 +1,12 @@
 //! CI gate: every kernel source compiles through NVRTC for sm_90 (and sm_80, the oldest chip the
-//! kernels support) with no GPU. NVRTC missing is a failure, not a skip: CI installs it
-//! (scripts/deps.sh, PyPI `nvidia-cuda-nvrtc`).
+//! kernels support) with no GPU, and its PTX assembles with `ptxas`. NVRTC or ptxas missing is a
+//! failure, not a skip: CI installs both (scripts/deps.sh, PyPI `nvidia-cuda-nvrtc` and
+//! `nvidia-cuda-nvcc`).
 
+use std::path::PathBuf;
+use std::process::Command;
+
+use nibble_cuda::libs::Search;
 use nibble_cuda::{nvrtc, ENTRY_POINTS, HOPPER_ENTRY_POINTS};
 
 #[test]
@@ -103,5 +108,67 @@ fn the_backend_ops_compile_for_sm_90_and_sm_80() {
             );
         }
         every_entry_syncs_with_the_grid_before_it(&ptx, arch, "ops");
+    }
+}
+
+/// Where `ptxas` is: `NIBBLE_PTXAS` (the file or its directory), the `PATH`, the PyPI wheel
+/// `nvidia-cuda-nvcc` under python3's site-packages, a CUDA toolkit.
+fn ptxas() -> PathBuf {
+    let search = Search {
+        env: "NIBBLE_PTXAS",
+        names: &["ptxas"],
+        wheel_dirs: &["nvidia/cu13/bin"],
+        system_dirs: &["/usr/local/cuda/bin"],
+    };
+    let runs = |file: &std::path::Path| -> Result<(), String> {
+        match Command::new(file).arg("--version").output() {
+            Ok(out) if out.status.success() => Ok(()),
+            Ok(out) => Err(format!("exit status {}", out.status)),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    match search.find(runs) {
+        Ok((file, ())) => file,
+        Err(tried) => panic!(
+            "ptxas not found (bash scripts/deps.sh installs it from PyPI nvidia-cuda-nvcc); tried: {tried}"
+        ),
+    }
+}
+
+/// NVRTC passes inline assembly (wgmma, mbarriers, tensor copies, the decode kernels' bit
+/// tricks) into the PTX unread, so a mistyped instruction would surface only when a GPU's driver
+/// assembles it at start-up. Each source's PTX is assembled here for its target, as the driver
+/// will: sm_90 and sm_80 for every source and the backend's ops, sm_90a for the Hopper prefill.
+#[test]
+fn every_kernel_assembles_with_ptxas() {
+    nvrtc::load().unwrap_or_else(|e| panic!("{e}"));
+    let ptxas = ptxas();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let mut modules = Vec::new();
+    for arch in ["sm_90", "sm_80"] {
+        for compiled in nvrtc::compile_all(arch).unwrap_or_else(|e| panic!("{e}")) {
+            modules.push((arch, compiled));
+        }
+        let ops = nibble_cuda::backend::compile_ops(arch).unwrap_or_else(|e| panic!("{e}"));
+        modules.push((arch, ops));
+    }
+    let hopper = nvrtc::compile_hopper().unwrap_or_else(|e| panic!("{e}"));
+    modules.push(("sm_90a", hopper));
+    for (arch, compiled) in modules {
+        let ptx = dir.path().join(format!("{}.{arch}.ptx", compiled.name));
+        std::fs::write(&ptx, compiled.ptx.to_src()).expect("writing the PTX");
+        let out = Command::new(&ptxas)
+            .arg(format!("-arch={arch}"))
+            .arg(&ptx)
+            .arg("-o")
+            .arg(dir.path().join(format!("{}.{arch}.cubin", compiled.name)))
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
+        assert!(
+            out.status.success(),
+            "{}.cu for {arch} does not assemble:\n{}",
+            compiled.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
