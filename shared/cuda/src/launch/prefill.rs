@@ -94,8 +94,9 @@ pub(super) struct PrefillKernels {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WgmmaTuning {
     /// Over a BF16 workspace the two consumer warpgroups take turns issuing their MMAs
-    /// (ping-pong), which a launch does by default; E4M3 never does. With and without turns
-    /// measured within 1-7% of each other either way on every shape (docs/KERNEL-LAB.md).
+    /// (ping-pong), which a launch does by default; E4M3 never does. With TMA tiles turns are
+    /// 4-19% faster on every shape; with `cp.async` tiles they made no difference (run 122,
+    /// docs/KERNEL-LAB.md).
     pub pingpong: Option<bool>,
     /// Key splits (at least 1; see [`wgmma_splits`] for the launch's choice).
     pub splits: Option<u32>,
