@@ -214,25 +214,23 @@ pip_install() {
     "${pip[@]}" --break-system-packages "$@" 2>/dev/null || "${pip[@]}" "$@"
 }
 
+# Installs a CUDA wheel (no dependencies) unless PROBE, a function printing where its file is,
+# already finds it; fails naming WHAT and the FILE it should have brought.
+ensure_cuda_wheel() {
+    local what=$1 wheel=$2 probe=$3 file=$4
+    [[ -n "$($probe)" ]] && return 0
+    echo "deps.sh: installing $what from PyPI: $wheel" >&2
+    pip_install --no-deps "$wheel"
+    if [[ -z "$($probe)" ]]; then
+        echo "deps.sh: error: $what install failed: $file not found under python3's" \
+            "site-packages" >&2
+        exit 1
+    fi
+}
+
 if ! $build_only; then
-    if [[ -z "$(nvrtc_dir)" ]]; then
-        echo "deps.sh: installing NVRTC from PyPI: $NVRTC_WHEEL" >&2
-        pip_install --no-deps "$NVRTC_WHEEL"
-        if [[ -z "$(nvrtc_dir)" ]]; then
-            echo "deps.sh: error: NVRTC install failed: libnvrtc.so.13 not found under" \
-                "python3's site-packages" >&2
-            exit 1
-        fi
-    fi
-    if [[ -z "$(ptxas_path)" ]]; then
-        echo "deps.sh: installing ptxas from PyPI: $PTXAS_WHEEL" >&2
-        pip_install --no-deps "$PTXAS_WHEEL"
-        if [[ -z "$(ptxas_path)" ]]; then
-            echo "deps.sh: error: ptxas install failed: nvidia/cu13/bin/ptxas not found under" \
-                "python3's site-packages" >&2
-            exit 1
-        fi
-    fi
+    ensure_cuda_wheel NVRTC "$NVRTC_WHEEL" nvrtc_dir libnvrtc.so.13
+    ensure_cuda_wheel ptxas "$PTXAS_WHEEL" ptxas_path nvidia/cu13/bin/ptxas
     for package in openai jsonschema; do
         if ! python3 -c "import $package" 2>/dev/null; then
             echo "deps.sh: installing the $package Python package" >&2
