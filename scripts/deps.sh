@@ -44,29 +44,20 @@ done
 NVRTC_WHEEL="nvidia-cuda-nvrtc==13.0.88"
 PTXAS_WHEEL="nvidia-cuda-nvcc==13.0.88"
 
-# Prints the path of ptxas from the PyPI wheel, if python3 has it.
-ptxas_path() {
-    python3 - <<'PY' 2>/dev/null
+# Prints the path of FILE (relative to a site-packages directory: a PyPI wheel's file) under
+# python3's site-packages, if one has it.
+wheel_file() {
+    python3 - "$1" <<'PY' 2>/dev/null
 import os, site, sys
 for d in site.getsitepackages() + [site.getusersitepackages()] + sys.path:
-    exe = os.path.join(d, "nvidia", "cu13", "bin", "ptxas")
-    if os.access(exe, os.X_OK):
-        print(exe)
+    path = os.path.join(d, sys.argv[1])
+    if os.path.exists(path):
+        print(path)
         break
 PY
 }
-
-# Prints the directory holding libnvrtc.so.13 from the PyPI wheel, if python3 has it.
-nvrtc_dir() {
-    python3 - <<'PY' 2>/dev/null
-import os, site, sys
-for d in site.getsitepackages() + [site.getusersitepackages()] + sys.path:
-    lib = os.path.join(d, "nvidia", "cu13", "lib")
-    if os.path.exists(os.path.join(lib, "libnvrtc.so.13")):
-        print(lib)
-        break
-PY
-}
+nvrtc_lib() { wheel_file nvidia/cu13/lib/libnvrtc.so.13; }
+ptxas_path() { wheel_file nvidia/cu13/bin/ptxas; }
 
 # The protoc on PATH (or $PROTOC, which the build scripts honour too) compiles a file that
 # imports the well-known types nibble's and etcd-client's protos use.
@@ -139,7 +130,7 @@ if $check_only; then
     done
     ((${#broken[@]} == 0)) || exit 1
     if ! $build_only; then
-        [[ -n "$(nvrtc_dir)" ]] || { echo "deps.sh: not usable: NVRTC ($NVRTC_WHEEL)" >&2; exit 1; }
+        [[ -n "$(nvrtc_lib)" ]] || { echo "deps.sh: not usable: NVRTC ($NVRTC_WHEEL)" >&2; exit 1; }
         [[ -n "$(ptxas_path)" ]] || { echo "deps.sh: not usable: ptxas ($PTXAS_WHEEL)" >&2; exit 1; }
         for package in openai jsonschema; do
             python3 -c "import $package" 2>/dev/null ||
@@ -229,7 +220,7 @@ ensure_cuda_wheel() {
 }
 
 if ! $build_only; then
-    ensure_cuda_wheel NVRTC "$NVRTC_WHEEL" nvrtc_dir libnvrtc.so.13
+    ensure_cuda_wheel NVRTC "$NVRTC_WHEEL" nvrtc_lib libnvrtc.so.13
     ensure_cuda_wheel ptxas "$PTXAS_WHEEL" ptxas_path nvidia/cu13/bin/ptxas
     for package in openai jsonschema; do
         if ! python3 -c "import $package" 2>/dev/null; then

@@ -135,8 +135,8 @@ fn main() -> Result<()> {
 
 /// Prefill of one prompt (start 0) and extend of a chunk after a cached prefix, over an FP8 and
 /// a BF16 workspace, with every prefill kernel the device has.
-/// With `--prefill-tuning` the wgmma kernel also runs each way a launch could choose: BF16
-/// consumers with and without turns, and 1 to 4 key splits.
+/// With `--prefill-tuning` the wgmma kernel also runs its BF16 launches each way a tuning can
+/// force: tiles by `cp.async` and by TMA, consumers with and without turns, 1 and 3 key splits.
 fn prefill(kernels: &mut Kernels, rng: &mut StdRng) -> Result<()> {
     let chosen = kernels.prefill_kernel();
     for kernel in kernels.prefill_kernels() {

@@ -111,21 +111,26 @@ pub struct WgmmaTuning {
 const WGMMA_TMA: bool = true;
 
 /// `TensorMap` of `cu/prefill_hopper.cu`: a `CUtensorMap` as `cuTensorMapEncodeTiled` writes it.
-#[repr(C, align(64))]
+#[repr(transparent)]
 #[derive(Clone, Copy)]
-pub(crate) struct TensorMap([u64; 16]);
+pub(crate) struct TensorMap(cudarc::driver::sys::CUtensorMap);
 
-// SAFETY: #[repr(C)], 128 plain bytes aligned as the CUDA struct.
+// SAFETY: 128 plain bytes, aligned as the CUDA struct.
 unsafe impl DeviceRepr for TensorMap {}
 
 impl TensorMap {
+    /// The argument of a launch that reads no map (E4M3 tiles, or BF16 ones by `cp.async`).
+    fn unused() -> Self {
+        Self(cudarc::driver::sys::CUtensorMap { opaque: [0; 16] })
+    }
+
     /// The map of a BF16 workspace's first `keys` key vectors of `width` elements each (every KV
     /// head's), in boxes of 64 elements by `WGMMA_KEYS` keys in the 128-byte swizzle, so a box
     /// lands as `cu/prefill_hopper.cu`'s `tile_offset` lays an atom out. Keys past `keys` read as
     /// zeros.
     fn bf16_workspace(base: u64, width: usize, keys: usize) -> Result<Self> {
         use cudarc::driver::sys;
-        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        let mut map = Self::unused();
         let dims = [width as u64, keys as u64];
         let strides = [(width * 2) as u64];
         let boxes = [64u32, WGMMA_KEYS];
@@ -135,7 +140,7 @@ impl TensorMap {
         // aligned, and the row stride a multiple of 16 (head dims of 64 or 128).
         unsafe {
             sys::cuTensorMapEncodeTiled(
-                map.as_mut_ptr(),
+                &mut map.0,
                 sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                 2,
                 base as *mut std::ffi::c_void,
@@ -149,11 +154,8 @@ impl TensorMap {
                 sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )
             .result()?;
-            // SAFETY: written by the call above (an error returned before this read)
-            Ok(Self(std::mem::transmute::<sys::CUtensorMap, [u64; 16]>(
-                map.assume_init(),
-            )))
         }
+        Ok(map)
     }
 }
 
@@ -413,7 +415,7 @@ impl Kernels {
                 TensorMap::bf16_workspace(v, width, keys)?,
             )
         } else {
-            (TensorMap([0; 16]), TensorMap([0; 16]))
+            (TensorMap::unused(), TensorMap::unused())
         };
         // [split][row][head][D] partial outputs, then [split][row][head] (max, sum); a launch of
         // one split writes `out` and takes `hopper.unused` in their place
