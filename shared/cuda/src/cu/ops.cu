@@ -390,43 +390,97 @@ extern "C" __global__ void silu_mul_f32(float* __restrict__ g, const float* __re
     if (g_bf16) g_bf16[i] = (u16)bf16_encode(v);
 }
 
-// The end of an RMSNorm over one row of `width` values, x, once each of the block's 256 threads
-// holds its share of the sum of squares: the block's sum, then out = x / sqrt(mean + eps) * w,
-// and with out_bf16 (else null) its BF16 cast too, the input of the BF16 GEMMs that follow (as
-// f32_to_bf16 would make it, without the launch).
-__device__ __forceinline__ void rms_norm_finish(float acc, const float* __restrict__ x,
-                                                const float* __restrict__ w,
-                                                float* __restrict__ out,
-                                                u16* __restrict__ out_bf16, u32 width,
-                                                float eps) {
-    __shared__ float partial[256];
-    partial[threadIdx.x] = acc;
+// RMSNorm over rows of `width` values, one block of NORM_THREADS threads per row. Thread t sums
+// the squares of values t, t + NORM_THREADS, ... in that order; the block adds its threads' sums
+// pairwise (thread t + s into thread t for s = NORM_THREADS / 2 .. 1); out = x / sqrt(mean + eps)
+// * w, and with out_bf16 (else null) its BF16 cast too, the input of the BF16 GEMMs that follow
+// (as f32_to_bf16 would make it, without the launch).
+//
+// A decode step of one sequence norms a single row, so one block's latency is the kernel's time:
+// rows of up to NORM_THREADS * NORM_HELD values are held in registers with every load issued
+// before the first is used (a loop of dependent loads, reading the row twice, took 15-17 us per
+// 4,096-wide row on an H100: 65 norms a step of Llama-3-8B's shape), with the same sums in the
+// same order.
+#define NORM_THREADS 256
+#define NORM_HELD 16
+
+// The block's sum of its threads' `acc` in the pairwise order above, returned to every thread.
+// After the steps s = 128, 64, 32 thread t < 32 holds the 8-term sum below; the steps s = 16 .. 1
+// pair lanes of one warp, which shuffles do in the same order with two barriers instead of eight.
+__device__ __forceinline__ float norm_block_sum(float acc) {
+    __shared__ float all[NORM_THREADS];
+    __shared__ float total;
+    const u32 t = threadIdx.x;
+    all[t] = acc;
     __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
-        __syncthreads();
+    if (t < 32) {
+        float r = ((all[t] + all[t + 128]) + (all[t + 64] + all[t + 192])) +
+                  ((all[t + 32] + all[t + 160]) + (all[t + 96] + all[t + 224]));
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) r += __shfl_down_sync(0xffffffffu, r, s);
+        if (t == 0) total = r;
     }
-    const float inv = 1.0f / sqrtf(partial[0] / (float)width + eps);
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = x[i] * inv * w[i];
-        out[i] = v;
-        if (out_bf16) out_bf16[i] = (u16)bf16_encode(v);
+    __syncthreads();
+    return total;
+}
+
+// Norms one row, x (and y: then x += y first, written back to x, as add_f32 would).
+__device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float* __restrict__ y,
+                                             const float* __restrict__ w,
+                                             float* __restrict__ out, u16* __restrict__ out_bf16,
+                                             u32 width, float eps) {
+    const u32 t = threadIdx.x;
+    if (width <= NORM_THREADS * NORM_HELD) {
+        float v[NORM_HELD];
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; ++j) {
+            const u32 i = t + j * NORM_THREADS;
+            v[j] = i < width ? (y ? x[i] + y[i] : x[i]) : 0.0f;
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; ++j) {
+            const u32 i = t + j * NORM_THREADS;
+            if (i < width) {
+                if (y) x[i] = v[j];
+                acc += v[j] * v[j];
+            }
+        }
+        const float inv = 1.0f / sqrtf(norm_block_sum(acc) / (float)width + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_HELD; ++j) {
+            const u32 i = t + j * NORM_THREADS;
+            if (i < width) {
+                const float o = v[j] * inv * w[i];
+                out[i] = o;
+                if (out_bf16) out_bf16[i] = (u16)bf16_encode(o);
+            }
+        }
+        return;
+    }
+    float acc = 0.0f;
+    for (u32 i = t; i < width; i += NORM_THREADS) {
+        const float v = y ? x[i] + y[i] : x[i];
+        if (y) x[i] = v;
+        acc += v * v;
+    }
+    const float inv = 1.0f / sqrtf(norm_block_sum(acc) / (float)width + eps);
+    for (u32 i = t; i < width; i += NORM_THREADS) {
+        const float o = x[i] * inv * w[i];
+        out[i] = o;
+        if (out_bf16) out_bf16[i] = (u16)bf16_encode(o);
     }
 }
 
-// One block (256 threads) per group of `width` values: out = x / sqrt(mean(x^2) + eps) * w.
+// One block (NORM_THREADS threads) per row of `width` values: out = x / sqrt(mean(x^2) + eps) * w.
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, u32 width, float eps,
                                         u16* __restrict__ out_bf16) {
     grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
-    float acc = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = x[base + i];
-        acc += v * v;
-    }
-    rms_norm_finish(acc, x + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
-                    eps);
+    // x is only read (y is null).
+    rms_norm_row(const_cast<float*>(x) + base, nullptr, w, out + base,
+                 out_bf16 ? out_bf16 + base : nullptr, width, eps);
 }
 
 // x += y, then out = rms_norm(x) * w over each row of `width` values (w is [width]): the
@@ -438,14 +492,8 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
                                             u16* __restrict__ out_bf16) {
     grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
-    float acc = 0.0f;
-    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = x[base + i] + y[base + i];
-        x[base + i] = v;
-        acc += v * v;
-    }
-    rms_norm_finish(acc, x + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
-                    eps);
+    rms_norm_row(x + base, y + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
+                 eps);
 }
 
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
@@ -582,11 +630,23 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, u32* __r
     const float* row = x + (u64)blockIdx.x * cols;
     float best = __int_as_float(0xff800000);
     u32 at = 0xFFFFFFFFu;
-    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float v = row[c];
-        if (v > best || (v == best && c < at)) {
-            best = v;
-            at = c;
+    // A thread visits columns t, t + blockDim.x, ... in order, eight loads in flight (a
+    // 128,256-wide row of one sequence is one block's work; a loop of one load at a time took
+    // 54 us on an H100).
+    for (u32 c0 = threadIdx.x; c0 < cols; c0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 c = c0 + j * blockDim.x;
+            v[j] = c < cols ? row[c] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 c = c0 + j * blockDim.x;
+            if (c < cols && (v[j] > best || (v[j] == best && c < at))) {
+                best = v[j];
+                at = c;
+            }
         }
     }
     __shared__ float sb[32];
