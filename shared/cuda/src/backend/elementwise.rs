@@ -232,6 +232,7 @@ impl CudaBackend {
         let width = weight.len() as u32;
         let cfg = LaunchConfig {
             grid_dim: ((out.len() / weight.len()) as u32, 1, 1),
+            // NORM_THREADS in cu/ops.cu: the kernels' block sum is written for 256 threads.
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
