@@ -296,8 +296,8 @@ impl Kernels {
         self.prefill.choose(kernel)
     }
 
-    /// Overrides the wgmma kernel's own choices (ping-pong, key splits) from now on, for
-    /// benchmarks and checks of each way; the default tuning leaves them to each launch.
+    /// Overrides the wgmma kernel's own choices (ping-pong, key splits, TMA tiles) from now on,
+    /// for benchmarks and checks of each way; the default tuning leaves them to each launch.
     pub fn set_wgmma_tuning(&mut self, tuning: WgmmaTuning) -> Result<()> {
         if tuning.splits == Some(0) {
             return Err(Error::Unsupported("a wgmma launch of 0 key splits".into()));
