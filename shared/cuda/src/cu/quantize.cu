@@ -168,8 +168,8 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
     float errs[5];
 #pragma unroll
     for (int c = 0; c < 5; ++c) errs[c] = __shfl_sync(mask, err, c, 8);
-    if (lane != 0u) return;
     // kvfmt's order: the amax code sets the bar whatever its error; a later one must beat it.
+    // Every lane makes the same choice from the same errors.
     u32 best = amax_code;
     float best_err = errs[0];
 #pragma unroll
@@ -179,10 +179,21 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
             best_err = errs[c];
         }
     }
-    u32 packed[2];
-    nvfp4_encode_block(x, gs, e4m3_decode(best), packed);
-    *reinterpret_cast<uint2*>(b.data + b.chunk * 8u) = make_uint2(packed[0], packed[1]);
-    b.base[b.scale_index] = (u8)best;
+    // Lane k encodes values 2k and 2k + 1 into byte k (as nvfp4_encode_block divides), so no
+    // lane waits on sixteen divisions.
+    const float denom = __fmul_rn(e4m3_decode(best), gs);
+    float pair[2] = {x[0], x[1]};  // x indexed by constants only, so it stays in registers
+#pragma unroll
+    for (int i = 1; i < 8; ++i) {
+        if (lane == (u32)i) {
+            pair[0] = x[2 * i];
+            pair[1] = x[2 * i + 1];
+        }
+    }
+    const u32 byte = e2m1_encode(__fdiv_rn(pair[0], denom)) |
+                     (e2m1_encode(__fdiv_rn(pair[1], denom)) << 4);
+    b.data[b.chunk * 8u + lane] = (u8)byte;
+    if (lane == 0u) b.base[b.scale_index] = (u8)best;
 }
 
 // Extend: gathers tokens [0, n_tokens) of one sequence (its pages in page_table) from the pool
