@@ -473,9 +473,28 @@ __device__ __forceinline__ float norm_block_sum(float acc) {
     return total;
 }
 
-// Norms one row, x (and y: then x += y first, written back to x, as add_f32 would).
+// This thread's weights of a held row (rms_norm_row), loaded before the kernel waits on the one
+// before it: weights are written by no kernel, so the load overlaps that kernel's tail instead
+// of following the block's sum.
+struct NormWeights {
+    float w[NORM_HELD];
+};
+
+__device__ __forceinline__ NormWeights norm_weights(const float* __restrict__ w, u32 width) {
+    NormWeights held;
+    const u32 t = threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < NORM_HELD; ++j) {
+        const u32 i = t + j * NORM_THREADS;
+        held.w[j] = width <= NORM_THREADS * NORM_HELD && i < width ? w[i] : 0.0f;
+    }
+    return held;
+}
+
+// Norms one row, x (and y: then x += y first, written back to x, as add_f32 would); a held row
+// takes its weights from `held` (norm_weights), a wider one from w.
 __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float* __restrict__ y,
-                                             const float* __restrict__ w,
+                                             const float* __restrict__ w, const NormWeights& held,
                                              float* __restrict__ out, u16* __restrict__ out_bf16,
                                              u32 width, float eps) {
     const u32 t = threadIdx.x;
@@ -500,7 +519,7 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float*
         for (int j = 0; j < NORM_HELD; ++j) {
             const u32 i = t + j * NORM_THREADS;
             if (i < width) {
-                const float o = v[j] * inv * w[i];
+                const float o = v[j] * inv * held.w[j];
                 out[i] = o;
                 if (out_bf16) out_bf16[i] = (u16)bf16_encode(o);
             }
@@ -525,10 +544,11 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float*
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, u32 width, float eps,
                                         u16* __restrict__ out_bf16) {
+    const NormWeights held = norm_weights(w, width);
     grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
     // x is only read (y is null).
-    rms_norm_row(const_cast<float*>(x) + base, nullptr, w, out + base,
+    rms_norm_row(const_cast<float*>(x) + base, nullptr, w, held, out + base,
                  out_bf16 ? out_bf16 + base : nullptr, width, eps);
 }
 
@@ -539,10 +559,11 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
                                             const float* __restrict__ w,
                                             float* __restrict__ out, u32 width, float eps,
                                             u16* __restrict__ out_bf16) {
+    const NormWeights held = norm_weights(w, width);
     grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
-    rms_norm_row(x + base, y + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
-                 eps);
+    rms_norm_row(x + base, y + base, w, held, out + base, out_bf16 ? out_bf16 + base : nullptr,
+                 width, eps);
 }
 
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs
