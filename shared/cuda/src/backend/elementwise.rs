@@ -22,6 +22,10 @@ enum NormInput<'a> {
     Residual(&'a mut CudaTensor, &'a CudaTensor),
 }
 
+/// Threads per RMSNorm block: `NORM_THREADS` in `cu/ops.cu`, whose block sum is written for
+/// exactly this many.
+const NORM_THREADS: u32 = 256;
+
 impl CudaBackend {
     /// Rows `tokens` of `table` (f32 or BF16 codes, widened exactly) into `out`.
     pub(super) fn embed_tokens(
@@ -232,8 +236,7 @@ impl CudaBackend {
         let width = weight.len() as u32;
         let cfg = LaunchConfig {
             grid_dim: ((out.len() / weight.len()) as u32, 1, 1),
-            // NORM_THREADS in cu/ops.cu: the kernels' block sum is written for 256 threads.
-            block_dim: (256, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut cast = self.cast_target(out.len());
