@@ -457,6 +457,8 @@ impl<B: Backend> Model<B> {
         let source = match which {
             Logits::None => return Ok(()),
             Logits::All => &ws.x,
+            // Sequences of one token each (a decode step): the last rows are all the rows.
+            Logits::Last if ws.spans.iter().enumerate().all(|(i, s)| *s == (i..i + 1)) => &ws.x,
             Logits::Last => {
                 be.resize(&mut ws.selected, ws.spans.len(), c.hidden_size);
                 for (i, span) in ws.spans.iter().enumerate() {
