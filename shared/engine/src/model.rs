@@ -64,6 +64,14 @@ pub struct Workspace<B: Backend> {
     counts: Vec<usize>,
 }
 
+impl<B: Backend> Workspace<B> {
+    /// Whether the prepared step is one token of each sequence, row `i` sequence `i` (a decode
+    /// step): its rows are then each sequence's last.
+    fn one_row_each(&self) -> bool {
+        self.spans.iter().enumerate().all(|(i, s)| *s == (i..i + 1))
+    }
+}
+
 /// RoPE cos/sin tables for every position up to the context length.
 struct RopeTables<B: Backend> {
     cos: B::Tensor,
@@ -290,7 +298,7 @@ impl<B: Backend> Model<B> {
         self.prepare(ws, tokens, kv)?;
         // A decode-only step over a cache whose attention can be repeated may run as a
         // recorded device graph (Backend::decode_layers).
-        if kv.repeatable() && ws.spans.iter().all(|s| s.len() == 1) {
+        if kv.repeatable() && ws.one_row_each() {
             self.backend
                 .decode_layers(&mut || self.layers(ws, &mut *kv))?;
         } else {
@@ -457,8 +465,7 @@ impl<B: Backend> Model<B> {
         let source = match which {
             Logits::None => return Ok(()),
             Logits::All => &ws.x,
-            // Sequences of one token each (a decode step): the last rows are all the rows.
-            Logits::Last if ws.spans.iter().enumerate().all(|(i, s)| *s == (i..i + 1)) => &ws.x,
+            Logits::Last if ws.one_row_each() => &ws.x,
             Logits::Last => {
                 be.resize(&mut ws.selected, ws.spans.len(), c.hidden_size);
                 for (i, span) in ws.spans.iter().enumerate() {
