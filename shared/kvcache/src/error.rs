@@ -49,6 +49,9 @@ pub enum Error {
     /// Clearing a cache while a request still uses one of its blocks.
     #[error("block {0} is locked by a running request")]
     Locked(crate::BlockHash),
+    /// K codes' factors that do not fit the pool.
+    #[error("{0}")]
+    BadKeyFactors(String),
     /// Invalid geometry or number format.
     #[error(transparent)]
     Format(#[from] nibble_kvfmt::Error),

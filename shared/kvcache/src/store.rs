@@ -7,7 +7,9 @@
 //! changing them would silently reinterpret every live byte.
 
 use std::fmt;
+use std::sync::Arc;
 
+use nibble_kvfmt::nvfp4::feedback::{quantize_for_queries, KeyFactors};
 use nibble_kvfmt::{
     bf16, check_global_scale, fp8, nvfp4, KvDtype, KvPart, PageLayout, ScaleRule, WindowLayout,
 };
@@ -76,12 +78,39 @@ impl GlobalScales {
     }
 }
 
+/// Whether `factors` fit `layout`: an nvfp4 layout, one factor per layer and KV head, of its
+/// head dimension.
+pub fn check_key_factors(layout: &PageLayout, factors: &KeyFactors) -> Result<()> {
+    let what = if layout.dtype() != KvDtype::Nvfp4 {
+        format!("a {} cache (they are for nvfp4 keys)", layout.dtype())
+    } else if (factors.layers(), factors.kv_heads(), factors.head_dim())
+        != (layout.layers(), layout.kv_heads(), layout.head_dim())
+    {
+        format!(
+            "{} layers x {} KV heads x {} (the factors are for {} x {} x {})",
+            layout.layers(),
+            layout.kv_heads(),
+            layout.head_dim(),
+            factors.layers(),
+            factors.kv_heads(),
+            factors.head_dim()
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::BadKeyFactors(format!(
+        "K codes chosen for the queries do not fit {what}"
+    )))
+}
+
 /// The bytes of every page, in host memory.
 pub struct HostPages {
     layout: PageLayout,
     window: WindowLayout,
     scales: GlobalScales,
     rule: ScaleRule,
+    /// K's codes chosen for the queries ([`nvfp4::feedback`]) when set (nvfp4 only).
+    k_codes: Option<Arc<KeyFactors>>,
     storage: Vec<u8>,
 }
 
@@ -103,8 +132,24 @@ impl HostPages {
             window: WindowLayout::none(&plan.layout),
             scales,
             rule,
+            k_codes: None,
             storage: vec![0u8; plan.pages * plan.layout.page_bytes()],
         })
+    }
+
+    /// The same store writing K's NVFP4 codes for the queries `factors` describe (one per layer
+    /// and KV head of the layout, of its head dimension); `None` writes the nearest codes.
+    pub fn with_k_codes(mut self, factors: Option<Arc<KeyFactors>>) -> Result<Self> {
+        if let Some(f) = &factors {
+            check_key_factors(&self.layout, f)?;
+        }
+        self.k_codes = factors;
+        Ok(self)
+    }
+
+    /// The factors K's codes are chosen with, if any.
+    pub fn k_codes(&self) -> Option<&Arc<KeyFactors>> {
+        self.k_codes.as_ref()
     }
 
     /// The same store with a recent window of `tokens` tokens (0: none) for its sequences.
@@ -221,7 +266,17 @@ impl HostPages {
                     let s = base + layout.scale_offset(layer, part, head, offset);
                     let (lo, hi) = self.storage.split_at_mut(s);
                     let (packed, scales) = (&mut lo[data], &mut hi[..scale_bytes]);
-                    nvfp4::quantize_unchecked_with(hx, g, self.rule, packed, scales);
+                    match (&self.k_codes, part) {
+                        (Some(f), KvPart::K) => quantize_for_queries(
+                            hx,
+                            g,
+                            self.rule,
+                            f.get(layer, head),
+                            packed,
+                            scales,
+                        ),
+                        _ => nvfp4::quantize_unchecked_with(hx, g, self.rule, packed, scales),
+                    }
                 }
                 KvDtype::Fp8 => fp8::quantize_unchecked(hx, g, &mut self.storage[data]),
                 KvDtype::Bf16 => bf16::encode_le(hx, &mut self.storage[data]),

@@ -276,5 +276,7 @@ pub fn dequantize(packed: &[u8], scales: &[u8], g: f32, out: &mut [f32]) -> Resu
     Ok(())
 }
 
+pub mod feedback;
+
 #[cfg(test)]
 mod tests;
