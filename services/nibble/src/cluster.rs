@@ -85,6 +85,10 @@ pub struct UpArgs {
     /// measured K's channels).
     #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
     pub no_smooth_k: bool,
+    /// Round the workers' K to the nearest NVFP4 codes instead of choosing the codes for the
+    /// queries (chosen for them by default when --calibration holds the queries' second moment).
+    #[arg(long, env = "NIBBLE_NO_K_CODES")]
+    pub no_k_codes: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16 by both workers; a multiple
     /// of --page-size, 0 for none [default: 48 for an nvfp4 cache in whole pages, 0 otherwise].
     #[arg(long, value_name = "TOKENS", env = "NIBBLE_KV_WINDOW")]
@@ -354,6 +358,7 @@ pub async fn up_until(
             calibration: args.calibration.clone(),
             hadamard: args.hadamard,
             no_smooth_k: args.no_smooth_k,
+            no_k_codes: args.no_k_codes,
             kv_window: args.kv_window,
             prefill_work: args.prefill_work,
             kv_budget_mib: args.kv_budget_mib,

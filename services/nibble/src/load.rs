@@ -138,6 +138,9 @@ impl Opened {
         match quant.calibration.as_ref().zip(calibration.as_ref()) {
             Some((path, calibration)) => kv
                 .with_calibration(calibration, !quant.no_smooth_k)
+                .and_then(|kv| {
+                    kv.with_k_codes(calibration, self.config.head_dim, !quant.no_k_codes)
+                })
                 .map_err(|source| Error::Calibration {
                     path: path.clone(),
                     source,

@@ -84,6 +84,7 @@ pub const ENTRY_POINTS: [(&str, &[&str]); 4] = [
         &[
             "kv_quantize",
             "kv_quantize_nvfp4_mse",
+            "kv_k_codes",
             "kv_gather_work",
             "fill_random_pages",
         ],

@@ -15,6 +15,7 @@ use crate::hadamard;
 use crate::kv::{ContiguousKv, KvBatch, KvStore, NewTokens, StepTokens};
 use crate::model::{Logits, Model};
 use nibble_kvcache::GlobalScales;
+use nibble_kvfmt::nvfp4::feedback::{KeyFactors, QueryFactor};
 use nibble_kvfmt::KvDtype;
 
 /// Largest finite E4M3 value.
@@ -42,6 +43,10 @@ pub struct Calibration {
     /// the calibration names one (`nibble calibrate --nvfp4-window`): the window such a cache
     /// gets when the command line names none ([`Self::window_for`]).
     pub nvfp4_window: Option<usize>,
+    /// Per layer, the mean of `q qᵀ` over the queries of each KV head's group (after RoPE,
+    /// unsmoothed, unrotated): `kv_heads` upper triangles of `head_dim × head_dim`, row by row.
+    /// What K's codes are chosen for ([`Self::query_factors`]); empty in files without it.
+    pub q_second_moment: Vec<Vec<f32>>,
 }
 
 /// Per-layer amax of rotated vectors (see [`Calibration::hadamard`]).
@@ -190,6 +195,7 @@ impl Calibration {
             k_channel_amax: self.k_channel_amax.clone(),
             hadamard: self.hadamard.clone(),
             nvfp4_window: self.nvfp4_window,
+            q_second_moment: self.q_second_moment.clone(),
             nvfp4: self.scales(KvDtype::Nvfp4),
             fp8: self.scales(KvDtype::Fp8),
         };
@@ -236,6 +242,24 @@ impl Calibration {
                 "calibration file: amax {bad} is not a finite non-negative number"
             )));
         }
+        if !file.q_second_moment.is_empty() {
+            if file.q_second_moment.len() != layers {
+                return Err(Error::InvalidInput(format!(
+                    "calibration file has the queries' second moment for {} layers; the model has {layers}",
+                    file.q_second_moment.len()
+                )));
+            }
+            if file
+                .q_second_moment
+                .iter()
+                .flatten()
+                .any(|x| !x.is_finite())
+            {
+                return Err(Error::InvalidInput(
+                    "calibration file: the queries' second moment is not finite".into(),
+                ));
+            }
+        }
         Ok(Self {
             source: file.source,
             tokens: file.tokens,
@@ -244,6 +268,75 @@ impl Calibration {
             k_channel_amax: file.k_channel_amax,
             hadamard: file.hadamard,
             nvfp4_window: file.nvfp4_window,
+            q_second_moment: file.q_second_moment,
+        })
+    }
+
+    /// The factors K's codes are chosen with ([`nibble_kvfmt::nvfp4::feedback`]), one per layer
+    /// and KV head (layer-major), for keys of `head_dim` values smoothed by `smoothing` and
+    /// rotated when `hadamard`: the queries' second moment carried through the same transforms
+    /// (a K channel multiplied by m is read by query channels divided by m; the rotation is its
+    /// own inverse), damped by 1% of its mean diagonal. `None` without a second moment in the
+    /// file; an error when it does not fit `head_dim` or is not positive definite.
+    pub fn query_factors(
+        &self,
+        head_dim: usize,
+        smoothing: Option<&KSmoothing>,
+        hadamard: bool,
+    ) -> Result<Option<KeyFactors>> {
+        if self.q_second_moment.is_empty() {
+            return Ok(None);
+        }
+        let mut kv_heads = 0;
+        let d = head_dim;
+        let tri = d * (d + 1) / 2;
+        let mut out = Vec::new();
+        for (layer, heads) in self.q_second_moment.iter().enumerate() {
+            if heads.len() % tri != 0 {
+                return Err(Error::InvalidInput(format!(
+                    "calibration file: layer {layer}'s query second moment is not whole {d} x {d} triangles"
+                )));
+            }
+            kv_heads = heads.len() / tri;
+            if smoothing.is_some_and(|s| s.k.get(layer).map(Vec::len) != Some(kv_heads * d)) {
+                return Err(Error::InvalidInput(format!(
+                    "calibration file: layer {layer} has the queries' second moment of {kv_heads} KV heads and K channel amax of another count"
+                )));
+            }
+            for (head, upper) in heads.chunks_exact(tri).enumerate() {
+                let mut h = vec![0.0f64; d * d];
+                let mut at = upper.iter();
+                for i in 0..d {
+                    for j in i..d {
+                        let v = f64::from(*at.next().expect("whole triangle"));
+                        h[i * d + j] = v;
+                        h[j * d + i] = v;
+                    }
+                }
+                if let Some(s) = smoothing {
+                    let m = &s.k[layer][head * d..(head + 1) * d];
+                    for i in 0..d {
+                        for j in 0..d {
+                            h[i * d + j] /= f64::from(m[i]) * f64::from(m[j]);
+                        }
+                    }
+                }
+                if hadamard {
+                    rotate_both_sides(&mut h, d);
+                }
+                let factor = QueryFactor::from_second_moment(&h, d, 0.01).ok_or_else(|| {
+                    Error::InvalidInput(format!(
+                        "calibration file: the query second moment of layer {layer}, KV head {head} is not positive definite"
+                    ))
+                })?;
+                out.push(factor);
+            }
+        }
+        KeyFactors::new(kv_heads, out).map(Some).ok_or_else(|| {
+            Error::InvalidInput(
+                "calibration file: the queries' second moment has a different number of KV heads per layer"
+                    .into(),
+            )
         })
     }
 
@@ -288,6 +381,8 @@ struct CalibrationFile {
     hadamard: HadamardAmax,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     nvfp4_window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    q_second_moment: Vec<Vec<f32>>,
     nvfp4: GlobalScales,
     fp8: GlobalScales,
 }
@@ -301,6 +396,10 @@ struct Measured {
     /// no rotation).
     k_rotated: Vec<f32>,
     v_rotated: Vec<f32>,
+    /// Per layer, the sum of `q qᵀ` per KV head (`kv_heads · d · d`, full), and how many
+    /// query vectors went into each KV head's sums.
+    q_moment: Vec<Vec<f64>>,
+    q_count: usize,
 }
 
 fn amax(start: f32, x: &[f32]) -> f32 {
@@ -362,6 +461,25 @@ impl<B: Backend> KvBatch<B> for Recorder<'_, B> {
                 rotated[layer] = amax(rotated[layer], &self.host);
             }
         }
+        self.host.clear();
+        backend.download_rows(step.q, rows.clone(), &mut self.host)?;
+        let geometry = &step.geometry;
+        let group = geometry.num_heads / geometry.num_kv_heads;
+        let moment = &mut m.q_moment[layer];
+        moment.resize(geometry.num_kv_heads * d * d, 0.0);
+        for row in self.host.chunks_exact(geometry.num_heads * d) {
+            for (h, q) in row.chunks_exact(d).enumerate() {
+                let at = &mut moment[(h / group) * d * d..][..d * d];
+                for i in 0..d {
+                    for j in 0..d {
+                        at[i * d + j] += f64::from(q[i]) * f64::from(q[j]);
+                    }
+                }
+            }
+        }
+        if layer == 0 {
+            m.q_count += rows.len() * group;
+        }
         let new = NewTokens {
             q: step.q,
             k: step.k,
@@ -388,6 +506,8 @@ fn measure<B: Backend>(model: &Model<B>, tokens: &[u32], window: usize) -> Resul
         k_channels: vec![Vec::new(); layers],
         k_rotated: per_layer(rotate),
         v_rotated: per_layer(rotate),
+        q_moment: vec![Vec::new(); layers],
+        q_count: 0,
     };
     let mut ws = model.workspace();
     let mut logits = Vec::new();
@@ -430,6 +550,7 @@ pub fn calibrate<B: Backend>(
             smoothed_k_amax: Vec::new(),
         },
         nvfp4_window: None,
+        q_second_moment: upper_means(&plain.q_moment, plain.q_count, model.config().head_dim),
     };
     if !calibration.hadamard.k_amax.is_empty() {
         let smoothing = calibration.smoothing();
@@ -437,6 +558,37 @@ pub fn calibrate<B: Backend>(
         calibration.hadamard.smoothed_k_amax = smoothed.k_rotated;
     }
     Ok(calibration)
+}
+
+/// `R H R` for the normalized Hadamard matrix `R` (symmetric): rows rotated, then columns.
+fn rotate_both_sides(h: &mut [f64], d: usize) {
+    let mut m: Vec<f32> = Vec::new();
+    for _ in 0..2 {
+        m.clear();
+        m.extend(h.iter().map(|v| *v as f32));
+        hadamard::rotate(&mut m, d); // each row
+        for i in 0..d {
+            for j in 0..d {
+                // transpose as it is written back, so the second pass rotates the columns
+                h[j * d + i] = f64::from(m[i * d + j]);
+            }
+        }
+    }
+}
+
+/// Each KV head's summed `q qᵀ` as the mean over `count` queries, upper triangle only.
+fn upper_means(sums: &[Vec<f64>], count: usize, d: usize) -> Vec<Vec<f32>> {
+    let n = count.max(1) as f64;
+    sums.iter()
+        .map(|layer| {
+            layer
+                .chunks_exact(d * d)
+                .flat_map(|m| {
+                    (0..d).flat_map(move |i| (i..d).map(move |j| (m[i * d + j] / n) as f32))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -453,6 +605,7 @@ mod tests {
             k_channel_amax: Vec::new(),
             hadamard: HadamardAmax::default(),
             nvfp4_window: None,
+            q_second_moment: Vec::new(),
         };
         let nvfp4 = c.scales(KvDtype::Nvfp4);
         assert_eq!(
@@ -482,6 +635,7 @@ mod tests {
             k_channel_amax,
             hadamard: HadamardAmax::default(),
             nvfp4_window: None,
+            q_second_moment: Vec::new(),
         }
     }
 

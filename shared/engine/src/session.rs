@@ -2,6 +2,9 @@
 //! tests drive the three attention paths directly with this.
 
 use nibble_kvcache::{GlobalScales, PageId, PagePool, PageTable, PoolPlan};
+use std::sync::Arc;
+
+use nibble_kvfmt::nvfp4::feedback::KeyFactors;
 use nibble_kvfmt::{KvDtype, PageLayout, ScaleRule, WindowLayout};
 
 use crate::backend::{Backend, PageEncoding, PagedSeq};
@@ -27,6 +30,9 @@ pub struct KvConfig {
     pub hadamard: bool,
     /// How NVFP4 block scales are chosen on write (readers need not know).
     pub scale_rule: ScaleRule,
+    /// K's NVFP4 codes chosen for the queries that read them, one factor per layer and KV head
+    /// (a calibration's, [`Self::with_k_codes`]); `None`: the nearest codes.
+    pub k_codes: Option<Arc<KeyFactors>>,
     /// Tokens of each sequence's high-precision recent window, kept in BF16 besides the pages
     /// (0: none; a multiple of `page_size`).
     pub window: usize,
@@ -46,6 +52,7 @@ impl KvConfig {
             k_smoothing: None,
             hadamard: false,
             scale_rule: ScaleRule::default(),
+            k_codes: None,
             window: Self::default_window(dtype, 16),
             prefill_work: None,
         }
@@ -72,6 +79,21 @@ impl KvConfig {
         self.k_smoothing = calibration.smoothing().filter(|_| smooth_k);
         self.scales =
             Some(calibration.scales_for(self.dtype, self.k_smoothing.as_ref(), self.hadamard)?);
+        Ok(self)
+    }
+
+    /// The same config with K's codes chosen for the queries `calibration` measured, when `on`,
+    /// the cache is nvfp4 and the calibration has the queries' second moment (files written
+    /// before `nibble calibrate` measured it have none: the nearest codes then). Call it after
+    /// [`Self::with_calibration`] and with `hadamard` set: the factors follow K's smoothing and
+    /// rotation. Fails when the second moment does not fit the model's heads.
+    pub fn with_k_codes(mut self, calibration: &Calibration, head_dim: usize, on: bool) -> Result<Self> {
+        self.k_codes = match (on, self.dtype) {
+            (true, KvDtype::Nvfp4) => calibration
+                .query_factors(head_dim, self.k_smoothing.as_ref(), self.hadamard)?
+                .map(Arc::new),
+            _ => None,
+        };
         Ok(self)
     }
 
@@ -109,6 +131,7 @@ impl KvConfig {
             scales: self.scales_for(layers)?,
             hadamard: self.hadamard,
             scale_rule: self.scale_rule,
+            k_codes: self.k_codes.clone(),
             window: self.window,
             prefill_work: self.work(),
         })

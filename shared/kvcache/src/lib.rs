@@ -27,4 +27,4 @@ pub use hash::{extend_hashes, hash_block, hash_blocks, BlockHash};
 pub use page_table::PageTable;
 pub use pool::{PageId, PagePool, PoolPlan, SlotId};
 pub use radix::{CacheStats, RadixCache};
-pub use store::{GlobalScales, HostPages, PageBytes};
+pub use store::{check_key_factors, GlobalScales, HostPages, PageBytes};

@@ -77,6 +77,12 @@ pub struct WorkerArgs {
     /// smoothing is part of the KV format.
     #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
     pub no_smooth_k: bool,
+    /// Choose K's NVFP4 codes by rounding each value to its nearest code instead of for the
+    /// queries the calibration measured (chosen for them by default when --calibration holds
+    /// the queries' second moment). Prefill and decode workers must agree: the codes are part
+    /// of the KV format peers compare.
+    #[arg(long, env = "NIBBLE_NO_K_CODES")]
+    pub no_k_codes: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
     /// instead of their pages; a multiple of --page-size, 0 for none [default: 48 for an nvfp4
     /// cache, rounded up to whole pages; 0 otherwise]. Prefill and decode workers must agree: it
@@ -155,6 +161,7 @@ impl WorkerArgs {
             calibration: self.calibration.clone(),
             hadamard: self.hadamard,
             no_smooth_k: self.no_smooth_k,
+            no_k_codes: self.no_k_codes,
             kv_window: self.kv_window,
             prefill_work: self.prefill_work,
             kv_budget_mib: self.kv_budget_mib,
@@ -281,7 +288,10 @@ pub fn start_engine(
     let security = load_security(args)?;
     let source = ModelSource::open(&args.model)?;
     let tokenizer = Arc::new(source.load_tokenizer()?);
-    let kv = kv_config(args, source.config()?.num_layers)?;
+    let kv = {
+        let config = source.config()?;
+        kv_config(args, config.num_layers, config.head_dim)?
+    };
     let needs = KvNeeds::of(&source.config()?, args.page_size);
     let cuda = args
         .device
@@ -547,30 +557,30 @@ mod tests {
 
     #[test]
     fn kv_flags_reach_the_cache_config() {
-        let kv = kv_config(&args(&[]).unwrap().config(), 2).unwrap();
+        let kv = kv_config(&args(&[]).unwrap().config(), 2, 64).unwrap();
         assert_eq!((kv.dtype, kv.page_size), (KvDtype::Nvfp4, 16));
         assert_eq!(kv.scale_rule, ScaleRule::Mse);
         assert!(kv.scales.is_none() && !kv.hadamard);
         assert_eq!(kv.window, 48, "nvfp4's default window");
-        let kv = kv_config(&args(&["--page-size", "32"]).unwrap().config(), 2).unwrap();
+        let kv = kv_config(&args(&["--page-size", "32"]).unwrap().config(), 2, 64).unwrap();
         assert_eq!(kv.window, 64, "the default window in whole pages of 32");
-        let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap().config(), 2).unwrap();
+        let fp8 = kv_config(&args(&["--kv-dtype", "fp8"]).unwrap().config(), 2, 64).unwrap();
         assert_eq!(fp8.window, 0);
-        let kv = kv_config(&args(&["--kv-window", "32"]).unwrap().config(), 2).unwrap();
+        let kv = kv_config(&args(&["--kv-window", "32"]).unwrap().config(), 2, 64).unwrap();
         assert_eq!(kv.window, 32);
-        let err = kv_config(&args(&["--kv-window", "40"]).unwrap().config(), 2).unwrap_err();
+        let err = kv_config(&args(&["--kv-window", "40"]).unwrap().config(), 2, 64).unwrap_err();
         assert_eq!(
             err.to_string(),
             "--kv-window 40: not a multiple of the page size (16)"
         );
         assert_eq!(
-            kv_config(&args(&[]).unwrap().config(), 2).unwrap().work(),
+            kv_config(&args(&[]).unwrap().config(), 2, 64).unwrap().work(),
             WorkDtype::Bf16
         );
-        let kv = kv_config(&args(&["--prefill-work", "fp8"]).unwrap().config(), 2).unwrap();
+        let kv = kv_config(&args(&["--prefill-work", "fp8"]).unwrap().config(), 2, 64).unwrap();
         assert_eq!(kv.work(), WorkDtype::Fp8);
         let bf16 = args(&["--kv-dtype", "bf16", "--prefill-work", "fp8"]).unwrap();
-        let err = kv_config(&bf16.config(), 2).unwrap_err();
+        let err = kv_config(&bf16.config(), 2, 64).unwrap_err();
         assert!(err
             .to_string()
             .contains("--prefill-work fp8: needs an fp8 or nvfp4 cache"));
@@ -590,6 +600,7 @@ mod tests {
                 smoothed_k_amax: Vec::new(),
             },
             nvfp4_window: None,
+            q_second_moment: Vec::new(),
         };
         std::fs::write(&file, calibration.to_json().unwrap()).unwrap();
         let path = file.to_str().unwrap();
@@ -602,7 +613,7 @@ mod tests {
             "--calibration",
         ];
         let a = args(&[&flags[..], &[path]].concat());
-        let kv = kv_config(&a.unwrap().config(), 2).unwrap();
+        let kv = kv_config(&a.unwrap().config(), 2, 64).unwrap();
         assert_eq!(kv.scale_rule, ScaleRule::Amax);
         assert!(kv.hadamard);
         // Rotated vectors' scales for a rotated cache.
@@ -615,7 +626,7 @@ mod tests {
         let old = dir.path().join("old.json");
         std::fs::write(&old, unrotated.to_json().unwrap()).unwrap();
         let a = args(&[&flags[..], &[old.to_str().unwrap()]].concat());
-        let err = kv_config(&a.unwrap().config(), 2).unwrap_err().to_string();
+        let err = kv_config(&a.unwrap().config(), 2, 64).unwrap_err().to_string();
         assert!(
             err.contains("--calibration") && err.contains("Hadamard-rotated"),
             "{err}"
@@ -649,18 +660,18 @@ mod tests {
             file.to_str().unwrap().to_string()
         };
         let w64 = windowed(64);
-        let kv = kv_config(&args(&["--calibration", &w64]).unwrap().config(), 2).unwrap();
+        let kv = kv_config(&args(&["--calibration", &w64]).unwrap().config(), 2, 64).unwrap();
         assert_eq!(kv.window, 64, "the calibration's window");
         let a = args(&["--calibration", &w64, "--kv-window", "32"]).unwrap();
         assert_eq!(
-            kv_config(&a.config(), 2).unwrap().window,
+            kv_config(&a.config(), 2, 64).unwrap().window,
             32,
             "the flag wins"
         );
         let a = args(&["--calibration", &w64, "--kv-dtype", "fp8"]).unwrap();
-        assert_eq!(kv_config(&a.config(), 2).unwrap().window, 0, "nvfp4 only");
+        assert_eq!(kv_config(&a.config(), 2, 64).unwrap().window, 0, "nvfp4 only");
         let w40 = windowed(40);
-        let err = kv_config(&args(&["--calibration", &w40]).unwrap().config(), 2).unwrap_err();
+        let err = kv_config(&args(&["--calibration", &w40]).unwrap().config(), 2, 64).unwrap_err();
         assert_eq!(
             err.to_string(),
             format!("--calibration {w40}: nvfp4_window 40: not a multiple of the page size (16)")

@@ -48,6 +48,11 @@ pub struct WorkerConfig {
     /// when --calibration measured channels). Prefill and decode workers must agree: the
     /// smoothing is part of the KV format.
     pub no_smooth_k: bool,
+    /// Choose K's NVFP4 codes by rounding each value to its nearest code instead of for the
+    /// queries the calibration measured (chosen for them by default when --calibration holds
+    /// the queries' second moment). Prefill and decode workers must agree: the codes are part
+    /// of the KV format peers compare.
+    pub no_k_codes: bool,
     /// Tokens of each sequence's most recent K/V also kept in BF16, which attention reads
     /// instead of their pages; a multiple of --page-size, 0 for none [default: 48 for an nvfp4
     /// cache, rounded up to whole pages; 0 otherwise]. Prefill and decode workers must agree: it
@@ -105,6 +110,7 @@ impl WorkerConfig {
             calibration: None,
             hadamard: false,
             no_smooth_k: false,
+            no_k_codes: false,
             kv_window: None,
             prefill_work: None,
             kv_budget_mib: None,
@@ -170,8 +176,8 @@ pub fn kv_budget_bytes(args: &WorkerConfig, gpu: Option<DeviceMemory>) -> Result
 }
 
 /// The KV cache the worker's flags ask for, its calibration file read and checked against the
-/// model's `layers`.
-pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> {
+/// model's `layers` (of heads of `head_dim` values).
+pub(crate) fn kv_config(args: &WorkerConfig, layers: usize, head_dim: usize) -> Result<KvConfig> {
     let calibration = match &args.calibration {
         Some(path) => {
             let fail = |why: String| {
@@ -214,6 +220,7 @@ pub(crate) fn kv_config(args: &WorkerConfig, layers: usize) -> Result<KvConfig> 
     if let Some((path, calibration)) = &calibration {
         kv = kv
             .with_calibration(calibration, !args.no_smooth_k)
+            .and_then(|kv| kv.with_k_codes(calibration, head_dim, !args.no_k_codes))
             .map_err(|e| {
                 Error::InvalidArgument(format!("--calibration {}: {e}", path.display()))
             })?;

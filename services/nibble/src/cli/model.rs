@@ -60,6 +60,12 @@ pub struct QuantArgs {
     /// block scales fit every channel (docs/ACCURACY.md).
     #[arg(long, env = "NIBBLE_NO_SMOOTH_K")]
     pub no_smooth_k: bool,
+    /// Round K to the nearest NVFP4 codes. With a --calibration that measured the queries'
+    /// second moment (files `nibble calibrate` writes from this version on), an nvfp4 cache
+    /// chooses each key's codes for the queries that will read it instead, which leaves less
+    /// error in the attention scores (docs/ACCURACY.md, "K's codes chosen for the queries").
+    #[arg(long, env = "NIBBLE_NO_K_CODES")]
+    pub no_k_codes: bool,
     /// Rotate K/V head vectors (and Q) by the normalized Hadamard matrix before quantizing.
     #[arg(long, env = "NIBBLE_HADAMARD")]
     pub hadamard: bool,

@@ -363,6 +363,7 @@ impl CudaBackend {
             v: v.as_view(),
             scales: at.scales,
             rule: pages.scale_rule,
+            k_codes: CudaPages::layer_k_codes(&pages.k_codes, &pages.layout, at.layer),
         };
         self.kernels
             .quantize(&mut pages.bytes, at.geom, at.dtype(), &kv, &slots)?;

@@ -163,6 +163,7 @@ impl CudaBackend {
             v: v.slice(..),
             scales: at.scales,
             rule: pages.scale_rule,
+            k_codes: CudaPages::layer_k_codes(&pages.k_codes, &pages.layout, at.layer),
         };
         // SAFETY: the slots' host copy, which the device one holds, was just checked against
         // the pages, and the geometry is the layout's (PageGeom::new).

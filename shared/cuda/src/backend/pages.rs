@@ -23,6 +23,8 @@ pub struct CudaPages {
     pub(super) layout: PageLayout,
     pub(super) scales: GlobalScales,
     pub(super) scale_rule: ScaleRule,
+    /// K's codes chosen for the queries: every layer's factors, `[layer][kv_head][d][d]`.
+    pub(super) k_codes: Option<CudaSlice<f32>>,
     pub(super) window: WindowLayout,
     /// The element type of the prefill and extend workspace (`ws_k`, `ws_v`).
     pub(super) work: WorkDtype,
@@ -37,6 +39,16 @@ pub struct CudaPages {
 }
 
 impl CudaPages {
+    /// `layer`'s K codes factors (`[kv_head][d][d]`), if K's codes are chosen for the queries.
+    pub(super) fn layer_k_codes<'a>(
+        k_codes: &'a Option<CudaSlice<f32>>,
+        layout: &PageLayout,
+        layer: usize,
+    ) -> Option<cudarc::driver::CudaView<'a, f32>> {
+        let n = layout.kv_heads() * layout.head_dim() * layout.head_dim();
+        k_codes.as_ref().map(|u| u.slice(layer * n..(layer + 1) * n))
+    }
+
     /// All page bytes, copied to the host (tests compare them with the CPU backend's).
     pub fn to_host(&self) -> Result<Vec<u8>> {
         Ok(self.bytes.stream().clone_dtoh(&self.bytes)?)
@@ -59,6 +71,7 @@ impl CudaBackend {
             scales,
             hadamard,
             scale_rule,
+            k_codes,
             window,
             prefill_work,
         } = encoding;
@@ -83,11 +96,20 @@ impl CudaBackend {
         }
         self.bind();
         let stream = self.stream();
+        let k_codes = match k_codes {
+            Some(f) => {
+                nibble_kvcache::check_key_factors(&layout, &f).map_err(EngineError::from)?;
+                let u: Vec<f32> = f.uppers().flatten().copied().collect();
+                Some(stream.clone_htod(&u).map_err(engine_err)?)
+            }
+            None => None,
+        };
         Ok(CudaPages {
             bytes: stream.alloc_zeros(plan.bytes.max(1)).map_err(engine_err)?,
             layout,
             scales,
             scale_rule,
+            k_codes,
             window,
             work: prefill_work,
             ws_k: stream.alloc_zeros(1).map_err(engine_err)?,

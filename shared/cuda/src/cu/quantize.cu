@@ -137,6 +137,73 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
     b.base[b.scale_index] = (u8)best;
 }
 
+// K's NVFP4 codes chosen for the queries (kvfmt::nvfp4::feedback::quantize_for_queries), after
+// kv_quantize (or kv_quantize_nvfp4_mse) wrote the same tokens: one warp per (token, KV head)
+// rewrites the head vector's K codes; its block scales are the ones already written, recomputed
+// here by lanes b < d/16 as kv_quantize chose them. u holds the layer's factors, [kv_head][d][d]
+// row-major (U upper triangular). d is a multiple of 32 of at most 256. The arithmetic is the
+// CPU's: f32, each operation rounded on its own, value i ascending, then j ascending.
+extern "C" __global__ void kv_k_codes(u8* __restrict__ pages, const float* __restrict__ k,
+                                      const u32* __restrict__ slots, u32 n_tokens, PageGeom g,
+                                      u32 rule, float gk, const float* __restrict__ u) {
+    grid_dependency_sync();
+    const u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 lane = threadIdx.x & 31u;
+    // Whole warps leave together: blockDim is a multiple of 32.
+    if (warp >= (u64)n_tokens * g.kv_heads) return;
+    const u32 token = (u32)(warp / g.kv_heads), head = (u32)(warp % g.kv_heads);
+    const u32 slot = slots[token];
+    if (slot == 0xFFFFFFFFu) return;
+    const u32 d = g.head_dim, per = d / 32u;
+    const u32 page = slot >> g.page_shift, off = slot & (g.page_size - 1u);
+    u8* data = pages + (u64)page * g.page_bytes + data_offset(g, 0u, head, off);
+    const float* x = k + ((u64)token * g.kv_heads + head) * d;
+    float scale = 0.0f;
+    if (lane < d / 16u) {
+        float xb[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) xb[i] = x[lane * 16u + i];
+        u32 unused[2];
+        scale = e4m3_decode(nvfp4_quantize_block(xb, gk, rule, unused));
+    }
+    float w[8];
+#pragma unroll
+    for (u32 t = 0; t < 8u; ++t) w[t] = t < per ? x[lane + 32u * t] : 0.0f;
+    u32 codes = 0u;  // nibble t: the code of value lane + 32 t
+    const float* uh = u + (u64)head * d * d;
+    for (u32 i = 0; i < d; ++i) {
+        const u32 owner = i & 31u, ti = i >> 5;
+        const float s = __shfl_sync(0xFFFFFFFFu, scale, i / 16u);
+        float mine = 0.0f;
+#pragma unroll
+        for (u32 t = 0; t < 8u; ++t) mine = t == ti ? w[t] : mine;
+        const float wi = __shfl_sync(0xFFFFFFFFu, mine, owner);
+        u32 code = 0u;
+        float q = 0.0f;
+        if (s != 0.0f) {
+            code = e2m1_encode(__fdiv_rn(wi, __fmul_rn(s, gk)));
+            q = __fmul_rn(__fmul_rn(e2m1_decode(code), s), gk);
+        }
+        if (lane == owner) codes |= code << (4u * ti);
+        const float* row = uh + (u64)i * d;
+        const float err = __fdiv_rn(__fsub_rn(wi, q), row[i]);
+#pragma unroll
+        for (u32 t = 0; t < 8u; ++t) {
+            const u32 j = lane + 32u * t;
+            if (t < per && j > i) w[t] = __fsub_rn(w[t], __fmul_rn(err, row[j]));
+        }
+    }
+    // Byte b holds value 2b in its low nibble and 2b + 1 in its high one: an even lane and the
+    // next, at the same t.
+#pragma unroll
+    for (u32 t = 0; t < 8u; ++t) {
+        if (t >= per) break;
+        const u32 c = (codes >> (4u * t)) & 0xFu;
+        const u32 next = __shfl_down_sync(0xFFFFFFFFu, c, 1);
+        if ((lane & 1u) == 0u) data[(lane + 32u * t) >> 1] = (u8)(c | (next << 4));
+    }
+}
+
 // Extend: gathers tokens [0, n_tokens) of one sequence (its pages in page_table) from the pool
 // into the work-dtype workspace, [token][kv_head][head_dim]: E4M3 with the work scales (wk, wv),
 // or BF16 bytes when work_bf16 is set (always so for a bf16 cache). Each value is first

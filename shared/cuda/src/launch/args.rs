@@ -64,6 +64,9 @@ pub struct NewKv<'a> {
     pub v: CudaView<'a, f32>,
     pub scales: KvScales,
     pub rule: ScaleRule,
+    /// The layer's factors K's NVFP4 codes are chosen with (`[kv_head][d][d]`, each `U` of
+    /// [`nibble_kvfmt::nvfp4::feedback::QueryFactor`]), or `None` for the nearest codes.
+    pub k_codes: Option<CudaView<'a, f32>>,
 }
 
 /// The work-dtype workspace a launch writes ([`Kernels::gather_work`]): K and V bytes,

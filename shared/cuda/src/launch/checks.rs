@@ -42,7 +42,17 @@ pub(super) fn check_page_copy(
 pub(super) fn check_new_kv(geom: &PageGeom, kv: &NewKv<'_>, n: usize) -> Result<()> {
     let values = n * (geom.kv_heads * geom.head_dim) as usize;
     check("K values", values, kv.k.len())?;
-    check("V values", values, kv.v.len())
+    check("V values", values, kv.v.len())?;
+    if let Some(u) = &kv.k_codes {
+        let d = geom.head_dim as usize;
+        if d % 32 != 0 || d > 256 {
+            return Err(Error::Unsupported(format!(
+                "K codes chosen for the queries need a head dim that is a multiple of 32 up to 256, got {d}"
+            )));
+        }
+        check("K codes' factors", geom.kv_heads as usize * d * d, u.len())?;
+    }
+    Ok(())
 }
 
 /// Checks that quantize-on-write stays inside a pool of `pool_bytes`: `geom` addresses `dtype`

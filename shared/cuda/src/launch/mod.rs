@@ -41,6 +41,7 @@ pub struct Kernels {
     programmatic: bool,
     quantize: CudaFunction,
     quantize_nvfp4_mse: CudaFunction,
+    k_codes: CudaFunction,
     gather: CudaFunction,
     fill: CudaFunction,
     /// [dtype code][0: head dim 64, 1: 128]
@@ -152,6 +153,7 @@ impl Kernels {
         let kernels = Self {
             quantize: function("quantize", "kv_quantize")?,
             quantize_nvfp4_mse: function("quantize", "kv_quantize_nvfp4_mse")?,
+            k_codes: function("quantize", "kv_k_codes")?,
             gather: function("quantize", "kv_gather_work")?,
             fill: function("quantize", "fill_random_pages")?,
             decode,
@@ -276,18 +278,41 @@ impl Kernels {
         if groups == 0 {
             return Ok(());
         }
-        let n32 = n as u32;
-        let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
         if dtype == KvDtype::Nvfp4 && kv.rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
+            let n32 = n as u32;
+            let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
             // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
             let mut b = self.builder(&self.quantize_nvfp4_mse);
-            b.arg(pages).arg(k).arg(v).arg(slots).arg(&n32).arg(&geom);
+            b.arg(&mut *pages).arg(k).arg(v).arg(slots).arg(&n32).arg(&geom);
             b.arg(&scales.k).arg(&scales.v);
             // SAFETY: the argument list matches kv_quantize_nvfp4_mse's signature; sizes were
             // checked above and every slot is in the pages (the caller's contract).
             unsafe { b.launch(grid_1d(groups * 8)) }?;
-            return Ok(());
+        } else {
+            // SAFETY: as for this function.
+            unsafe { self.quantize_plain(&mut *pages, geom, dtype, kv, slots) }?;
         }
+        match &kv.k_codes {
+            Some(u) if dtype == KvDtype::Nvfp4 => {
+                // SAFETY: as above; `u` was checked by check_new_kv.
+                unsafe { self.k_codes(pages, geom, kv, slots, u) }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// kv_quantize over checked arguments (see [`Self::quantize_unchecked`]).
+    unsafe fn quantize_plain(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        geom: PageGeom,
+        dtype: KvDtype,
+        kv: &NewKv<'_>,
+        slots: &CudaView<'_, u32>,
+    ) -> Result<()> {
+        let n32 = slots.len() as u32;
+        let groups = slots.len() as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
+        let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
         let (code, rule) = (dtype_code(dtype), scale_rule_code(kv.rule));
         let mut b = self.builder(&self.quantize);
         b.arg(pages)
@@ -302,6 +327,27 @@ impl Kernels {
         // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
         // and every slot is in the pages (the caller's contract).
         unsafe { b.launch(grid_1d(groups)) }?;
+        Ok(())
+    }
+
+    /// kv_k_codes: K's codes rewritten for the queries `u` describes (the layer's factors,
+    /// `[kv_head][d][d]`), after the tokens were quantized (see [`Self::quantize_unchecked`]).
+    unsafe fn k_codes(
+        &self,
+        pages: &mut CudaSlice<u8>,
+        geom: PageGeom,
+        kv: &NewKv<'_>,
+        slots: &CudaView<'_, u32>,
+        u: &CudaView<'_, f32>,
+    ) -> Result<()> {
+        let n32 = slots.len() as u32;
+        let rule = scale_rule_code(kv.rule);
+        let mut b = self.builder(&self.k_codes);
+        b.arg(pages).arg(&kv.k).arg(slots).arg(&n32).arg(&geom);
+        b.arg(&rule).arg(&kv.scales.k).arg(u);
+        // SAFETY: the argument list matches kv_k_codes's signature; the caller checked the
+        // rest. One warp per (token, KV head).
+        unsafe { b.launch(grid_1d(slots.len() as u64 * geom.kv_heads as u64 * 32)) }?;
         Ok(())
     }
 

@@ -79,6 +79,10 @@ pub struct PageEncoding {
     pub hadamard: bool,
     /// How NVFP4 block scales are chosen on write.
     pub scale_rule: ScaleRule,
+    /// K's NVFP4 codes chosen for the queries that read them
+    /// ([`nibble_kvfmt::nvfp4::feedback`]), one factor per layer and KV head; `None`: the
+    /// nearest codes. Readers need not know.
+    pub k_codes: Option<std::sync::Arc<nibble_kvfmt::nvfp4::feedback::KeyFactors>>,
     /// Tokens of each sequence's high-precision recent window (0: none); see
     /// [`nibble_kvfmt::window`].
     pub window: usize,

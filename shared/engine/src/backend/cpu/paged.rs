@@ -33,6 +33,7 @@ impl CpuPages {
             scales,
             hadamard,
             scale_rule,
+            k_codes,
             window,
             prefill_work,
         } = encoding;
@@ -44,7 +45,9 @@ impl CpuPages {
         }
         Ok(Self {
             ws: Workspace::with_dtype(prefill_work),
-            store: HostPages::new(plan, scales, scale_rule)?.with_window(window)?,
+            store: HostPages::new(plan, scales, scale_rule)?
+                .with_window(window)?
+                .with_k_codes(k_codes)?,
             hadamard,
             rotated: Default::default(),
         })
