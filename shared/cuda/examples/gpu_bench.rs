@@ -35,6 +35,7 @@ use nibble_cuda::{
     PageGeom, PrefillBatch, PrefillKernel, WgmmaTuning, WindowGeom,
 };
 use nibble_kvcache::PoolPlan;
+use nibble_kvfmt::nvfp4::feedback::QueryFactor;
 use nibble_kvfmt::{bf16, layout::kv_bytes, KvDtype, PageLayout, ScaleRule, WindowLayout};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use serde_json::json;
@@ -464,18 +465,35 @@ fn quantize_and_gather(
         .map(|t| order[t / page()] * page() as u32 + (t % page()) as u32)
         .collect();
     let dslots = stream.clone_htod(&slots)?;
-    // Every NVFP4 block scale rule (the default last, so the pages hold its bytes); other
-    // dtypes have none.
-    let rules: &[ScaleRule] = match dtype {
-        KvDtype::Nvfp4 => &[ScaleRule::Amax, ScaleRule::Mse],
-        _ => &[ScaleRule::Mse],
+    // Every NVFP4 block scale rule, and the default one with K's codes chosen for the queries
+    // (the plain default last, so the pages hold its bytes); other dtypes have none.
+    let rules: &[(ScaleRule, bool)] = match dtype {
+        KvDtype::Nvfp4 => &[
+            (ScaleRule::Amax, false),
+            (ScaleRule::Mse, true),
+            (ScaleRule::Mse, false),
+        ],
+        _ => &[(ScaleRule::Mse, false)],
     };
-    for &rule in rules {
+    // One layer's factors: second moments A Aᵀ of random A.
+    let uppers: Vec<f32> = (0..KV_HEADS)
+        .flat_map(|_| {
+            let a: Vec<f64> = (0..DIM * DIM).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let h: Vec<f64> = (0..DIM * DIM)
+                .map(|ij| (0..DIM).map(|k| a[ij / DIM * DIM + k] * a[ij % DIM * DIM + k]).sum())
+                .collect();
+            let f = QueryFactor::from_second_moment(&h, DIM, 0.01).expect("positive definite");
+            f.upper().to_vec()
+        })
+        .collect();
+    let du = stream.clone_htod(&uppers)?;
+    for &(rule, codes) in rules {
         let kv = NewKv {
             k: dk.as_view(),
             v: dv.as_view(),
             scales: KvScales { k: 0.9, v: 1.1 },
             rule,
+            k_codes: codes.then(|| du.as_view()),
         };
         // The slots once through the checked launch; the timed ones are the kernel alone.
         kernels.quantize(pages, geom, dtype, &kv, &slots)?;
@@ -489,6 +507,7 @@ fn quantize_and_gather(
         let read = 2 * values * 4;
         emit(
             json!({"bench": "quantize", "dtype": dtype.to_string(), "scale_rule": rule.name(),
+                    "k_codes": codes,
                     "tokens": tokens, "ms": ms, "f32_bytes_read": read,
                     "kv_bytes_written": written,
                     "gbps": (read + written) as f64 / (ms as f64 * 1e6),

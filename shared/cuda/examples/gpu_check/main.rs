@@ -1,7 +1,8 @@
 //! gpu-check: the CUDA kernels against the CPU reference, on a real GPU.
 //!
 //! * quantize-on-write: page bytes identical to `HostPages::write_kv` (every dtype, two
-//!   geometries, non-unit global scales, padding slots, random page order);
+//!   geometries, non-unit global scales, padding slots, random page order; NVFP4 under each
+//!   block-scale rule, with K's codes chosen for the queries and without);
 //! * extend gather: workspace bytes identical to the CPU extend path (dequantize, then E4M3 with
 //!   the work scale, or BF16);
 //! * decode attention over NVFP4, FP8 and BF16 pages: within a relative L2 error of the CPU
@@ -27,6 +28,7 @@ use nibble_cuda::{
 use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
+use nibble_kvfmt::nvfp4::feedback::{KeyFactors, QueryFactor};
 use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
@@ -186,6 +188,22 @@ fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
 }
 
 /// Every page's bytes of `store`, in page order: the pool as the GPU holds it.
+/// K codes' factors for every layer and KV head of `layout`: second moments `A Aᵀ` of random
+/// `A`, channels mixed across the scale blocks as real queries' are.
+fn key_factors(rng: &mut StdRng, layout: &PageLayout) -> KeyFactors {
+    let d = layout.head_dim();
+    let factors = (0..layout.layers() * layout.kv_heads())
+        .map(|_| {
+            let a: Vec<f64> = (0..d * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let h: Vec<f64> = (0..d * d)
+                .map(|ij| (0..d).map(|k| a[ij / d * d + k] * a[ij % d * d + k]).sum())
+                .collect();
+            QueryFactor::from_second_moment(&h, d, 0.01).expect("positive definite")
+        })
+        .collect();
+    KeyFactors::new(layout.kv_heads(), factors).expect("whole layers")
+}
+
 fn pool_bytes(store: &HostPages, pages: usize) -> Result<Vec<u8>> {
     let mut bytes = Vec::new();
     for p in 0..pages {
@@ -397,22 +415,34 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         v: dv.as_view(),
         scales: g,
         rule: store.scale_rule(),
+        k_codes: None,
     };
     kernels.quantize(&mut dev_pages, geom, dtype, &kv, &slot_ids)?;
     let gpu_bytes = stream.clone_dtoh(&dev_pages)?;
     if dtype == KvDtype::Nvfp4 {
-        // The other rule over every token, and both over a decode step's few tokens (the mse
-        // rule then runs its eight-lane kernel), each from zeroed pages.
+        // Each rule over every token and over a decode step's few tokens (the mse rule then
+        // runs its eight-lane kernel), with K's codes chosen for the queries (kv_k_codes after
+        // either kernel) and without, each from zeroed pages; all but the case checked above.
         let few = 5;
-        let cases = ScaleRule::ALL
-            .into_iter()
-            .filter(|r| *r != store.scale_rule())
-            .map(|r| (r, slots.len()))
-            .chain(ScaleRule::ALL.into_iter().map(|r| (r, few)));
-        for (rule, tokens) in cases {
+        let factors = std::sync::Arc::new(key_factors(&mut rng, &layout));
+        let mut cases = Vec::new();
+        for rule in ScaleRule::ALL {
+            for tokens in [slots.len(), few] {
+                for codes in [false, true] {
+                    if (rule, tokens, codes) != (store.scale_rule(), slots.len(), false) {
+                        cases.push((rule, tokens, codes));
+                    }
+                }
+            }
+        }
+        let uppers: Vec<f32> = factors.uppers().flatten().copied().collect();
+        let per_layer = layout.kv_heads() * layout.head_dim() * layout.head_dim();
+        let du = stream.clone_htod(&uppers[LAYER * per_layer..(LAYER + 1) * per_layer])?;
+        for (rule, tokens, codes) in cases {
             let values = tokens * per_token;
             let (k, v, slots) = (&k[..values], &v[..values], &slots[..tokens]);
-            let mut other = HostPages::new(plan, scales.clone(), rule)?;
+            let mut other = HostPages::new(plan, scales.clone(), rule)?
+                .with_k_codes(codes.then(|| factors.clone()))?;
             other.write_kv(&pool, LAYER, k, v, slots)?;
             let mut dev = stream.alloc_zeros::<u8>(plan.bytes)?;
             let ids: Vec<u32> = slots.iter().map(|s| s.map_or(u32::MAX, |s| s.0)).collect();
@@ -422,13 +452,15 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
                 v: dv.as_view(),
                 scales: g,
                 rule,
+                k_codes: codes.then(|| du.as_view()),
             };
             kernels.quantize(&mut dev, geom, dtype, &kv, &ids)?;
             let gpu = stream.clone_dtoh(&dev)?;
             let cpu = pool_bytes(&other, plan.pages)?;
             let diff = differing(&cpu, &gpu);
+            let codes = if codes { ", K codes for the queries" } else { "" };
             failures += report(
-                &format!("quantize {name} scale rule {rule}, {tokens} tokens"),
+                &format!("quantize {name} scale rule {rule}, {tokens} tokens{codes}"),
                 diff == 0,
                 &format!("{diff} of {} page bytes differ", cpu.len()),
             );

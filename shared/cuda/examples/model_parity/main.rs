@@ -28,8 +28,10 @@
 
 mod ops;
 
-use std::process::ExitCode;
 use std::sync::Arc;
+
+use nibble_kvfmt::nvfp4::feedback::{KeyFactors, QueryFactor};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -115,12 +117,29 @@ fn margin(x: &[f32]) -> (u32, f32) {
     (top, x[top as usize] - second)
 }
 
-/// Greedy decoding over a paged session (`Some((dtype, hadamard))`) or the contiguous cache
-/// (`None`); with
+/// K codes' factors for every layer and KV head of `config`: second moments `A Aᵀ` of a fixed
+/// pseudo-random `A` per head (the encoder is what is checked, not the statistics).
+fn key_factors(config: &nibble_engine::ModelConfig) -> KeyFactors {
+    let d = config.head_dim;
+    let factors = (0..config.num_layers * config.num_kv_heads)
+        .map(|n| {
+            let a: Vec<f64> = (0..d * d)
+                .map(|i| ((i * 7 + n * 13) as f64 * 0.37).sin())
+                .collect();
+            let h: Vec<f64> = (0..d * d)
+                .map(|ij| (0..d).map(|k| a[ij / d * d + k] * a[ij % d * d + k]).sum())
+                .collect();
+            QueryFactor::from_second_moment(&h, d, 0.01).expect("positive definite")
+        })
+        .collect();
+    KeyFactors::new(config.num_kv_heads, factors).expect("whole layers")
+}
+
+/// Greedy decoding over a paged session (`Some(kv)`) or the contiguous cache (`None`); with
 /// `follow`, step i feeds `follow[i]` instead of the argmax (teacher forcing).
 fn generate<B: Backend>(
     model: &Model<B>,
-    dtype: Option<(KvDtype, bool)>,
+    dtype: Option<&KvConfig>,
     prompt: &[u32],
     n: usize,
     follow: Option<&[u32]>,
@@ -133,12 +152,8 @@ fn generate<B: Backend>(
     let split = (prompt.len() * 2 / 3).max(1);
     let start = Instant::now();
     match dtype {
-        Some((dtype, hadamard)) => {
-            let kv = KvConfig {
-                hadamard,
-                ..KvConfig::new(dtype)
-            };
-            let mut s = PagedSession::new(model, &kv, prompt.len() + n + 1)?;
+        Some(kv) => {
+            let mut s = PagedSession::new(model, kv, prompt.len() + n + 1)?;
             s.forward(model, &mut ws, &prompt[..split], Logits::None, &mut logits)?;
             s.forward(model, &mut ws, &prompt[split..], Logits::Last, &mut logits)?;
             for i in 0..n {
@@ -200,8 +215,9 @@ fn run() -> Result<bool> {
     let prompt = tokenizer.encode(&args.prompt, true)?;
     if args.cpu_only {
         let cpu_model = Model::from_gguf(cpu.clone(), &file)?;
-        for dtype in [Some((KvDtype::Bf16, false)), None] {
-            let r = generate(&cpu_model, dtype, &prompt, args.tokens, None)?;
+        for kv in [Some(KvConfig::new(KvDtype::Bf16)), None] {
+            let dtype = kv.as_ref().map(|kv| kv.dtype);
+            let r = generate(&cpu_model, kv.as_ref(), &prompt, args.tokens, None)?;
             println!(
                 "cpu {dtype:?} ({:.2} s): {:?}",
                 r.seconds,
@@ -249,16 +265,26 @@ fn run() -> Result<bool> {
         gpu_model.with_k_smoothing(Some(&smoothing))?,
         cpu_model.with_k_smoothing(Some(&smoothing))?,
     );
-    // (name, cache and Hadamard rotation, first-step logit tolerance, K smoothed)
+    let cache = |dtype, hadamard, k_codes| {
+        Some(KvConfig {
+            hadamard,
+            k_codes,
+            ..KvConfig::new(dtype)
+        })
+    };
+    let factors = Arc::new(key_factors(gpu_model.config()));
+    // (name, cache, first-step logit tolerance, K smoothed)
     let modes = [
-        ("bf16", Some((KvDtype::Bf16, false)), 0.05, false),
-        ("fp8", Some((KvDtype::Fp8, false)), 0.5, false),
-        ("nvfp4", Some((KvDtype::Nvfp4, false)), 0.5, false),
-        ("nvfp4-k-smoothed", Some((KvDtype::Nvfp4, false)), 0.5, true),
-        ("nvfp4-hadamard", Some((KvDtype::Nvfp4, true)), 0.5, false),
+        ("bf16", cache(KvDtype::Bf16, false, None), 0.05, false),
+        ("fp8", cache(KvDtype::Fp8, false, None), 0.5, false),
+        ("nvfp4", cache(KvDtype::Nvfp4, false, None), 0.5, false),
+        ("nvfp4-k-smoothed", cache(KvDtype::Nvfp4, false, None), 0.5, true),
+        ("nvfp4-hadamard", cache(KvDtype::Nvfp4, true, None), 0.5, false),
+        ("nvfp4-k-codes", cache(KvDtype::Nvfp4, false, Some(factors)), 0.5, false),
         ("f32-contiguous", None, 1e-3, false),
     ];
-    for (name, dtype, tol, smooth) in modes {
+    for (name, kv, tol, smooth) in modes {
+        let dtype = kv.as_ref();
         let tol = args.logit_tol.unwrap_or(tol);
         let (gm, cm) = if smooth {
             (&smoothed.0, &smoothed.1)
@@ -316,7 +342,7 @@ fn run() -> Result<bool> {
                 tokenizer.decode(&cpu_run.tokens, true).unwrap_or_default()
             );
         }
-        if dtype == Some((KvDtype::Bf16, false)) {
+        if name == "bf16" {
             cpu_bf16 = Some(cpu_run);
         }
     }
@@ -345,7 +371,7 @@ fn check_bf16_weights(file: &GgufFile, prompt: &[u32], cpu_run: &Run, args: &Arg
     let model = Model::from_gguf(gpu.clone(), file)?;
     let g = generate(
         &model,
-        Some((KvDtype::Bf16, false)),
+        Some(&KvConfig::new(KvDtype::Bf16)),
         prompt,
         cpu_run.tokens.len(),
         Some(&cpu_run.tokens),

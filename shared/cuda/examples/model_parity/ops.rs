@@ -351,6 +351,7 @@ fn check_paged(
         scales,
         hadamard: false,
         scale_rule: ScaleRule::default(),
+        k_codes: None,
         window: 0,
         prefill_work: work,
     };
