@@ -97,6 +97,19 @@ impl KvConfig {
         Ok(self)
     }
 
+    /// A digest of the factors K's codes are chosen with, for the KV-format fingerprint (two
+    /// workers pair only if they write the same bytes for the same tokens); `None` without.
+    pub fn k_codes_digest(&self) -> Option<u64> {
+        self.k_codes.as_ref().map(|f| {
+            let bytes: Vec<u8> = f
+                .uppers()
+                .flatten()
+                .flat_map(|x| x.to_bits().to_le_bytes())
+                .collect();
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        })
+    }
+
     /// The window a `dtype` cache of `page_size`-token pages gets: `flag`'s, else the one
     /// `calibration` names for its model ([`Calibration::window_for`]), else
     /// [`Self::default_window`]. The flag says whether the calibration chose it, so that an

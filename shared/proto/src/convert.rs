@@ -45,6 +45,7 @@ impl v1::KvFormat {
             hadamard,
             window: u32::try_from(window).expect("a window is at most the context"),
             k_smoothing: 0,
+            k_codes: 0,
             prefill_work: 0,
         }
     }
@@ -81,6 +82,14 @@ impl v1::KvFormat {
         }
     }
 
+    /// The same format with K's codes chosen with factors of this digest (`None`: nearest codes).
+    pub fn with_k_codes(self, digest: Option<u64>) -> Self {
+        Self {
+            k_codes: digest.unwrap_or(0),
+            ..self
+        }
+    }
+
     /// The format in words, for errors that name what a peer must match: the dtype, page size,
     /// geometry, recent window, rotation and whether the global scales are calibrated.
     pub fn describe(&self) -> String {
@@ -97,7 +106,7 @@ impl v1::KvFormat {
             .chain(&self.v_scales)
             .any(|g| *g != uncalibrated);
         format!(
-            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}{}{}",
+            "{dtype}, {}-token pages, {} layers x {} KV heads x {}, recent window {}, {}, {}{}{}{}",
             self.page_size,
             self.layers,
             self.kv_heads,
@@ -115,6 +124,11 @@ impl v1::KvFormat {
             },
             if self.k_smoothing != 0 {
                 ", K smoothed"
+            } else {
+                ""
+            },
+            if self.k_codes != 0 {
+                ", K codes for the queries"
             } else {
                 ""
             },
@@ -290,6 +304,16 @@ mod tests {
             good.fingerprint()
         );
         assert_eq!(good.clone().with_k_smoothing(None), good);
+        assert_eq!(
+            good.clone().with_k_codes(Some(9)).describe(),
+            "nvfp4, 16-token pages, 30 layers x 3 KV heads x 64, recent window 0, no Hadamard, \
+             calibrated scales, K codes for the queries"
+        );
+        assert_ne!(
+            good.clone().with_k_codes(Some(9)).fingerprint(),
+            good.fingerprint()
+        );
+        assert_eq!(good.clone().with_k_codes(None), good);
         let err = |f: v1::KvFormat| f.to_domain().unwrap_err().to_string();
 
         let unspecified = v1::KvFormat {

@@ -42,6 +42,10 @@ impl KvFormat {
             bytes.push(b's');
             bytes.extend_from_slice(&self.k_smoothing.to_le_bytes());
         }
+        if self.k_codes != 0 {
+            bytes.push(b'c');
+            bytes.extend_from_slice(&self.k_codes.to_le_bytes());
+        }
         if let Some(work) = self.prefill_work_override() {
             bytes.push(b'p');
             bytes.extend_from_slice(&work.to_le_bytes());
@@ -68,6 +72,7 @@ mod tests {
             window: 0,
             k_smoothing: 0,
             prefill_work: 0,
+            k_codes: 0,
         }
     }
 
@@ -135,6 +140,13 @@ mod tests {
                 "window",
                 KvFormat {
                     window: 64,
+                    ..base.clone()
+                },
+            ),
+            (
+                "K codes",
+                KvFormat {
+                    k_codes: 5,
                     ..base.clone()
                 },
             ),

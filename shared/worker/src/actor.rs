@@ -218,6 +218,7 @@ impl EngineHandle {
             hadamard: config.kv.hadamard,
             window: config.kv.window,
             k_smoothing: config.kv.k_smoothing.as_ref().map(KSmoothing::digest),
+            k_codes: config.kv.k_codes_digest(),
             prefill_work: config.kv.work(),
         };
         let (commands, rx) = mpsc::unbounded_channel();

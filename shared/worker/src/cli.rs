@@ -633,7 +633,7 @@ mod tests {
         );
 
         // A file for another layer count, a missing file and an unknown rule name what is wrong.
-        let err = kv_config(&args(&["--calibration", path]).unwrap().config(), 3).unwrap_err();
+        let err = kv_config(&args(&["--calibration", path]).unwrap().config(), 3, 64).unwrap_err();
         assert!(
             err.to_string().contains("--calibration") && err.to_string().contains("3 layers"),
             "{err}"
@@ -643,9 +643,37 @@ mod tests {
                 .unwrap()
                 .config(),
             2,
+            64,
         )
         .unwrap_err();
         assert!(err.to_string().contains("/nonexistent.json"), "{err}");
+        let err = args(&["--scale-rule", "max"]).unwrap_err().to_string();
+        assert!(err.contains("amax or mse"), "{err}");
+
+        // With the queries' second moment, an nvfp4 cache chooses K's codes for them unless
+        // --no-k-codes; an fp8 cache never does; a moment of another head dim is refused.
+        let d = 4;
+        let tri: Vec<f32> = (0..d)
+            .flat_map(|i| (i..d).map(move |j| if i == j { 2.0 } else { 0.5 }))
+            .collect();
+        let with_moment = Calibration {
+            hadamard: HadamardAmax::default(),
+            q_second_moment: vec![tri.repeat(3), tri.repeat(3)],
+            ..calibration.clone()
+        };
+        let file = dir.path().join("queries.json");
+        std::fs::write(&file, with_moment.to_json().unwrap()).unwrap();
+        let path = file.to_str().unwrap();
+        let kv = |flags: &[&str], head_dim| {
+            let a = args(&[flags, &["--calibration", path]].concat()).unwrap();
+            kv_config(&a.config(), 2, head_dim)
+        };
+        let factors = kv(&[], d).unwrap().k_codes.expect("K codes");
+        assert_eq!((factors.layers(), factors.kv_heads()), (2, 3));
+        assert!(kv(&["--no-k-codes"], d).unwrap().k_codes.is_none());
+        assert!(kv(&["--kv-dtype", "fp8"], d).unwrap().k_codes.is_none());
+        let err = kv(&[], 8).unwrap_err().to_string();
+        assert!(err.contains("--calibration") && err.contains("8 x 8"), "{err}");
         let err = args(&["--scale-rule", "max"]).unwrap_err().to_string();
         assert!(err.contains("amax or mse"), "{err}");
 

@@ -16,6 +16,8 @@ pub struct KvFormatSpec {
     pub hadamard: bool,
     pub window: usize,
     pub k_smoothing: Option<u64>,
+    /// The digest of the factors K's codes are chosen with, if they are.
+    pub k_codes: Option<u64>,
     /// The dtype prefill and extend attention hold K/V in.
     pub prefill_work: WorkDtype,
 }
@@ -25,6 +27,7 @@ impl KvFormatSpec {
     pub fn wire(&self) -> v1::KvFormat {
         v1::KvFormat::new(&self.layout, &self.scales, self.hadamard, self.window)
             .with_k_smoothing(self.k_smoothing)
+            .with_k_codes(self.k_codes)
             .with_prefill_work(self.prefill_work.into())
     }
 
@@ -60,6 +63,7 @@ mod tests {
             hadamard: false,
             window: 48,
             k_smoothing: None,
+            k_codes: None,
             prefill_work,
         };
         let (bf16, fp8) = (spec(WorkDtype::Bf16), spec(WorkDtype::Fp8));
