@@ -480,7 +480,11 @@ fn quantize_and_gather(
         .flat_map(|_| {
             let a: Vec<f64> = (0..DIM * DIM).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let h: Vec<f64> = (0..DIM * DIM)
-                .map(|ij| (0..DIM).map(|k| a[ij / DIM * DIM + k] * a[ij % DIM * DIM + k]).sum())
+                .map(|ij| {
+                    (0..DIM)
+                        .map(|k| a[ij / DIM * DIM + k] * a[ij % DIM * DIM + k])
+                        .sum()
+                })
                 .collect();
             let f = QueryFactor::from_second_moment(&h, DIM, 0.01).expect("positive definite");
             f.upper().to_vec()

@@ -87,7 +87,12 @@ impl KvConfig {
     /// before `nibble calibrate` measured it have none: the nearest codes then). Call it after
     /// [`Self::with_calibration`] and with `hadamard` set: the factors follow K's smoothing and
     /// rotation. Fails when the second moment does not fit the model's heads.
-    pub fn with_k_codes(mut self, calibration: &Calibration, head_dim: usize, on: bool) -> Result<Self> {
+    pub fn with_k_codes(
+        mut self,
+        calibration: &Calibration,
+        head_dim: usize,
+        on: bool,
+    ) -> Result<Self> {
         self.k_codes = match (on, self.dtype) {
             (true, KvDtype::Nvfp4) => calibration
                 .query_factors(head_dim, self.k_smoothing.as_ref(), self.hadamard)?

@@ -574,7 +574,9 @@ mod tests {
             "--kv-window 40: not a multiple of the page size (16)"
         );
         assert_eq!(
-            kv_config(&args(&[]).unwrap().config(), 2, 64).unwrap().work(),
+            kv_config(&args(&[]).unwrap().config(), 2, 64)
+                .unwrap()
+                .work(),
             WorkDtype::Bf16
         );
         let kv = kv_config(&args(&["--prefill-work", "fp8"]).unwrap().config(), 2, 64).unwrap();
@@ -626,7 +628,9 @@ mod tests {
         let old = dir.path().join("old.json");
         std::fs::write(&old, unrotated.to_json().unwrap()).unwrap();
         let a = args(&[&flags[..], &[old.to_str().unwrap()]].concat());
-        let err = kv_config(&a.unwrap().config(), 2, 64).unwrap_err().to_string();
+        let err = kv_config(&a.unwrap().config(), 2, 64)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("--calibration") && err.contains("Hadamard-rotated"),
             "{err}"
@@ -673,7 +677,10 @@ mod tests {
         assert!(kv(&["--no-k-codes"], d).unwrap().k_codes.is_none());
         assert!(kv(&["--kv-dtype", "fp8"], d).unwrap().k_codes.is_none());
         let err = kv(&[], 8).unwrap_err().to_string();
-        assert!(err.contains("--calibration") && err.contains("8 x 8"), "{err}");
+        assert!(
+            err.contains("--calibration") && err.contains("8 x 8"),
+            "{err}"
+        );
         let err = args(&["--scale-rule", "max"]).unwrap_err().to_string();
         assert!(err.contains("amax or mse"), "{err}");
 
@@ -697,7 +704,11 @@ mod tests {
             "the flag wins"
         );
         let a = args(&["--calibration", &w64, "--kv-dtype", "fp8"]).unwrap();
-        assert_eq!(kv_config(&a.config(), 2, 64).unwrap().window, 0, "nvfp4 only");
+        assert_eq!(
+            kv_config(&a.config(), 2, 64).unwrap().window,
+            0,
+            "nvfp4 only"
+        );
         let w40 = windowed(40);
         let err = kv_config(&args(&["--calibration", &w40]).unwrap().config(), 2, 64).unwrap_err();
         assert_eq!(

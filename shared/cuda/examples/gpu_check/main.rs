@@ -458,7 +458,11 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
             let gpu = stream.clone_dtoh(&dev)?;
             let cpu = pool_bytes(&other, plan.pages)?;
             let diff = differing(&cpu, &gpu);
-            let codes = if codes { ", K codes for the queries" } else { "" };
+            let codes = if codes {
+                ", K codes for the queries"
+            } else {
+                ""
+            };
             failures += report(
                 &format!("quantize {name} scale rule {rule}, {tokens} tokens{codes}"),
                 diff == 0,

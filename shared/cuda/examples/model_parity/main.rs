@@ -278,9 +278,24 @@ fn run() -> Result<bool> {
         ("bf16", cache(KvDtype::Bf16, false, None), 0.05, false),
         ("fp8", cache(KvDtype::Fp8, false, None), 0.5, false),
         ("nvfp4", cache(KvDtype::Nvfp4, false, None), 0.5, false),
-        ("nvfp4-k-smoothed", cache(KvDtype::Nvfp4, false, None), 0.5, true),
-        ("nvfp4-hadamard", cache(KvDtype::Nvfp4, true, None), 0.5, false),
-        ("nvfp4-k-codes", cache(KvDtype::Nvfp4, false, Some(factors)), 0.5, false),
+        (
+            "nvfp4-k-smoothed",
+            cache(KvDtype::Nvfp4, false, None),
+            0.5,
+            true,
+        ),
+        (
+            "nvfp4-hadamard",
+            cache(KvDtype::Nvfp4, true, None),
+            0.5,
+            false,
+        ),
+        (
+            "nvfp4-k-codes",
+            cache(KvDtype::Nvfp4, false, Some(factors)),
+            0.5,
+            false,
+        ),
         ("f32-contiguous", None, 1e-3, false),
     ];
     for (name, kv, tol, smooth) in modes {

@@ -46,7 +46,9 @@ impl CudaPages {
         layer: usize,
     ) -> Option<cudarc::driver::CudaView<'a, f32>> {
         let n = layout.kv_heads() * layout.head_dim() * layout.head_dim();
-        k_codes.as_ref().map(|u| u.slice(layer * n..(layer + 1) * n))
+        k_codes
+            .as_ref()
+            .map(|u| u.slice(layer * n..(layer + 1) * n))
     }
 
     /// All page bytes, copied to the host (tests compare them with the CPU backend's).

@@ -45,7 +45,7 @@ pub(super) fn check_new_kv(geom: &PageGeom, kv: &NewKv<'_>, n: usize) -> Result<
     check("V values", values, kv.v.len())?;
     if let Some(u) = &kv.k_codes {
         let d = geom.head_dim as usize;
-        if d % 32 != 0 || d > 256 {
+        if !d.is_multiple_of(32) || d > 256 {
             return Err(Error::Unsupported(format!(
                 "K codes chosen for the queries need a head dim that is a multiple of 32 up to 256, got {d}"
             )));

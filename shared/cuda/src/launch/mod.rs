@@ -283,7 +283,12 @@ impl Kernels {
             let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
             // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
             let mut b = self.builder(&self.quantize_nvfp4_mse);
-            b.arg(&mut *pages).arg(k).arg(v).arg(slots).arg(&n32).arg(&geom);
+            b.arg(&mut *pages)
+                .arg(k)
+                .arg(v)
+                .arg(slots)
+                .arg(&n32)
+                .arg(&geom);
             b.arg(&scales.k).arg(&scales.v);
             // SAFETY: the argument list matches kv_quantize_nvfp4_mse's signature; sizes were
             // checked above and every slot is in the pages (the caller's contract).

@@ -179,7 +179,10 @@ fn k_codes_that_do_not_fit_the_pool_are_refused() {
     let (_, store) = pool(KvDtype::Nvfp4, 1);
     let wrong = Arc::new(key_factors(3, 2, 32));
     let err = store.with_k_codes(Some(wrong)).unwrap_err();
-    assert!(err.to_string().contains("2 layers x 2 KV heads x 32"), "{err}");
+    assert!(
+        err.to_string().contains("2 layers x 2 KV heads x 32"),
+        "{err}"
+    );
     assert!(err.to_string().contains("3 x 2 x 32"), "{err}");
 }
 
