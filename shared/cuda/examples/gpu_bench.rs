@@ -503,7 +503,9 @@ fn quantize_and_gather(
         kernels.quantize(pages, geom, dtype, &kv, &slots)?;
         let times = time_calls(stream, 3, (20, 100, 300.0), |_| {
             // SAFETY: the same slots passed the checks of the launch above.
-            unsafe { kernels.quantize_unchecked(pages, geom, dtype, &kv, &dslots.as_view()) }?;
+            unsafe {
+                kernels.quantize_unchecked(pages, geom, dtype, &kv, &dslots.as_view(), None)
+            }?;
             Ok(())
         })?;
         let ms = median(&times);

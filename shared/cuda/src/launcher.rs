@@ -209,6 +209,18 @@ impl<'a, T> KernelParam<'a> for Option<&'a mut CudaSlice<T>> {
     }
 }
 
+/// An optional input: `None` passes a null pointer.
+impl<'a, T> KernelParam<'a> for Option<&'a CudaView<'_, T>> {
+    fn push_to(self, launch: &mut Launch<'a>) {
+        match self {
+            Some(view) => view.push_to(launch),
+            None => {
+                launch.push(Param::Device(0));
+            }
+        }
+    }
+}
+
 impl<'a, T> KernelParam<'a> for &'a CudaView<'_, T> {
     fn push_to(self, launch: &mut Launch<'a>) {
         let (ptr, guard) = self.device_ptr(launch.stream);

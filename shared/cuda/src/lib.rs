@@ -111,5 +111,5 @@ pub const ENTRY_POINTS: [(&str, &[&str]); 4] = [
             "prefill_bf16_d128",
         ],
     ),
-    ("pages", &["pages_gather", "pages_scatter", "window_store"]),
+    ("pages", &["pages_gather", "pages_scatter"]),
 ];

@@ -387,12 +387,7 @@ impl<B: Backend> Model<B> {
             )?;
             be.resize(&mut ws.gate, rows, c.intermediate_size);
             be.resize(&mut ws.up, rows, c.intermediate_size);
-            be.matmul_t_many(
-                &ws.normed,
-                &[&w.w_gate, &w.w_up],
-                &mut [&mut ws.gate, &mut ws.up],
-            )?;
-            be.silu_mul(&mut ws.gate, &ws.up)?;
+            be.matmul_swiglu(&ws.normed, &w.w_gate, &w.w_up, &mut ws.gate, &mut ws.up)?;
             be.matmul_t(&ws.gate, &w.w_down, &mut ws.proj)?;
             match layers.get(layer + 1) {
                 Some(next) => {

@@ -1,5 +1,7 @@
-//! The recent window on the GPU: `window_store` writes the bytes `HostPages::write_window` writes
-//! (a prefill's many rows and a decode step's one row per sequence), and decode over NVFP4 pages
+//! The recent window on the GPU: quantize-on-write with a window writes the bytes
+//! `HostPages::write_kv` and `HostPages::write_window` write together (a prefill's many rows and
+//! a decode step's one row per sequence, under either block-scale rule: the mse rule's eight
+//! lanes per block and one thread per block), and decode over NVFP4 pages
 //! plus a BF16 window matches the CPU reference within the decode tolerance, for contexts
 //! shorter than the window, equal to it, and longer (the window's first token anywhere in a
 //! 16-token tile), at the default window (48 tokens) and at 64.
@@ -37,16 +39,13 @@ fn check_one_window(kernels: &Kernels, geo: &Geometry, window_tokens: usize) -> 
     let token_pages: usize = contexts.iter().map(|c| c.div_ceil(PAGE)).sum();
     let plan = PoolPlan::for_pages(layout, token_pages + contexts.len() * wp)?;
     let mut pool = PagePool::new(plan);
-    let mut store =
-        HostPages::new(plan, scales.clone(), ScaleRule::Mse)?.with_window(window_tokens)?;
     let geom = PageGeom::new(&layout, LAYER)?;
-    let wgeom = WindowGeom::new(store.window(), &layout, LAYER);
+    let wgeom = WindowGeom::new(probe.window(), &layout, LAYER);
     let name = format!("D={} H={} W={w}", geo.head_dim, geo.kv_heads);
     let mut failures = 0;
     let per_token = geo.kv_heads * geo.head_dim;
 
-    // Every sequence's pages and window, written on the CPU: its tokens quantized into pages,
-    // its last `w` tokens in BF16.
+    // Every sequence: its pages (in random order), its window's pages, its K and V.
     let mut seqs = Vec::new();
     for &ctx in &contexts {
         let mut pages = pool.alloc(ctx.div_ceil(PAGE))?;
@@ -56,63 +55,92 @@ fn check_one_window(kernels: &Kernels, geo: &Geometry, window_tokens: usize) -> 
             values(&mut rng, ctx * per_token),
             values(&mut rng, ctx * per_token),
         );
-        let slots: Vec<Option<SlotId>> = (0..ctx)
-            .map(|t| Some(SlotId::new(pages[t / PAGE], t % PAGE, PAGE)))
-            .collect();
-        store.write_kv(&pool, LAYER, &k, &v, &slots)?;
-        store.write_window(&pool, &window, LAYER, &k, &v, 0..ctx, ctx)?;
         seqs.push((ctx, pages, window, k, v));
     }
-    let cpu_bytes = pool_bytes(&store, plan.pages)?;
-
-    // window_store: the pages as the CPU wrote them but with zeroed windows, then each
-    // sequence's window written on the GPU, as a prefill (all rows) and as decode steps (the
-    // last three tokens, one row per sequence per step).
-    let mut zeroed = cpu_bytes.clone();
-    for (_, _, window, _, _) in &seqs {
-        for p in window {
-            let at = p.0 as usize * layout.page_bytes();
-            zeroed[at..at + layout.page_bytes()].fill(0);
-        }
-    }
-    let mut dev = stream.clone_htod(&zeroed)?;
+    let slots_of = |pages: &[PageId], tokens: std::ops::Range<usize>| -> Vec<Option<SlotId>> {
+        tokens
+            .map(|t| Some(SlotId::new(pages[t / PAGE], t % PAGE, PAGE)))
+            .collect()
+    };
     let mut tables = Vec::new();
-    for (ctx, _, window, k, v) in &seqs {
-        let table: Vec<u32> = window.iter().map(|p| p.0).collect();
-        tables.extend_from_slice(&table);
-        let prefill = ctx.saturating_sub(3).max(1);
-        let dt = stream.clone_htod(&table)?;
-        // Rows `rows` of the sequence, as a step of it ending at token `rows.end` writes them.
-        let mut store = |rows: std::ops::Range<usize>| -> Result<()> {
-            let values = rows.start * per_token..rows.end * per_token;
-            let (dk, dv) = (
-                stream.clone_htod(&k[values.clone()])?,
-                stream.clone_htod(&v[values])?,
-            );
-            let dl = stream.clone_htod(&[rows.end as u32])?;
-            // SAFETY: the table holds this pool's window pages; the length covers the rows.
-            let rows = WindowRows {
-                table: dt.as_view(),
-                k: dk.as_view(),
-                v: dv.as_view(),
-                lens: dl.as_view(),
-                rows_per_seq: rows.len(),
-                head_dim: geo.head_dim,
+    for (_, _, window, _, _) in &seqs {
+        tables.extend(window.iter().map(|p| p.0));
+    }
+
+    // Quantize-on-write with the window, into a zeroed pool on the GPU: each sequence as a
+    // prefill (all rows but the last three) and then decode steps (one row each), against the
+    // CPU writing every token into its page and the window. The mse rule takes the eight-lane
+    // kernel, the amax rule the one-thread-per-block kernel.
+    let mut store = None;
+    for rule in [ScaleRule::Mse, ScaleRule::Amax] {
+        let mut cpu = HostPages::new(plan, scales.clone(), rule)?.with_window(window_tokens)?;
+        for (ctx, pages, window, k, v) in &seqs {
+            cpu.write_kv(&pool, LAYER, k, v, &slots_of(pages, 0..*ctx))?;
+            cpu.write_window(&pool, window, LAYER, k, v, 0..*ctx, *ctx)?;
+        }
+        let cpu_bytes = pool_bytes(&cpu, plan.pages)?;
+        let mut dev = stream.clone_htod(&vec![0u8; cpu_bytes.len()])?;
+        for (ctx, pages, window, k, v) in &seqs {
+            let table: Vec<u32> = window.iter().map(|p| p.0).collect();
+            let dt = stream.clone_htod(&table)?;
+            let prefill = ctx.saturating_sub(3).max(1);
+            let mut write = |rows: std::ops::Range<usize>| -> Result<()> {
+                let values = rows.start * per_token..rows.end * per_token;
+                let (dk, dv) = (
+                    stream.clone_htod(&k[values.clone()])?,
+                    stream.clone_htod(&v[values])?,
+                );
+                let slots: Vec<u32> = slots_of(pages, rows.clone())
+                    .iter()
+                    .map(|s| s.map_or(u32::MAX, |s| s.0))
+                    .collect();
+                let (ds, dl) = (
+                    stream.clone_htod(&slots)?,
+                    stream.clone_htod(&[rows.end as u32])?,
+                );
+                let kv = NewKv {
+                    k: dk.as_view(),
+                    v: dv.as_view(),
+                    scales: KvScales::of_layer(&scales, LAYER),
+                    rule,
+                    k_codes: None,
+                };
+                let window = WindowRows {
+                    geom: wgeom,
+                    table: dt.as_view(),
+                    lens: dl.as_view(),
+                    rows_per_seq: rows.len(),
+                };
+                // SAFETY: the slots and the window's pages are this pool's, the geometries its
+                // layout's, and the length covers the rows.
+                unsafe {
+                    kernels.quantize_unchecked(
+                        &mut dev,
+                        geom,
+                        dtype,
+                        &kv,
+                        &ds.as_view(),
+                        Some(&window),
+                    )
+                }?;
+                Ok(())
             };
-            unsafe { kernels.store_window(&mut dev, wgeom, &rows) }?;
-            Ok(())
-        };
-        store(0..prefill)?;
-        for t in prefill..*ctx {
-            store(t..t + 1)?;
+            write(0..prefill)?;
+            for t in prefill..*ctx {
+                write(t..t + 1)?;
+            }
+        }
+        let diff = differing(&cpu_bytes, &stream.clone_dtoh(&dev)?);
+        failures += report(
+            &format!("quantize-on-write with a window {name}, {rule:?} scales"),
+            diff == 0,
+            &format!("{diff} of {} pool bytes differ", cpu_bytes.len()),
+        );
+        if rule == ScaleRule::Mse {
+            store = Some((cpu, cpu_bytes));
         }
     }
-    let diff = differing(&cpu_bytes, &stream.clone_dtoh(&dev)?);
-    failures += report(
-        &format!("window store {name}"),
-        diff == 0,
-        &format!("{diff} of {} pool bytes differ", cpu_bytes.len()),
-    );
+    let (store, cpu_bytes) = store.expect("the mse rule ran");
 
     // Decode of every sequence in one launch, and of the longest alone (several splits).
     let qn = geo.q_heads * geo.head_dim;

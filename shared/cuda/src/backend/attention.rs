@@ -17,6 +17,7 @@ use nibble_kvfmt::{KvDtype, PageLayout};
 
 use super::{engine_err, grid, launched, CudaBackend, CudaPages, CudaTensor};
 use crate::graph;
+use crate::launch::check_write_slots;
 use crate::{
     CachedPrefix, Error, KvScales, KvWorkspace, NewKv, PageGeom, PrefillBatch, Result, WindowGeom,
     WindowRows,
@@ -357,7 +358,11 @@ impl CudaBackend {
         n: usize,
     ) -> Result<()> {
         let stream = self.stream();
+        if seq.slots.is_empty() {
+            return Ok(());
+        }
         let slots: Vec<u32> = seq.slots.iter().map(|s| s.0).collect();
+        check_write_slots(pages.bytes.len(), &at.geom, at.dtype(), &slots)?;
         let kv = NewKv {
             k: k.as_view(),
             v: v.as_view(),
@@ -365,27 +370,32 @@ impl CudaBackend {
             rule: pages.scale_rule,
             k_codes: CudaPages::layer_k_codes(&pages.k_codes, &pages.layout, at.layer),
         };
-        self.kernels
-            .quantize(&mut pages.bytes, at.geom, at.dtype(), &kv, &slots)?;
-        if pages.window.is_none() {
-            return Ok(());
-        }
-        let table: Vec<u32> = seq.window.iter().map(|p| p.0).collect();
-        let table = stream.clone_htod(&table)?;
-        let lens = stream.clone_htod(&[(seq.stored + n) as u32])?;
-        let rows = WindowRows {
+        let slots = stream.clone_htod(&slots)?;
+        let uploads = if pages.window.is_none() {
+            None
+        } else {
+            let table: Vec<u32> = seq.window.iter().map(|p| p.0).collect();
+            let lens = [(seq.stored + n) as u32];
+            Some((stream.clone_htod(&table)?, stream.clone_htod(&lens)?))
+        };
+        let window = uploads.as_ref().map(|(table, lens)| WindowRows {
+            geom: at.window,
             table: table.as_view(),
-            k: k.as_view(),
-            v: v.as_view(),
             lens: lens.as_view(),
             rows_per_seq: n,
-            head_dim: at.head_dim,
-        };
-        // SAFETY: the window's pages were checked against the pool (PagedLayer::check); the
-        // length covers the n rows.
+        });
+        // SAFETY: every slot was checked above against the pages and the geometry is the
+        // layout's (PageGeom::new); the window's pages were checked against the pool
+        // (PagedLayer::check) and its length covers the n rows.
         unsafe {
-            self.kernels
-                .store_window(&mut pages.bytes, at.window, &rows)
+            self.kernels.quantize_unchecked(
+                &mut pages.bytes,
+                at.geom,
+                at.dtype(),
+                &kv,
+                &slots.as_view(),
+                window.as_ref(),
+            )
         }
     }
 }

@@ -165,8 +165,16 @@ impl CudaBackend {
             rule: pages.scale_rule,
             k_codes: CudaPages::layer_k_codes(&pages.k_codes, &pages.layout, at.layer),
         };
+        let window = WindowRows {
+            geom: at.window,
+            table: inputs.window_table.slice(..),
+            lens: inputs.context.slice(..),
+            rows_per_seq: 1,
+        };
         // SAFETY: the slots' host copy, which the device one holds, was just checked against
-        // the pages, and the geometry is the layout's (PageGeom::new).
+        // the pages, and the geometry is the layout's (PageGeom::new); the window pages were
+        // checked against the pool (PagedLayer::check) and each context length is at least 1
+        // (the new token).
         unsafe {
             self.kernels.quantize_unchecked(
                 &mut pages.bytes,
@@ -174,21 +182,8 @@ impl CudaBackend {
                 at.dtype(),
                 &kv,
                 &inputs.slots,
+                Some(&window),
             )
-        }?;
-        let window = WindowRows {
-            table: inputs.window_table.slice(..),
-            k,
-            v,
-            lens: inputs.context.slice(..),
-            rows_per_seq: 1,
-            head_dim: at.head_dim,
-        };
-        // SAFETY: the window pages were checked against the pool (PagedLayer::check); each
-        // context length is at least 1 (the new token).
-        unsafe {
-            self.kernels
-                .store_window(&mut pages.bytes, at.window, &window)
         }?;
 
         let batch = DecodeBatch {

@@ -152,6 +152,81 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `up = x · w_upᵀ`, `gate = silu(x · w_gateᵀ) * up` and its BF16 cast in one launch of the
+    /// weight-streaming kernel (`gemv_bf16_n*_swiglu`), when it serves the rows (1 or 2, BF16
+    /// weights of the same shape); `false` (nothing done) otherwise. The values are those of
+    /// [`Self::gemm_many`] and `silu`.
+    pub(super) fn gemv_swiglu(
+        &self,
+        x: &CudaTensor,
+        w_gate: &CudaTensor,
+        w_up: &CudaTensor,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+    ) -> EngineResult<bool> {
+        let (n, k, m) = (x.rows, x.cols, w_gate.rows);
+        let served = matches!(self.gemm, GemmImpl::Cublas(_))
+            && (w_up.rows, w_gate.cols, w_up.cols) == (m, k, k)
+            && m > 0
+            && matches!((&w_gate.data, &w_up.data), (Data::Bf16(_), Data::Bf16(_)))
+            && matches!(RowsKernel::pick(n, k, 2 * m), Some(RowsKernel::Gemv { .. }));
+        if !served {
+            return Ok(false);
+        }
+        for out in [&*gate, &*up] {
+            assert_eq!((out.rows, out.cols), (n, m), "matmul_swiglu: output shape");
+        }
+        // The activation's cast goes to a buffer of its own (the down projection finds it
+        // there), since the input's, which every block reads throughout, is in the other.
+        let mut act = self.act_bf16.lock().unwrap_or_else(PoisonError::into_inner);
+        if act.of == Some(x.stamp()) {
+            return Ok(false); // the input is itself a SwiGLU output: not a transformer's FFN
+        }
+        self.bind();
+        let xs = self.cast_main(x)?;
+        self.reserve_cast(&mut act, n * m);
+        act.of = None;
+        let (rows_per_block, threads) = RowsKernel::Gemv { rows: n }.block();
+        let pairs = (m as u32).div_ceil(rows_per_block);
+        let mut counters = self
+            .swiglu_pairs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if counters.len() < pairs as usize {
+            *counters = self
+                .stream()
+                .alloc_zeros(pairs as usize)
+                .map_err(engine_err)?;
+        }
+        let (Data::Bf16(wg), Data::Bf16(wu)) = (&w_gate.data, &w_up.data) else {
+            unreachable!("checked above");
+        };
+        let (m32, n32, k32) = (m as u32, n as u32, k as u32);
+        let mut b = self.kernels.builder(&self.ops.swiglu[n - 1]);
+        b.arg(wg)
+            .arg(wu)
+            .arg(gate.f32_mut())
+            .arg(up.f32_mut())
+            .arg(&m32)
+            .arg(&xs.buf)
+            .arg(&n32)
+            .arg(&k32)
+            .arg(&mut *counters)
+            .arg(&mut act.buf);
+        let cfg = LaunchConfig {
+            grid_dim: (2 * pairs, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches gemv_bf16_n*_swiglu; each weight holds m*k codes, the input's cast
+        // n*k, gate and up n*m values, the counters at least ceil(m / 4) (zero between
+        // launches), the activation's cast at least n*m; k is a multiple of 32
+        // (RowsKernel::pick).
+        launched(unsafe { b.launch(cfg) }.map(|_| ()), "SwiGLU (rows kernel)")?;
+        act.of = Some(gate.stamp());
+        Ok(true)
+    }
+
     /// `out = x · wᵀ`.
     pub(super) fn gemm(
         &self,
@@ -327,10 +402,21 @@ impl CudaBackend {
         }
     }
 
-    /// The BF16 cast of `x` for the BF16-weight GEMMs, made unless the buffer already holds this
+    /// The BF16 cast of `x` for the BF16-weight GEMMs, made unless a buffer already holds this
     /// state of `x` (GEMMs of one input cast it once, and RMSNorm and SwiGLU write it with their
     /// output). Held until the GEMM is queued.
     fn cast_bf16(&self, x: &CudaTensor) -> EngineResult<MutexGuard<'_, Bf16Cast>> {
+        {
+            let act = self.act_bf16.lock().unwrap_or_else(PoisonError::into_inner);
+            if act.of == Some(x.stamp()) {
+                return Ok(act);
+            }
+        }
+        self.cast_main(x)
+    }
+
+    /// [`Self::cast_bf16`] in the main cast buffer only (not the fused SwiGLU's).
+    fn cast_main(&self, x: &CudaTensor) -> EngineResult<MutexGuard<'_, Bf16Cast>> {
         let values = x.len();
         let mut cast = self.x_bf16.lock().unwrap_or_else(PoisonError::into_inner);
         if cast.of != Some(x.stamp()) {

@@ -30,7 +30,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use nibble_engine::backend::{AttentionArgs, Backend, PageEncoding, PagedSeq, RopeArgs};
 use nibble_engine::kv::StepTokens;
 use nibble_engine::{Error as EngineError, Result as EngineResult};
@@ -60,7 +60,7 @@ pub use weights::{WeightPrecision, WEIGHTS_ENV};
 pub(crate) const OPS_SOURCE: &str = include_str!("../cu/ops.cu");
 
 /// Entry points of `cu/ops.cu`.
-pub const OPS_ENTRY_POINTS: [&str; 26] = [
+pub const OPS_ENTRY_POINTS: [&str; 28] = [
     "embed_rows",
     "embed_rows_bf16",
     "f32_to_bf16",
@@ -70,6 +70,8 @@ pub const OPS_ENTRY_POINTS: [&str; 26] = [
     "gemv_bf16_n2_x2",
     "gemv_bf16_n1_x3",
     "gemv_bf16_n2_x3",
+    "gemv_bf16_n1_swiglu",
+    "gemv_bf16_n2_swiglu",
     "gemm_bf16_skinny8",
     "gemm_bf16_skinny8_x2",
     "gemm_bf16_skinny8_x3",
@@ -102,6 +104,8 @@ struct Ops {
     /// and 2 rows, the skinny tensor-core one for 3 to 8 and 9 to 16), each over 1, 2 and 3
     /// matrices of one input.
     rows: [[CudaFunction; 3]; 4],
+    /// The weight-streaming kernel's SwiGLU (gate and up, then the activation) for 1 and 2 rows.
+    swiglu: [CudaFunction; 2],
     add: CudaFunction,
     add_bias: CudaFunction,
     mul_cols: CudaFunction,
@@ -129,6 +133,12 @@ pub struct CudaBackend {
     /// The BF16 cast of `matmul_t`'s activations (BF16 weights), grown on demand; used in stream
     /// order, so one buffer serves every GEMM.
     x_bf16: Mutex<Bf16Cast>,
+    /// The fused SwiGLU's output cast (`gemv_bf16_n*_swiglu`), which the down projection reads:
+    /// a buffer of its own, since the kernel reads its input's cast from `x_bf16` as it writes.
+    act_bf16: Mutex<Bf16Cast>,
+    /// The fused SwiGLU's counters, one per pair of blocks (`gemv_bf16_n*_swiglu`): zero
+    /// between launches, grown (zeroed) on demand.
+    swiglu_pairs: Mutex<CudaSlice<u32>>,
     /// RoPE's positions: every layer rotates Q and K at the same ones.
     positions: Mutex<Uploaded>,
     /// The step's tokens, for the embedding.
@@ -178,6 +188,7 @@ impl CudaBackend {
                 by_parts("gemm_bf16_skinny8")?,
                 by_parts("gemm_bf16_skinny16")?,
             ],
+            swiglu: [f("gemv_bf16_n1_swiglu")?, f("gemv_bf16_n2_swiglu")?],
             add: f("add_f32")?,
             add_bias: f("add_bias_f32")?,
             mul_cols: f("mul_cols_f32")?,
@@ -214,6 +225,11 @@ impl CudaBackend {
             buf: kernels.stream().alloc_zeros(1)?,
             of: None,
         });
+        let act_bf16 = Mutex::new(Bf16Cast {
+            buf: kernels.stream().alloc_zeros(1)?,
+            of: None,
+        });
+        let swiglu_pairs = Mutex::new(kernels.stream().alloc_zeros(1)?);
         Ok(Self {
             ordinal,
             kernels,
@@ -221,6 +237,8 @@ impl CudaBackend {
             gemm,
             weights,
             x_bf16,
+            act_bf16,
+            swiglu_pairs,
             positions: Mutex::default(),
             tokens: Mutex::default(),
             graphs: Graphs::from_env()?,
@@ -445,6 +463,21 @@ impl Backend for CudaBackend {
     fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) -> EngineResult<()> {
         self.silu(gate, up)?;
         Ok(())
+    }
+
+    fn matmul_swiglu(
+        &self,
+        x: &CudaTensor,
+        w_gate: &CudaTensor,
+        w_up: &CudaTensor,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+    ) -> EngineResult<()> {
+        if self.gemv_swiglu(x, w_gate, w_up, gate, up)? {
+            return Ok(());
+        }
+        self.gemm_many(x, &[w_gate, w_up], &mut [&mut *gate, &mut *up])?;
+        self.silu(gate, up)
     }
 
     fn attention(

@@ -161,6 +161,55 @@ GEMV_BF16_X2(gemv_bf16_n2_x2, 2)
 GEMV_BF16_X3(gemv_bf16_n1_x3, 1)
 GEMV_BF16_X3(gemv_bf16_n2_x3, 2)
 
+// A SwiGLU FFN's first half for one or two rows in one launch: gate (w0, into o0) and up (w1,
+// into o1), both m features, as gemv_bf16_n*_x2 computes them, then o0 = silu(o0) * o1 and its
+// BF16 cast into g_bf16 (unless null) exactly as silu_mul_f32 computes them, sparing a decode
+// step that launch per layer. Block b < B (B = ceil(m / GEMV_ROWS)) computes gate rows
+// GEMV_ROWS * b.., block B + b the same rows of up; the second of the two to finish (counted in
+// pairs[b], which it sets back to 0 for the next launch) applies the activation to them.
+#define GEMV_BF16_SWIGLU(NAME, N)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                              \
+        NAME(const u16* __restrict__ w0, const u16* __restrict__ w1, float* __restrict__ o0,       \
+             float* __restrict__ o1, u32 m, const u16* __restrict__ x, u32 n, u32 k,               \
+             u32* __restrict__ pairs, u16* __restrict__ g_bf16) {                                  \
+        grid_dependency_sync();                                                                    \
+        const u32 blocks = GEMV_BLOCKS(m), b = blockIdx.x, pair = b < blocks ? b : b - blocks;     \
+        if (b < blocks) gemv_bf16_body<N>(w0, x, o0, n, m, k, pair);                               \
+        else gemv_bf16_body<N>(w1, x, o1, n, m, k, pair);                                          \
+        swiglu_pair<N>(o0, o1, m, n, pairs, pair, g_bf16);                                         \
+    }
+
+// The end of a GEMV_BF16_SWIGLU block: its outputs made visible, then, in the second block of the
+// pair to get here, the activation of the pair's rows (read from L2, where the other block's
+// writes are).
+template <int N>
+__device__ __forceinline__ void swiglu_pair(float* __restrict__ o0, const float* __restrict__ o1,
+                                            u32 m, u32 n, u32* __restrict__ pairs, u32 pair,
+                                            u16* __restrict__ g_bf16) {
+    __shared__ u32 second;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        second = atomicAdd(pairs + pair, 1u) == 1u;
+        if (second) pairs[pair] = 0u;
+    }
+    __syncthreads();
+    if (!second) return;
+    __threadfence();
+    if (threadIdx.x < GEMV_ROWS * N) {
+        const u32 i = threadIdx.x / N, r = threadIdx.x % N, row = pair * GEMV_ROWS + i;
+        if (r < n && row < m) {
+            const u64 at = (u64)r * m + row;
+            const float g = __ldcg(o0 + at);
+            const float v = g / (1.0f + expf(-g)) * __ldcg(o1 + at);
+            o0[at] = v;
+            if (g_bf16) g_bf16[at] = (u16)bf16_encode(v);
+        }
+    }
+}
+GEMV_BF16_SWIGLU(gemv_bf16_n1_swiglu, 1)
+GEMV_BF16_SWIGLU(gemv_bf16_n2_swiglu, 2)
+
 // ---- BF16-weight GEMMs of 3 to 16 rows on the tensor cores (decode batches) ----
 // out[r][f] = sum_k x[r][k] * w[f][k] (x the BF16 cast of the activations). A block of
 // SKINNY_WARPS warps takes 16 output features (the M of m16n8k16) and NT tiles of 8 rows of x
@@ -424,9 +473,28 @@ __device__ __forceinline__ float norm_block_sum(float acc) {
     return total;
 }
 
-// Norms one row, x (and y: then x += y first, written back to x, as add_f32 would).
+// This thread's weights of a held row (rms_norm_row), loaded before the kernel waits on the one
+// before it: weights are written by no kernel, so the load overlaps that kernel's tail instead
+// of following the block's sum.
+struct NormWeights {
+    float w[NORM_HELD];
+};
+
+__device__ __forceinline__ NormWeights norm_weights(const float* __restrict__ w, u32 width) {
+    NormWeights held;
+    const u32 t = threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < NORM_HELD; ++j) {
+        const u32 i = t + j * NORM_THREADS;
+        held.w[j] = width <= NORM_THREADS * NORM_HELD && i < width ? w[i] : 0.0f;
+    }
+    return held;
+}
+
+// Norms one row, x (and y: then x += y first, written back to x, as add_f32 would); a held row
+// takes its weights from `held` (norm_weights), a wider one from w.
 __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float* __restrict__ y,
-                                             const float* __restrict__ w,
+                                             const float* __restrict__ w, const NormWeights& held,
                                              float* __restrict__ out, u16* __restrict__ out_bf16,
                                              u32 width, float eps) {
     const u32 t = threadIdx.x;
@@ -451,7 +519,7 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float*
         for (int j = 0; j < NORM_HELD; ++j) {
             const u32 i = t + j * NORM_THREADS;
             if (i < width) {
-                const float o = v[j] * inv * w[i];
+                const float o = v[j] * inv * held.w[j];
                 out[i] = o;
                 if (out_bf16) out_bf16[i] = (u16)bf16_encode(o);
             }
@@ -476,10 +544,11 @@ __device__ __forceinline__ void rms_norm_row(float* __restrict__ x, const float*
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, u32 width, float eps,
                                         u16* __restrict__ out_bf16) {
+    const NormWeights held = norm_weights(w, width);
     grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
     // x is only read (y is null).
-    rms_norm_row(const_cast<float*>(x) + base, nullptr, w, out + base,
+    rms_norm_row(const_cast<float*>(x) + base, nullptr, w, held, out + base,
                  out_bf16 ? out_bf16 + base : nullptr, width, eps);
 }
 
@@ -490,10 +559,11 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* 
                                             const float* __restrict__ w,
                                             float* __restrict__ out, u32 width, float eps,
                                             u16* __restrict__ out_bf16) {
+    const NormWeights held = norm_weights(w, width);
     grid_dependency_sync();
     const u64 base = (u64)blockIdx.x * width;
-    rms_norm_row(x + base, y + base, w, out + base, out_bf16 ? out_bf16 + base : nullptr, width,
-                 eps);
+    rms_norm_row(x + base, y + base, w, held, out + base, out_bf16 ? out_bf16 + base : nullptr,
+                 width, eps);
 }
 
 // One thread per rotated pair: row r, pair p of the row (cols / 2 pairs). half_split != 0 pairs

@@ -35,27 +35,3 @@ extern "C" __global__ void pages_scatter(u8* __restrict__ pool, const u8* __rest
         }
     }
 }
-
-// Writes BF16 K and V of `rows` new tokens into their sequences' recent windows (WindowGeom in
-// common.cuh): row r belongs to sequence r / rows_per_seq, whose length after the step is
-// lens[s], and is its token at position lens[s] - rows_per_seq + r % rows_per_seq; tokens the
-// window does not hold (older than its last w.tokens) are skipped. k and v are
-// [row][kv_head][head_dim] f32; table is [seq][w.pages] page ids. One thread per value.
-extern "C" __global__ void window_store(u8* __restrict__ pages, const u32* __restrict__ table,
-                                        const float* __restrict__ k, const float* __restrict__ v,
-                                        const u32* __restrict__ lens, u32 rows, u32 rows_per_seq,
-                                        u32 head_dim, WindowGeom w) {
-    grid_dependency_sync();
-    const u32 row_values = w.kv_heads * head_dim;
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)rows * 2 * row_values) return;
-    const u32 row = (u32)(i / (2 * row_values)), rem = (u32)(i % (2 * row_values));
-    const u32 part = rem / row_values, hd = rem % row_values;
-    const u32 seq = row / rows_per_seq, len = lens[seq];
-    const u32 pos = len - rows_per_seq + row % rows_per_seq;
-    if (pos + w.tokens < len) return;
-    const float x = (part ? v : k)[(u64)row * row_values + hd];
-    u8* dst = window_vector(pages, table + (u64)seq * w.pages, w, part, hd / head_dim,
-                            pos, head_dim);
-    reinterpret_cast<u16*>(dst)[hd % head_dim] = (u16)bf16_encode(x);
-}

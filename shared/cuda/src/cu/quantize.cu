@@ -9,6 +9,7 @@ struct WriteBlock {
     u8* data;          // the head vector's data bytes in the page
     u64 scale_index;   // its scale byte's offset in the page
     u32 chunk;         // which 16 values of the head vector
+    u32 token, part, head;
 };
 
 // Block `idx` of n tokens' K and V ([token][kv_head][head_dim]): false past the last block and
@@ -41,23 +42,56 @@ __device__ __forceinline__ bool write_block(u64 idx, u8* pages, const float* k, 
     b->data = b->base + data_offset(g, part, head, off);
     b->scale_index = scale_offset(g, part, head, off) + chunk;
     b->chunk = chunk;
+    b->token = token;
+    b->part = part;
+    b->head = head;
     return true;
 }
 
+// The recent windows a quantize-on-write also fills with its tokens in BF16 (Kernels::
+// quantize_unchecked's window; HostPages::write_window on the CPU): token r belongs to sequence
+// r / rows_per_seq, whose length after the step is lens[s], and is its token at position
+// lens[s] - rows_per_seq + r % rows_per_seq; table is [seq][w.pages] window page ids. Where
+// block b's 16 values go in that window: null without a window (w.tokens == 0: table and lens
+// are not read) and for a token older than the window's last w.tokens.
+__device__ __forceinline__ u32* window_block(u8* pages, const u32* table, const u32* lens,
+                                             u32 rows_per_seq, const WindowGeom& w,
+                                             const PageGeom& g, const WriteBlock& b) {
+    if (w.tokens == 0u) return nullptr;
+    const u32 seq = b.token / rows_per_seq, len = lens[seq];
+    const u32 pos = len - rows_per_seq + b.token % rows_per_seq;
+    if (pos + w.tokens < len) return nullptr;
+    u8* vec = window_vector(pages, table + (u64)seq * w.pages, w, b.part, b.head, pos, g.head_dim);
+    return reinterpret_cast<u32*>(vec + b.chunk * 32u);
+}
+
+// Values 2i and 2i + 1 of a block as one word of BF16 (the lower address first).
+__device__ __forceinline__ u32 bf16_pair(const float* x, int i) {
+    return bf16_encode(x[2 * i]) | (bf16_encode(x[2 * i + 1]) << 16);
+}
+
 // Writes n tokens' K and V (f32, [token][kv_head][head_dim]) into their slots, quantized to the
-// pool's dtype, NVFP4 block scales chosen by `rule` (NIBBLE_SCALE_*). slots[t] = page *
-// page_size + offset; 0xFFFFFFFF is padding and is skipped. One thread per 16 values of one
-// (token, K|V, head): the fastest for prompts, while a decode step's few tokens under the mse
-// rule go to kv_quantize_nvfp4_mse, whose bytes are the same.
+// pool's dtype, NVFP4 block scales chosen by `rule` (NIBBLE_SCALE_*), and those the recent
+// windows hold into the windows in BF16 (window_block). slots[t] = page * page_size + offset;
+// 0xFFFFFFFF is padding and is skipped. One thread per 16 values of one (token, K|V, head): the
+// fastest for prompts, while a decode step's few tokens under the mse rule go to
+// kv_quantize_nvfp4_mse, whose bytes are the same.
 extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __restrict__ k,
                                        const float* __restrict__ v,
                                        const u32* __restrict__ slots, u32 n_tokens,
-                                       PageGeom g, u32 dtype, u32 rule, float gk, float gv) {
+                                       PageGeom g, u32 dtype, u32 rule, float gk, float gv,
+                                       const u32* __restrict__ wtable,
+                                       const u32* __restrict__ wlens, u32 rows_per_seq,
+                                       WindowGeom w) {
     grid_dependency_sync();
     WriteBlock b;
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (!write_block(idx, pages, k, v, slots, n_tokens, g, gk, gv, &b)) return;
     const float* x = b.x;
+    if (u32* win = window_block(pages, wtable, wlens, rows_per_seq, w, g, b)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) win[i] = bf16_pair(x, i);
+    }
     const float gs = b.gs;
     const u32 chunk = b.chunk;
     u8* base = b.base;
@@ -86,13 +120,18 @@ extern "C" __global__ void kv_quantize(u8* __restrict__ pages, const float* __re
 // tokens, with kv_quantize's arguments less the dtype and rule. Eight lanes of one warp share 16
 // values: lane k < 5 scores the candidate code at MSE_CANDIDATES[k] = {0, -1, +1, -2, -3} from
 // amax's (its error summed in order, as the CPU does), lane 0 gathers the five errors, chooses in
-// that order and writes. Spreading the candidates over lanes keeps a decode step's write as short
-// as the amax rule's; for a prompt's many tokens kv_quantize's one thread per block is faster.
+// that order and writes; lane k writes values 2k and 2k + 1 into the window (window_block).
+// Spreading the candidates over lanes keeps a decode step's write as short as the amax rule's;
+// for a prompt's many tokens kv_quantize's one thread per block is faster. Writing the window
+// here spares a decode step a launch per layer.
 extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
                                                  const float* __restrict__ k,
                                                  const float* __restrict__ v,
                                                  const u32* __restrict__ slots, u32 n_tokens,
-                                                 PageGeom g, float gk, float gv) {
+                                                 PageGeom g, float gk, float gv,
+                                                 const u32* __restrict__ wtable,
+                                                 const u32* __restrict__ wlens, u32 rows_per_seq,
+                                                 WindowGeom w) {
     grid_dependency_sync();
     const u64 gidx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u32 lane = (u32)(gidx & 7u);
@@ -101,6 +140,12 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
     if (!write_block(gidx >> 3, pages, k, v, slots, n_tokens, g, gk, gv, &b)) return;
     const float* x = b.x;
     const float gs = b.gs;
+    if (u32* win = window_block(pages, wtable, wlens, rows_per_seq, w, g, b)) {
+        u32 word = 0u;  // x indexed by constants only, so it stays in registers
+#pragma unroll
+        for (int i = 0; i < 8; ++i) word = lane == (u32)i ? bf16_pair(x, i) : word;
+        win[lane] = word;
+    }
     const u32 amax_code = nvfp4_amax_scale(x, gs);
     if (e4m3_decode(amax_code) == 0.0f) {
         if (lane == 0u) {
@@ -110,7 +155,10 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
         return;
     }
     const int offsets[5] = {0, -1, 1, -2, -3};
-    const int code = (int)amax_code + offsets[lane < 5u ? lane : 0u];
+    int offset = 0;  // offsets[lane], indexed by constants so it stays out of local memory
+#pragma unroll
+    for (int c = 1; c < 5; ++c) offset = lane == (u32)c ? offsets[c] : offset;
+    const int code = (int)amax_code + offset;
     const bool valid = lane < 5u && code >= 1 && code <= 0x7E;
     // Lanes past the candidates, and out-of-range codes, score the amax code (never chosen).
     const float err = nvfp4_block_error(x, gs, e4m3_decode(valid ? (u32)code : amax_code));
@@ -120,8 +168,8 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
     float errs[5];
 #pragma unroll
     for (int c = 0; c < 5; ++c) errs[c] = __shfl_sync(mask, err, c, 8);
-    if (lane != 0u) return;
     // kvfmt's order: the amax code sets the bar whatever its error; a later one must beat it.
+    // Every lane makes the same choice from the same errors.
     u32 best = amax_code;
     float best_err = errs[0];
 #pragma unroll
@@ -131,10 +179,21 @@ extern "C" __global__ void kv_quantize_nvfp4_mse(u8* __restrict__ pages,
             best_err = errs[c];
         }
     }
-    u32 packed[2];
-    nvfp4_encode_block(x, gs, e4m3_decode(best), packed);
-    *reinterpret_cast<uint2*>(b.data + b.chunk * 8u) = make_uint2(packed[0], packed[1]);
-    b.base[b.scale_index] = (u8)best;
+    // Lane k encodes values 2k and 2k + 1 into byte k (as nvfp4_encode_block divides), so no
+    // lane waits on sixteen divisions.
+    const float denom = __fmul_rn(e4m3_decode(best), gs);
+    float pair[2] = {x[0], x[1]};  // x indexed by constants only, so it stays in registers
+#pragma unroll
+    for (int i = 1; i < 8; ++i) {
+        if (lane == (u32)i) {
+            pair[0] = x[2 * i];
+            pair[1] = x[2 * i + 1];
+        }
+    }
+    const u32 byte = e2m1_encode(__fdiv_rn(pair[0], denom)) |
+                     (e2m1_encode(__fdiv_rn(pair[1], denom)) << 4);
+    b.data[b.chunk * 8u + lane] = (u8)byte;
+    if (lane == 0u) b.base[b.scale_index] = (u8)best;
 }
 
 // K's NVFP4 codes chosen for the queries (kvfmt::nvfp4::feedback::quantize_for_queries), after

@@ -6,6 +6,8 @@ use nibble_engine::paged::work_scales;
 use nibble_kvcache::GlobalScales;
 use nibble_kvfmt::{KvDtype, KvPart, ScaleRule};
 
+use crate::WindowGeom;
+
 #[cfg(doc)]
 use super::Kernels;
 
@@ -88,16 +90,16 @@ pub struct CachedPrefix<'a> {
     pub work_scales: KvScales,
 }
 
-/// New tokens' rows for the recent windows ([`Kernels::store_window`]): K and V (f32
-/// `[row][kv_head][head_dim]`), `rows_per_seq` rows per sequence, each sequence's context
-/// length in `lens` (its new rows included) and its `window.pages` window page ids in `table`.
+/// The recent windows a quantize-on-write also writes its tokens into, in BF16
+/// ([`Kernels::quantize_unchecked`]; `HostPages::write_window` on the CPU): the tokens are
+/// `rows_per_seq` per sequence, each sequence's context length in `lens` (its new tokens
+/// included) and its `geom.pages` window page ids in `table`. A token older than the window's
+/// last `geom.tokens` is not written.
 pub struct WindowRows<'a> {
+    pub geom: WindowGeom,
     pub table: CudaView<'a, u32>,
-    pub k: CudaView<'a, f32>,
-    pub v: CudaView<'a, f32>,
     pub lens: CudaView<'a, u32>,
     pub rows_per_seq: usize,
-    pub head_dim: usize,
 }
 
 /// Where a decode writes ([`Kernels::decode`]): the outputs, `[seq][q_head][head_dim]` f32,

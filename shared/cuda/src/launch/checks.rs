@@ -3,7 +3,7 @@
 
 use nibble_kvfmt::KvDtype;
 
-use super::args::NewKv;
+use super::args::{NewKv, WindowRows};
 use crate::{Error, PageGeom, Result};
 
 /// Checks a page copy: pages of a multiple of 16 bytes, a pool of whole pages, every id one of
@@ -53,6 +53,29 @@ pub(super) fn check_new_kv(geom: &PageGeom, kv: &NewKv<'_>, n: usize) -> Result<
         check("K codes' factors", geom.kv_heads as usize * d * d, u.len())?;
     }
     Ok(())
+}
+
+/// Checks that the recent windows of a quantize-on-write of `n` tokens cover them: whole
+/// sequences of `rows_per_seq` tokens, a length and a table row for each, a window of the
+/// pages' KV heads.
+pub(super) fn check_window_rows(w: &WindowRows<'_>, n: usize, kv_heads: u32) -> Result<()> {
+    if w.geom.kv_heads != kv_heads {
+        return Err(Error::Shape {
+            what: "KV heads of the window",
+            expected: kv_heads as usize,
+            actual: w.geom.kv_heads as usize,
+        });
+    }
+    if !n.is_multiple_of(w.rows_per_seq) {
+        return Err(Error::Shape {
+            what: "tokens, a whole number of window sequences",
+            expected: n.next_multiple_of(w.rows_per_seq),
+            actual: n,
+        });
+    }
+    let seqs = n / w.rows_per_seq;
+    check("window sequence lengths", seqs, w.lens.len())?;
+    check("window table", seqs * w.geom.pages as usize, w.table.len())
 }
 
 /// Checks that quantize-on-write stays inside a pool of `pool_bytes`: `geom` addresses `dtype`

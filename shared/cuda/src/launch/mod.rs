@@ -17,7 +17,7 @@ mod args;
 mod checks;
 
 pub(crate) use checks::{check, check_write_slots};
-use checks::{check_new_kv, check_page_copy};
+use checks::{check_new_kv, check_page_copy, check_window_rows};
 mod decode;
 pub(crate) mod prefill;
 
@@ -54,7 +54,6 @@ pub struct Kernels {
     combine_groups: CudaFunction,
     pages_gather: CudaFunction,
     pages_scatter: CudaFunction,
-    window_store: CudaFunction,
 }
 
 /// The NVRTC target of a compute capability: the newest the kernels are written for, at most
@@ -162,7 +161,6 @@ impl Kernels {
             combine_groups: function("decode", "decode_combine_groups")?,
             pages_gather: function("pages", "pages_gather")?,
             pages_scatter: function("pages", "pages_scatter")?,
-            window_store: function("pages", "window_store")?,
             prefill: PrefillKernels::load(&ctx, (major, minor), |name| function("prefill", name))?,
             ctx,
             stream,
@@ -251,19 +249,23 @@ impl Kernels {
             return check_new_kv(&geom, kv, 0);
         }
         let slots = self.stream.clone_htod(slots)?;
-        // SAFETY: every slot was checked above against the pages and the geometry.
-        unsafe { self.quantize_unchecked(pages, geom, dtype, kv, &slots.as_view()) }
+        // SAFETY: every slot was checked above against the pages and the geometry; no window.
+        unsafe { self.quantize_unchecked(pages, geom, dtype, kv, &slots.as_view(), None) }
     }
 
     /// [`quantize`](Self::quantize) with the slots already on the device (a decode step's,
-    /// uploaded once for every layer), which are not checked.
+    /// uploaded once for every layer), which are not checked, and the tokens also written in
+    /// BF16 into their sequences' recent windows when `window` is given (the bytes
+    /// `HostPages::write_window` writes), in the same launch. Padding slots write nothing.
     ///
     /// # Safety
     ///
     /// `geom` passes the checks of [`quantize`](Self::quantize) for `dtype` and `pages` (as the
     /// [`PageGeom::new`] of the layout `pages` is made of does), and every entry of `slots` is
     /// `u32::MAX` or a slot of one of the whole pages of `pages`:
-    /// `slot / geom.page_size < pages.len() / geom.page_bytes`.
+    /// `slot / geom.page_size < pages.len() / geom.page_bytes`. With a window, its geometry is
+    /// that of the layout of `pages`, every id in `window.table` is a page of `pages` and every
+    /// `window.lens[s] >= window.rows_per_seq`.
     pub unsafe fn quantize_unchecked(
         &self,
         pages: &mut CudaSlice<u8>,
@@ -271,6 +273,7 @@ impl Kernels {
         dtype: KvDtype,
         kv: &NewKv<'_>,
         slots: &CudaView<'_, u32>,
+        window: Option<&WindowRows<'_>>,
     ) -> Result<()> {
         let n = slots.len();
         check_new_kv(&geom, kv, n)?;
@@ -278,9 +281,19 @@ impl Kernels {
         if groups == 0 {
             return Ok(());
         }
-        if dtype == KvDtype::Nvfp4 && kv.rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS {
-            let n32 = n as u32;
-            let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
+        let window = window.filter(|w| w.geom.tokens > 0 && w.rows_per_seq > 0);
+        if let Some(w) = window {
+            check_window_rows(w, n, geom.kv_heads)?;
+        }
+        let (wgeom, per_seq) =
+            window.map_or((WindowGeom::none(), 1), |w| (w.geom, w.rows_per_seq as u32));
+        let (wtable, wlens) = (window.map(|w| &w.table), window.map(|w| &w.lens));
+        let n32 = n as u32;
+        let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
+        let mse_lanes =
+            dtype == KvDtype::Nvfp4 && kv.rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS;
+        let (code, rule) = (dtype_code(dtype), scale_rule_code(kv.rule));
+        let mut b = if mse_lanes {
             // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
             let mut b = self.builder(&self.quantize_nvfp4_mse);
             b.arg(&mut *pages)
@@ -289,14 +302,25 @@ impl Kernels {
                 .arg(slots)
                 .arg(&n32)
                 .arg(&geom);
-            b.arg(&scales.k).arg(&scales.v);
-            // SAFETY: the argument list matches kv_quantize_nvfp4_mse's signature; sizes were
-            // checked above and every slot is in the pages (the caller's contract).
-            unsafe { b.launch(grid_1d(groups * 8)) }?;
+            b
         } else {
-            // SAFETY: as for this function.
-            unsafe { self.quantize_plain(&mut *pages, geom, dtype, kv, slots) }?;
-        }
+            let mut b = self.builder(&self.quantize);
+            b.arg(&mut *pages)
+                .arg(k)
+                .arg(v)
+                .arg(slots)
+                .arg(&n32)
+                .arg(&geom);
+            b.arg(&code).arg(&rule);
+            b
+        };
+        b.arg(&scales.k).arg(&scales.v);
+        b.arg(wtable).arg(wlens).arg(&per_seq).arg(&wgeom);
+        let threads = if mse_lanes { groups * 8 } else { groups };
+        // SAFETY: the argument list matches kv_quantize_nvfp4_mse's or kv_quantize's signature;
+        // sizes were checked above, every slot is in the pages and every window page in the
+        // pool (the caller's contract); without a window its table and lengths are not read.
+        unsafe { b.launch(grid_1d(threads)) }?;
         match &kv.k_codes {
             Some(u) if dtype == KvDtype::Nvfp4 => {
                 // SAFETY: as above; `u` was checked by check_new_kv.
@@ -304,35 +328,6 @@ impl Kernels {
             }
             _ => Ok(()),
         }
-    }
-
-    /// kv_quantize over checked arguments (see [`Self::quantize_unchecked`]).
-    unsafe fn quantize_plain(
-        &self,
-        pages: &mut CudaSlice<u8>,
-        geom: PageGeom,
-        dtype: KvDtype,
-        kv: &NewKv<'_>,
-        slots: &CudaView<'_, u32>,
-    ) -> Result<()> {
-        let n32 = slots.len() as u32;
-        let groups = slots.len() as u64 * 2 * (geom.kv_heads * geom.head_dim / 16) as u64;
-        let (k, v, scales) = (&kv.k, &kv.v, kv.scales);
-        let (code, rule) = (dtype_code(dtype), scale_rule_code(kv.rule));
-        let mut b = self.builder(&self.quantize);
-        b.arg(pages)
-            .arg(k)
-            .arg(v)
-            .arg(slots)
-            .arg(&n32)
-            .arg(&geom)
-            .arg(&code)
-            .arg(&rule);
-        b.arg(&scales.k).arg(&scales.v);
-        // SAFETY: the argument list matches kv_quantize's signature; sizes were checked above
-        // and every slot is in the pages (the caller's contract).
-        unsafe { b.launch(grid_1d(groups)) }?;
-        Ok(())
     }
 
     /// kv_k_codes: K's codes rewritten for the queries `u` describes (the layer's factors,
@@ -467,66 +462,6 @@ impl Kernels {
     ) -> Result<()> {
         check_page_copy(staging.len(), pool.len(), page_ids, page_bytes)?;
         self.copy_pages(&self.pages_scatter, pool, staging, page_ids, page_bytes)
-    }
-
-    /// Writes the BF16 K and V of the new tokens of `rows` into their sequences' recent windows
-    /// (`cu/pages.cu`'s `window_store`): row r is sequence `r / rows_per_seq`'s token at
-    /// position `lens[s] - rows_per_seq + r % rows_per_seq`; `table` holds `window.pages` page ids
-    /// per sequence. Nothing happens without a window.
-    ///
-    /// # Safety
-    ///
-    /// Every id in `rows.table` is a page of `pages` (the pool the window geometry describes)
-    /// and every `rows.lens[s] >= rows.rows_per_seq`.
-    pub unsafe fn store_window(
-        &self,
-        pages: &mut CudaSlice<u8>,
-        window: WindowGeom,
-        rows: &WindowRows<'_>,
-    ) -> Result<()> {
-        let WindowRows {
-            table,
-            k,
-            v,
-            lens,
-            rows_per_seq,
-            head_dim,
-        } = rows;
-        let (rows_per_seq, head_dim) = (*rows_per_seq, *head_dim);
-        if window.tokens == 0 || rows_per_seq == 0 {
-            return Ok(());
-        }
-        let row = window.kv_heads as usize * head_dim;
-        let rows = k.len() / row.max(1);
-        check("window keys", rows * row, k.len())?;
-        check("window values", rows * row, v.len())?;
-        check("sequence lengths", rows / rows_per_seq, lens.len())?;
-        check(
-            "window table",
-            lens.len() * window.pages as usize,
-            table.len(),
-        )?;
-        let (rows32, per, dim) = (rows as u32, rows_per_seq as u32, head_dim as u32);
-        let values = (rows * 2 * row) as u64;
-        let mut b = self.builder(&self.window_store);
-        b.arg(pages)
-            .arg(table)
-            .arg(k)
-            .arg(v)
-            .arg(lens)
-            .arg(&rows32)
-            .arg(&per)
-            .arg(&dim)
-            .arg(&window);
-        let cfg = LaunchConfig {
-            grid_dim: (values.div_ceil(256).max(1) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches window_store's signature; k, v, lens and table were checked against
-        // the rows; the page ids and lengths are the caller's contract.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
     }
 
     /// Launches `pages_gather` or `pages_scatter` (both `(dst, src, ids, n, page_bytes)`), the

@@ -274,6 +274,21 @@ pub trait Backend: Send + Sync + 'static {
     /// `gate = silu(gate) * up`, elementwise, same shapes.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
 
+    /// The first half of a SwiGLU FFN: `up = x · w_upᵀ`, `gate = silu(x · w_gateᵀ) * up`. A
+    /// backend may do it in one pass (a GPU: one launch for both products and the activation);
+    /// the results must equal `matmul_t_many` of the two matrices followed by `silu_mul`.
+    fn matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        w_gate: &Self::Tensor,
+        w_up: &Self::Tensor,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.matmul_t_many(x, &[w_gate, w_up], &mut [&mut *gate, &mut *up])?;
+        self.silu_mul(gate, up)
+    }
+
     /// Causal GQA attention of one sequence (see [`AttentionArgs`]); writes rows `q_rows` of
     /// `out` (`[rows, num_heads * head_dim]`) and leaves its other rows alone.
     fn attention(

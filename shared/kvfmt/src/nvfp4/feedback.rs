@@ -84,8 +84,10 @@ impl KeyFactors {
     /// layers or not all of one vector length.
     pub fn new(kv_heads: usize, factors: Vec<QueryFactor>) -> Option<Self> {
         let d = factors.first()?.len();
-        (kv_heads > 0 && factors.len().is_multiple_of(kv_heads) && factors.iter().all(|f| f.len() == d))
-            .then_some(Self { kv_heads, factors })
+        (kv_heads > 0
+            && factors.len().is_multiple_of(kv_heads)
+            && factors.iter().all(|f| f.len() == d))
+        .then_some(Self { kv_heads, factors })
     }
 
     pub fn layers(&self) -> usize {
