@@ -18,8 +18,9 @@ use cudarc::driver::{
     DriverError, LaunchConfig, SyncOnDrop,
 };
 
-/// Kernel parameters of the largest signature (`gemm_bf16_skinny*_x3`: 12).
-const MAX_PARAMS: usize = 16;
+/// Room for the kernel parameters of the largest signature (`gemv_bf16_n*_qkv_rope`: 17; the
+/// test below counts every kernel's).
+const MAX_PARAMS: usize = 20;
 
 #[derive(Clone, Copy)]
 enum Param {
@@ -232,5 +233,52 @@ impl<'a, T> KernelParam<'a> for &'a mut CudaViewMut<'_, T> {
     fn push_to(self, launch: &mut Launch<'a>) {
         let (ptr, guard) = self.device_ptr_mut(launch.stream);
         launch.device(ptr, guard);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MAX_PARAMS;
+
+    /// Each `__global__` kernel's name and parameter count in `source` (macro-defined kernels
+    /// counted once, under the macro's parameter name).
+    fn signatures(source: &str) -> Vec<(String, usize)> {
+        let mut out = Vec::new();
+        for (at, _) in source.match_indices("__global__ void") {
+            let mut rest =
+                source[at + "__global__ void".len()..].trim_start_matches(['\\', ' ', '\n']);
+            if let Some(r) = rest.strip_prefix("__launch_bounds__(") {
+                rest = &r[r.find(')').expect("closed") + 1..];
+            }
+            let rest = rest.trim_start_matches(['\\', ' ', '\n']);
+            let open = rest.find('(').expect("a parameter list");
+            let name = rest[..open].trim().to_string();
+            let (mut depth, mut params) = (0, 1);
+            for c in rest[open..].chars() {
+                match c {
+                    '(' => depth += 1,
+                    ')' if depth == 1 => break,
+                    ')' => depth -= 1,
+                    ',' if depth == 1 => params += 1,
+                    _ => {}
+                }
+            }
+            out.push((name, params));
+        }
+        out
+    }
+
+    #[test]
+    fn every_kernel_fits_a_launch() {
+        let mut sources: Vec<&str> = crate::SOURCES.iter().map(|(_, s)| *s).collect();
+        sources.push(crate::HOPPER_SOURCE.1);
+        sources.push(crate::backend::OPS_SOURCE);
+        let all: Vec<(String, usize)> = sources.iter().flat_map(|s| signatures(s)).collect();
+        assert!(all.len() > 20, "found the kernels: {all:?}");
+        let largest = all.iter().max_by_key(|(_, n)| *n).unwrap();
+        assert!(largest.1 >= 12, "{largest:?}");
+        for (name, params) in &all {
+            assert!(*params <= MAX_PARAMS, "{name} takes {params} parameters");
+        }
     }
 }
