@@ -43,6 +43,9 @@ pub struct Settings {
     /// Whether K was smoothed per channel (a calibration with channels, without
     /// `--no-smooth-k`).
     pub smooth_k: bool,
+    /// Whether K's NVFP4 codes were chosen for the queries (a calibration with the queries'
+    /// second moment, without `--no-k-codes`).
+    pub k_codes: bool,
     /// How NVFP4 block scales were chosen on write (`amax` or `mse`; null for other caches).
     pub scale_rule: Option<&'static str>,
     /// Tokens of the BF16 recent window (null for the f32 reference).
@@ -214,6 +217,7 @@ pub fn evaluate(args: &PplArgs) -> Result<PplReport> {
             calibration: args.quant.calibration.clone(),
             hadamard: args.quant.hadamard,
             smooth_k: kv.as_ref().is_some_and(|kv| kv.k_smoothing.is_some()),
+            k_codes: kv.as_ref().is_some_and(|kv| kv.k_codes.is_some()),
             scale_rule: (dtype == Some(KvDtype::Nvfp4)).then(|| args.quant.scale_rule.name()),
             kv_window: kv.as_ref().map(|kv| kv.window),
             prefill_work: kv.as_ref().map(|kv| kv.work().name()),
@@ -228,7 +232,7 @@ fn table(report: &PplReport) -> String {
     let s = &report.settings;
     let mut text =
         format!(
-        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
+        "{} · kv {} · path {} · {} windows of {} tokens{}{}{}{}{}{}{}\n{:>6} {:>9} {:>11} {:>8} {:>9}\n",
         s.model.display(),
         s.kv_dtype,
         s.path,
@@ -237,6 +241,7 @@ fn table(report: &PplReport) -> String {
         if s.calibrated { " · calibrated" } else { "" },
         if s.hadamard { " · hadamard" } else { "" },
         if s.smooth_k { " · K smoothed" } else { "" },
+        if s.k_codes { " · K codes for the queries" } else { "" },
         s.scale_rule.map(|r| format!(" · scales {r}")).unwrap_or_default(),
         s.kv_window
             .filter(|w| *w > 0)

@@ -316,6 +316,15 @@ fn calibration_file_feeds_eval() {
         let max = c.iter().map(f).fold(0.0, f64::max);
         assert_eq!(max, f(&cal["k_amax"][layer]), "layer {layer}");
     }
+    // The queries' second moment: per layer, 3 KV heads' upper triangles of 64 x 64, each
+    // diagonal entry a mean square (positive).
+    let moment = cal["q_second_moment"].as_array().expect("per layer");
+    assert_eq!(moment.len(), 30);
+    for (layer, m) in moment.iter().enumerate() {
+        let m = m.as_array().expect("triangles");
+        assert_eq!(m.len(), 3 * 64 * 65 / 2, "layer {layer}");
+        assert!(f(&m[0]) > 0.0 && f(&m[64]) > 0.0, "layer {layer}: diagonal");
+    }
     // And the amax of rotated vectors, for a --hadamard cache.
     for key in ["k_amax", "v_amax", "smoothed_k_amax"] {
         let amax = cal["hadamard"][key].as_array().expect("per layer");
@@ -360,6 +369,27 @@ fn calibration_file_feeds_eval() {
     let plain = calibrated("decode", &["--no-smooth-k", "--kv-window", "32"]);
     assert_eq!(plain["settings"]["kv_window"], 32, "--kv-window wins");
     calibrated("decode", &["--hadamard"]);
+    // K's codes are chosen for the queries unless --no-k-codes: another cache (seen through
+    // extend over two 64-token chunks, the second reading the first's pages), as close.
+    let extend = |extra: &[&str]| {
+        let mut args = vec!["--kv-dtype", "nvfp4", "--calibration", cal_arg];
+        args.extend_from_slice(&["--window", "128", "--path", "extend"]);
+        args.extend_from_slice(extra);
+        let v = ppl(&args);
+        let w = v["windows"][0].clone();
+        assert!(
+            f(&w["perplexity"]) / f(&w["reference_perplexity"]) < 1.15,
+            "{w}"
+        );
+        v
+    };
+    let (codes, nearest) = (extend(&[]), extend(&["--no-k-codes"]));
+    assert_eq!(codes["settings"]["k_codes"], true);
+    assert_eq!(nearest["settings"]["k_codes"], false);
+    assert_ne!(
+        nearest["windows"][0]["perplexity"], codes["windows"][0]["perplexity"],
+        "the codes differ"
+    );
     assert_eq!(smoothed["settings"]["smooth_k"], true);
     assert_eq!(plain["settings"]["smooth_k"], false);
     let (w, s) = (&plain["windows"][0], &smoothed["windows"][0]);

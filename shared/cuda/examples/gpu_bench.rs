@@ -35,7 +35,7 @@ use nibble_cuda::{
     PageGeom, PrefillBatch, PrefillKernel, WgmmaTuning, WindowGeom,
 };
 use nibble_kvcache::PoolPlan;
-use nibble_kvfmt::nvfp4::feedback::QueryFactor;
+use nibble_kvfmt::nvfp4::feedback::KeyFactors;
 use nibble_kvfmt::{bf16, layout::kv_bytes, KvDtype, PageLayout, ScaleRule, WindowLayout};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use serde_json::json;
@@ -475,21 +475,9 @@ fn quantize_and_gather(
         ],
         _ => &[(ScaleRule::Mse, false)],
     };
-    // One layer's factors: second moments A Aᵀ of random A.
-    let uppers: Vec<f32> = (0..KV_HEADS)
-        .flat_map(|_| {
-            let a: Vec<f64> = (0..DIM * DIM).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let h: Vec<f64> = (0..DIM * DIM)
-                .map(|ij| {
-                    (0..DIM)
-                        .map(|k| a[ij / DIM * DIM + k] * a[ij % DIM * DIM + k])
-                        .sum()
-                })
-                .collect();
-            let f = QueryFactor::from_second_moment(&h, DIM, 0.01).expect("positive definite");
-            f.upper().to_vec()
-        })
-        .collect();
+    // One layer's factors.
+    let factors = KeyFactors::mixing(1, KV_HEADS, DIM, 2);
+    let uppers: Vec<f32> = factors.uppers().flatten().copied().collect();
     let du = stream.clone_htod(&uppers)?;
     for &(rule, codes) in rules {
         let kv = NewKv {

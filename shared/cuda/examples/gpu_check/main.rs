@@ -28,7 +28,7 @@ use nibble_cuda::{
 use nibble_engine::paged::{DecodeArgs, DecodeScratch, SeqPages};
 use nibble_engine::{AttentionArgs, AttnGeometry, Backend, CpuBackend, CpuTensor};
 use nibble_kvcache::{GlobalScales, HostPages, PageId, PagePool, PoolPlan, SlotId};
-use nibble_kvfmt::nvfp4::feedback::{KeyFactors, QueryFactor};
+use nibble_kvfmt::nvfp4::feedback::KeyFactors;
 use nibble_kvfmt::{bf16, e4m3, fp8, KvDtype, KvPart, PageLayout, ScaleRule};
 use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
@@ -188,22 +188,6 @@ fn values(rng: &mut StdRng, n: usize) -> Vec<f32> {
 }
 
 /// Every page's bytes of `store`, in page order: the pool as the GPU holds it.
-/// K codes' factors for every layer and KV head of `layout`: second moments `A Aᵀ` of random
-/// `A`, channels mixed across the scale blocks as real queries' are.
-fn key_factors(rng: &mut StdRng, layout: &PageLayout) -> KeyFactors {
-    let d = layout.head_dim();
-    let factors = (0..layout.layers() * layout.kv_heads())
-        .map(|_| {
-            let a: Vec<f64> = (0..d * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let h: Vec<f64> = (0..d * d)
-                .map(|ij| (0..d).map(|k| a[ij / d * d + k] * a[ij % d * d + k]).sum())
-                .collect();
-            QueryFactor::from_second_moment(&h, d, 0.01).expect("positive definite")
-        })
-        .collect();
-    KeyFactors::new(layout.kv_heads(), factors).expect("whole layers")
-}
-
 fn pool_bytes(store: &HostPages, pages: usize) -> Result<Vec<u8>> {
     let mut bytes = Vec::new();
     for p in 0..pages {
@@ -424,7 +408,8 @@ fn check_dtype(kernels: &Kernels, geo: &Geometry, dtype: KvDtype) -> Result<usiz
         // runs its eight-lane kernel), with K's codes chosen for the queries (kv_k_codes after
         // either kernel) and without, each from zeroed pages; all but the case checked above.
         let few = 5;
-        let factors = std::sync::Arc::new(key_factors(&mut rng, &layout));
+        let (layers, heads, d) = (layout.layers(), layout.kv_heads(), layout.head_dim());
+        let factors = std::sync::Arc::new(KeyFactors::mixing(layers, heads, d, rng.gen()));
         let mut cases = Vec::new();
         for rule in ScaleRule::ALL {
             for tokens in [slots.len(), few] {

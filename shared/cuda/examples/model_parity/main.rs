@@ -30,7 +30,7 @@ mod ops;
 
 use std::sync::Arc;
 
-use nibble_kvfmt::nvfp4::feedback::{KeyFactors, QueryFactor};
+use nibble_kvfmt::nvfp4::feedback::KeyFactors;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -115,24 +115,6 @@ fn margin(x: &[f32]) -> (u32, f32) {
         .map(|(_, v)| *v)
         .fold(f32::NEG_INFINITY, f32::max);
     (top, x[top as usize] - second)
-}
-
-/// K codes' factors for every layer and KV head of `config`: second moments `A Aᵀ` of a fixed
-/// pseudo-random `A` per head (the encoder is what is checked, not the statistics).
-fn key_factors(config: &nibble_engine::ModelConfig) -> KeyFactors {
-    let d = config.head_dim;
-    let factors = (0..config.num_layers * config.num_kv_heads)
-        .map(|n| {
-            let a: Vec<f64> = (0..d * d)
-                .map(|i| ((i * 7 + n * 13) as f64 * 0.37).sin())
-                .collect();
-            let h: Vec<f64> = (0..d * d)
-                .map(|ij| (0..d).map(|k| a[ij / d * d + k] * a[ij % d * d + k]).sum())
-                .collect();
-            QueryFactor::from_second_moment(&h, d, 0.01).expect("positive definite")
-        })
-        .collect();
-    KeyFactors::new(config.num_kv_heads, factors).expect("whole layers")
 }
 
 /// Greedy decoding over a paged session (`Some(kv)`) or the contiguous cache (`None`); with
@@ -272,7 +254,13 @@ fn run() -> Result<bool> {
             ..KvConfig::new(dtype)
         })
     };
-    let factors = Arc::new(key_factors(gpu_model.config()));
+    let c = gpu_model.config();
+    let factors = Arc::new(KeyFactors::mixing(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        1,
+    ));
     // (name, cache, first-step logit tolerance, K smoothed)
     let modes = [
         ("bf16", cache(KvDtype::Bf16, false, None), 0.05, false),

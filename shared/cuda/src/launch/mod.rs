@@ -293,27 +293,22 @@ impl Kernels {
         let mse_lanes =
             dtype == KvDtype::Nvfp4 && kv.rule == ScaleRule::Mse && groups <= MSE_LANES_MAX_BLOCKS;
         let (code, rule) = (dtype_code(dtype), scale_rule_code(kv.rule));
-        let mut b = if mse_lanes {
-            // Eight lanes per 16 values (see kv_quantize_nvfp4_mse).
-            let mut b = self.builder(&self.quantize_nvfp4_mse);
-            b.arg(&mut *pages)
-                .arg(k)
-                .arg(v)
-                .arg(slots)
-                .arg(&n32)
-                .arg(&geom);
-            b
+        // Eight lanes per 16 values (see kv_quantize_nvfp4_mse), or one thread per 16 values
+        // of any dtype and rule.
+        let mut b = self.builder(if mse_lanes {
+            &self.quantize_nvfp4_mse
         } else {
-            let mut b = self.builder(&self.quantize);
-            b.arg(&mut *pages)
-                .arg(k)
-                .arg(v)
-                .arg(slots)
-                .arg(&n32)
-                .arg(&geom);
+            &self.quantize
+        });
+        b.arg(&mut *pages)
+            .arg(k)
+            .arg(v)
+            .arg(slots)
+            .arg(&n32)
+            .arg(&geom);
+        if !mse_lanes {
             b.arg(&code).arg(&rule);
-            b
-        };
+        }
         b.arg(&scales.k).arg(&scales.v);
         b.arg(wtable).arg(wlens).arg(&per_seq).arg(&wgeom);
         let threads = if mse_lanes { groups * 8 } else { groups };

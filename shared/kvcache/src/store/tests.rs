@@ -119,29 +119,12 @@ fn nvfp4_pages_are_written_under_the_stores_scale_rule() {
     );
 }
 
-/// Factors for `layout(Nvfp4)`: a second moment per (layer, head) that mixes channels.
-fn key_factors(layers: usize, heads: usize, d: usize) -> KeyFactors {
-    use nibble_kvfmt::nvfp4::feedback::QueryFactor;
-    let factors = (0..layers * heads)
-        .map(|n| {
-            let a: Vec<f64> = (0..d * d)
-                .map(|i| ((i * 7 + n * 13) as f64 * 0.37).sin())
-                .collect();
-            let h: Vec<f64> = (0..d * d)
-                .map(|ij| (0..d).map(|k| a[ij / d * d + k] * a[ij % d * d + k]).sum())
-                .collect();
-            QueryFactor::from_second_moment(&h, d, 0.01).unwrap()
-        })
-        .collect();
-    KeyFactors::new(heads, factors).unwrap()
-}
-
 #[test]
 fn k_codes_are_written_for_the_queries_and_v_as_before() {
     use nibble_kvfmt::nvfp4::feedback::quantize_for_queries;
     let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.61).cos() * 2.5).collect();
     let v: Vec<f32> = k.iter().map(|x| x * -0.3).collect();
-    let factors = Arc::new(key_factors(2, 2, 32));
+    let factors = Arc::new(KeyFactors::mixing(2, 2, 32, 0));
     let (mut pool, store) = pool_with(KvDtype::Nvfp4, 1, ScaleRule::Mse);
     let mut store = store.with_k_codes(Some(factors.clone())).unwrap();
     let page = pool.alloc(1).unwrap()[0];
@@ -172,12 +155,12 @@ fn k_codes_are_written_for_the_queries_and_v_as_before() {
 
 #[test]
 fn k_codes_that_do_not_fit_the_pool_are_refused() {
-    let factors = Arc::new(key_factors(2, 2, 32));
+    let factors = Arc::new(KeyFactors::mixing(2, 2, 32, 0));
     let (_, store) = pool(KvDtype::Fp8, 1);
     let err = store.with_k_codes(Some(factors.clone())).unwrap_err();
     assert!(err.to_string().contains("fp8 cache"), "{err}");
     let (_, store) = pool(KvDtype::Nvfp4, 1);
-    let wrong = Arc::new(key_factors(3, 2, 32));
+    let wrong = Arc::new(KeyFactors::mixing(3, 2, 32, 0));
     let err = store.with_k_codes(Some(wrong)).unwrap_err();
     assert!(
         err.to_string().contains("2 layers x 2 KV heads x 32"),

@@ -112,6 +112,27 @@ impl KeyFactors {
         &self.factors[layer * self.kv_heads + head]
     }
 
+    /// Factors of `layers × kv_heads` second moments `A Aᵀ` whose `A` (`d × d`) is a fixed
+    /// pseudo-random function of `seed` and the head: every channel mixed with every other, across
+    /// the scale blocks, as real queries' are. For tests and benchmarks of the encoders, where
+    /// what matters is that the codes differ from the nearest ones, not the statistics.
+    pub fn mixing(layers: usize, kv_heads: usize, d: usize, seed: u64) -> Self {
+        let factors = (0..layers * kv_heads)
+            .map(|n| {
+                let phase = (seed as f64 * 0.618 + n as f64 * 13.0) % 1000.0;
+                let a: Vec<f64> = (0..d * d)
+                    .map(|i| ((i * 7) as f64 * 0.37 + phase).sin())
+                    .collect();
+                let h: Vec<f64> = (0..d * d)
+                    .map(|ij| (0..d).map(|k| a[ij / d * d + k] * a[ij % d * d + k]).sum())
+                    .collect();
+                QueryFactor::from_second_moment(&h, d, 0.01)
+                    .expect("A Aᵀ damped is positive definite")
+            })
+            .collect();
+        Self::new(kv_heads, factors).expect("whole layers of one length")
+    }
+
     /// Every factor's `U` (row-major `d × d`), in order: what a device encoder reads.
     pub fn uppers(&self) -> impl Iterator<Item = &[f32]> {
         self.factors.iter().map(QueryFactor::upper)
