@@ -49,6 +49,13 @@ pub struct Calibration {
     pub q_second_moment: Vec<Vec<f32>>,
 }
 
+/// xxh3 over f32 values' little-endian bits, in order: a digest stable across builds and
+/// machines, for the KV-format fingerprint.
+pub(crate) fn f32_digest<'a>(values: impl Iterator<Item = &'a f32>) -> u64 {
+    let bytes: Vec<u8> = values.flat_map(|x| x.to_bits().to_le_bytes()).collect();
+    xxhash_rust::xxh3::xxh3_64(&bytes)
+}
+
 /// Per-layer amax of rotated vectors (see [`Calibration::hadamard`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HadamardAmax {
@@ -95,14 +102,7 @@ impl KSmoothing {
     /// A digest of the multipliers, for the KV-format fingerprint: two workers exchange pages
     /// only if they smooth K identically.
     pub fn digest(&self) -> u64 {
-        // xxh3 over the multipliers' little-endian bits: stable across builds and machines.
-        let bytes: Vec<u8> = self
-            .k
-            .iter()
-            .flatten()
-            .flat_map(|x| x.to_bits().to_le_bytes())
-            .collect();
-        xxhash_rust::xxh3::xxh3_64(&bytes)
+        f32_digest(self.k.iter().flatten())
     }
 }
 

@@ -105,14 +105,9 @@ impl KvConfig {
     /// A digest of the factors K's codes are chosen with, for the KV-format fingerprint (two
     /// workers pair only if they write the same bytes for the same tokens); `None` without.
     pub fn k_codes_digest(&self) -> Option<u64> {
-        self.k_codes.as_ref().map(|f| {
-            let bytes: Vec<u8> = f
-                .uppers()
-                .flatten()
-                .flat_map(|x| x.to_bits().to_le_bytes())
-                .collect();
-            xxhash_rust::xxh3::xxh3_64(&bytes)
-        })
+        self.k_codes
+            .as_ref()
+            .map(|f| crate::calibrate::f32_digest(f.uppers().flatten()))
     }
 
     /// The window a `dtype` cache of `page_size`-token pages gets: `flag`'s, else the one
