@@ -19,6 +19,7 @@
 //! batches 1 and 8, 2 + 8 steps); `e2e_decode --device cpu --tiny` (the 2-layer test shape on the
 //! CPU backend). Other flags: `--context N --batches 1,8 --warmup N --steps N --dtypes fp8,nvfp4
 //! --seed N --no-baseline --threads N` (CPU threads), `--hadamard` (the cache Hadamard-rotated),
+//! `--k-codes` (an nvfp4 cache choosing K's codes for the queries, with mixing factors),
 //! `--graphs off|on|both` (decode steps as CUDA graphs or not; `both` measures each dtype without
 //! then with them and reports whether every sequence's tokens are identical; the default is
 //! `NIBBLE_CUDA_GRAPHS`'s). Exits 1, saying why, when the GPU cannot be used (no driver, no
@@ -67,6 +68,7 @@ fn parse() -> Result<Args> {
         distinct_pages: 16,
         seed: 0,
         hadamard: has("--hadamard"),
+        k_codes: has("--k-codes"),
     };
     if quick {
         (bench.batches, bench.context, bench.warmup, bench.steps) = (vec![1, 8], 4096, 2, 8);
@@ -87,7 +89,7 @@ fn parse() -> Result<Args> {
     while let Some(a) = it.next() {
         let mut value = || it.next().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--tiny" | "--quick" | "--hadamard" => {}
+            "--tiny" | "--quick" | "--hadamard" | "--k-codes" => {}
             "--device" => match value()?.as_str() {
                 "cuda" => args.cpu = false,
                 "cpu" => args.cpu = true,

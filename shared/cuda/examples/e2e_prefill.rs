@@ -14,7 +14,8 @@
 //! Run: `e2e_prefill` (prompts of 4,096 and 32,768 tokens, NVFP4 KV, 2 runs each);
 //! `NIBBLE_PREFILL_KERNEL=mma e2e_prefill` times the mma.sync attention instead of wgmma on
 //! Hopper. Flags: `--prompts 4096,32768 --dtypes nvfp4,fp8 --runs N --seed N --prefill-work
-//! fp8|bf16` (the prefill workspace's dtype; the cache's by default); `--device cpu
+//! fp8|bf16` (the prefill workspace's dtype; the cache's by default), `--k-codes` (an nvfp4 cache
+//! choosing K's codes for the queries, with mixing factors: what the encoder costs a prompt); `--device cpu
 //! --tiny` runs the 2-layer test shape on the CPU. Exits 1, saying why, when the GPU cannot be
 //! used.
 
@@ -28,6 +29,7 @@ use nibble_engine::sampling::SamplingParams;
 use nibble_engine::scheduler::{SchedulerConfig, SeqId};
 use nibble_engine::synthetic::{llama3_8b, random_model, tiny_llama, tokenizer};
 use nibble_engine::{Backend, CpuBackend, Engine, EngineConfig, Event, KvConfig};
+use nibble_kvfmt::nvfp4::feedback::KeyFactors;
 use nibble_kvfmt::KvDtype;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -45,6 +47,8 @@ struct Args {
     runs: usize,
     seed: u64,
     work: Option<WorkDtype>,
+    /// An nvfp4 cache chooses K's codes for the queries (mixing factors): the encoder's cost.
+    k_codes: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -58,12 +62,13 @@ fn parse() -> Result<Args> {
         runs: 2,
         seed: 0,
         work: None,
+        k_codes: raw.iter().any(|a| a == "--k-codes"),
     };
     let mut it = raw.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--tiny" => {}
+            "--tiny" | "--k-codes" => {}
             "--device" => match value()?.as_str() {
                 "cuda" => args.cpu = false,
                 "cpu" => args.cpu = true,
@@ -124,11 +129,18 @@ fn measure<B: Backend>(backend: Arc<B>, args: &Args, kernel: &str, sync: &dyn Fn
     }));
     let mut rng = StdRng::seed_from_u64(args.seed ^ 0x7f7f);
     for &dtype in &args.dtypes {
+        let c = model.config();
+        let k_codes = (args.k_codes && dtype == KvDtype::Nvfp4).then(|| {
+            let factors = KeyFactors::mixing(c.num_layers, c.num_kv_heads, c.head_dim, args.seed);
+            std::sync::Arc::new(factors)
+        });
         let kv = KvConfig {
             prefill_work: args.work,
+            k_codes,
             ..KvConfig::new(dtype)
         };
         let kv_work = kv.work();
+        let with_k_codes = kv.k_codes.is_some();
         let layout = kv.layout(&model)?;
         let window = kv.window_layout(&layout).map_or(0, |w| w.pages());
         // one sequence of the longest prompt at a time, and the warm-up's
@@ -149,7 +161,7 @@ fn measure<B: Backend>(backend: Arc<B>, args: &Args, kernel: &str, sync: &dyn Fn
                 let (seconds, steps) = first_token(&mut engine, &mut id, prompt, &mut rng, sync)?;
                 emit(json!({
                     "bench": "e2e_prefill", "dtype": dtype.to_string(), "prompt": prompt,
-                    "prefill_work": kv_work.name(),
+                    "prefill_work": kv_work.name(), "k_codes": with_k_codes,
                     "run": run, "prefill_kernel": kernel, "ttft_ms": seconds * 1e3,
                     "steps": steps, "prompt_tokens_per_s": prompt as f64 / seconds,
                 }));

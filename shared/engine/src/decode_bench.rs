@@ -43,6 +43,7 @@ use crate::sampling::SamplingParams;
 use crate::scheduler::{SchedulerConfig, SeqId};
 use crate::session::KvConfig;
 use crate::tokenizer::Tokenizer;
+use nibble_kvfmt::nvfp4::feedback::KeyFactors;
 
 /// Why a measurement could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +90,10 @@ pub struct DecodeBench {
     pub seed: u64,
     /// Rotate Q, K, V and the output by the Hadamard matrix in attention (`--hadamard`).
     pub hadamard: bool,
+    /// An nvfp4 cache chooses K's codes for the queries (`--k-codes`), with factors that mix
+    /// every channel ([`KeyFactors::mixing`] of `seed`): what the encoder costs a step, not
+    /// what it gains (that needs a calibration's, docs/ACCURACY.md).
+    pub k_codes: bool,
 }
 
 /// Wall-clock time of one run's timed steps.
@@ -164,6 +169,21 @@ pub enum Outcome {
 }
 
 impl DecodeBench {
+    /// The cache a `dtype` run of `model` decodes over: the dtype's defaults, rotated when
+    /// [`Self::hadamard`], K's codes chosen for the queries when [`Self::k_codes`] (nvfp4).
+    pub fn kv_config<B: Backend>(&self, model: &Model<B>, dtype: KvDtype) -> KvConfig {
+        let c = model.config();
+        let k_codes = (self.k_codes && dtype == KvDtype::Nvfp4).then(|| {
+            let factors = KeyFactors::mixing(c.num_layers, c.num_kv_heads, c.head_dim, self.seed);
+            Arc::new(factors)
+        });
+        KvConfig {
+            hadamard: self.hadamard,
+            k_codes,
+            ..KvConfig::new(dtype)
+        }
+    }
+
     /// Tokens a sequence of the main run holds at most: the context plus one per step.
     pub fn max_tokens_held(&self) -> usize {
         self.context + self.warmup + self.steps
@@ -263,10 +283,7 @@ impl DecodeBench {
         if batches.first() == Some(&0) {
             return Err(BenchError::Config("a batch of 0 sequences".into()));
         }
-        let kv = KvConfig {
-            hadamard: self.hadamard,
-            ..KvConfig::new(dtype)
-        };
+        let kv = self.kv_config(model, dtype);
         let layout = kv.layout(model)?;
         let fits = |b: &usize| self.pool_bytes(&layout, *b) <= budget_bytes;
         let mut outcomes = Vec::new();

@@ -25,6 +25,7 @@ fn bench() -> DecodeBench {
         distinct_pages: 3,
         seed: 11,
         hadamard: false,
+        k_codes: false,
     }
 }
 
@@ -41,7 +42,7 @@ fn model(max_context: usize) -> Model<CpuBackend> {
 /// bench imports, then one `forward_batch` per token.
 fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<u32> {
     let be = model.backend();
-    let kv = KvConfig::new(dtype);
+    let kv = b.kv_config(model, dtype);
     let layout = kv.layout(model).unwrap();
     let scales = kv.scales_for(layout.layers()).unwrap();
     let sources = random_pages(layout, &scales, b.distinct_pages, b.seed).unwrap();
@@ -90,11 +91,26 @@ fn reference(model: &Model<CpuBackend>, b: &DecodeBench, dtype: KvDtype) -> Vec<
 
 #[test]
 fn decode_bench_measures_every_batch_that_fits() {
-    let b = bench();
+    measures_every_batch_that_fits(&bench(), &KvDtype::ALL);
+}
+
+#[test]
+fn decode_bench_with_k_codes_decodes_the_tokens_of_its_pages() {
+    let b = DecodeBench {
+        k_codes: true,
+        ..bench()
+    };
+    let model = model(b.max_tokens_held());
+    assert!(b.kv_config(&model, KvDtype::Nvfp4).k_codes.is_some());
+    assert!(b.kv_config(&model, KvDtype::Fp8).k_codes.is_none());
+    measures_every_batch_that_fits(&b, &[KvDtype::Nvfp4]);
+}
+
+fn measures_every_batch_that_fits(b: &DecodeBench, dtypes: &[KvDtype]) {
     let model = model(b.max_tokens_held());
     let tok = Arc::new(tokenizer(model.config().vocab_size).unwrap());
     let vocab = model.config().vocab_size as u32;
-    for dtype in KvDtype::ALL {
+    for &dtype in dtypes {
         let layout = KvConfig::new(dtype).layout(&model).unwrap();
         let budget = b.pool_bytes(&layout, 4);
         let mut reported = Vec::new();
@@ -148,7 +164,7 @@ fn decode_bench_measures_every_batch_that_fits() {
         assert_eq!(runs[1].fill.cached_pages, 16, "sequence 0 reused");
         // The same sequence decodes the same tokens at every batch, and they are the tokens of
         // the model over those pages.
-        let expected = reference(&model, &b, dtype);
+        let expected = reference(&model, b, dtype);
         for r in &runs {
             assert_eq!(r.tokens[0], expected, "{dtype} batch {}", r.batch);
         }
@@ -169,6 +185,7 @@ fn decode_bench_refuses_what_it_cannot_measure() {
         distinct_pages: 1,
         seed: 0,
         hadamard: false,
+        k_codes: false,
     };
     let e = run(b.clone()).unwrap_err().to_string();
     assert!(e.contains("context length 64"), "{e}");
