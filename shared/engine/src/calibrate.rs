@@ -396,7 +396,7 @@ struct Measured {
     /// no rotation).
     k_rotated: Vec<f32>,
     v_rotated: Vec<f32>,
-    /// Per layer, the sum of `q qᵀ` per KV head (`kv_heads · d · d`, full), and how many
+    /// Per layer, the sum of `q qᵀ` per KV head (`kv_heads · d · d`, upper triangle), and how many
     /// query vectors went into each KV head's sums.
     q_moment: Vec<Vec<f64>>,
     q_count: usize,
@@ -470,8 +470,9 @@ impl<B: Backend> KvBatch<B> for Recorder<'_, B> {
         for row in self.host.chunks_exact(geometry.num_heads * d) {
             for (h, q) in row.chunks_exact(d).enumerate() {
                 let at = &mut moment[(h / group) * d * d..][..d * d];
+                // The upper triangle only: all the file keeps (upper_means).
                 for i in 0..d {
-                    for j in 0..d {
+                    for j in i..d {
                         at[i * d + j] += f64::from(q[i]) * f64::from(q[j]);
                     }
                 }

@@ -185,7 +185,16 @@ pub fn quantize_for_queries(
     let d = factor.d;
     assert_eq!(x.len(), d, "vector length against the factor's");
     quantize_unchecked_with(x, g, rule, packed, scales);
-    let mut w = x.to_vec();
+    // The values still to round, on the stack for every head dim nibble serves (this runs for
+    // each key a page store writes).
+    let (mut stack, mut heap) = ([0.0f32; 256], Vec::new());
+    let w = if d <= stack.len() {
+        &mut stack[..d]
+    } else {
+        heap.resize(d, 0.0);
+        &mut heap[..]
+    };
+    w.copy_from_slice(x);
     for i in 0..d {
         let s = e4m3::decode(scales[i / BLOCK]);
         let (code, q) = if s == 0.0 {
